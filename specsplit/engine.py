@@ -1,0 +1,403 @@
+"""DraftEngine and TargetEngine: sequences in, tokens out, KV kept and rolled back.
+
+Both implement the protocols in specsplit.protocols in-process; the gRPC servicers are thin
+wrappers over them. Per sequence they keep only its tokens, how many are in the KV cache and its
+random stream; the q rows of a sampled proposal and the p row of a pending rejection live only
+until the step that made them finishes. Nothing else survives a step.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from specsplit.kv.block_manager import OutOfBlocks
+from specsplit.models.runner import ForwardItem, ModelRunner
+from specsplit.protocols import (
+    Proposal,
+    ProposeRequest,
+    QRow,
+    RowRequest,
+    SeqAdd,
+    VerifyRequest,
+    VerifyResult,
+)
+from specsplit.sampling.ngram import ngram_propose
+from specsplit.sampling.params import SamplingParams
+from specsplit.sampling.probs import logits_to_probs, sampling_tensors
+from specsplit.sampling.rejection import RejectionSampler
+from specsplit.sampling.rng import SeqRandom
+from specsplit.sampling.sample import sample_from_probs
+
+log = logging.getLogger(__name__)
+
+
+class EngineError(ValueError):
+    """A request the engine refuses (unknown sequence, bad ids, too long); nothing was changed."""
+
+
+@dataclass
+class _Seq:
+    tokens: list[int]  # prompt + every token this side knows to be final
+    params: SamplingParams
+    rng: SeqRandom
+    num_computed: int = 0  # leading tokens (plus, on the drafter, drafts) whose KV is cached
+    drafted: list[int] = field(default_factory=list)  # drafter: the last proposal
+    q_rows: torch.Tensor | None = None  # drafter, sampled: [k, V] q of the last proposal
+    p_row: torch.Tensor | None = None  # verifier, pending: [V] p at the first rejection
+    pending_accepted: int = 0  # verifier, pending: accepted drafts awaiting the recovered token
+    pending_drafts: list[int] = field(default_factory=list)  # verifier, pending: those drafts
+    pending_u: float = 0.0  # verifier, pending: the step's final uniform
+
+
+def _probs(logits: list[torch.Tensor], params: Sequence[SamplingParams]) -> list[torch.Tensor]:
+    """Per-sequence logits [n_i, V] -> probabilities [n_i, V] under each request's transform."""
+    rows = [x.shape[0] for x in logits]
+    t, k, p = sampling_tensors(params, rows, device=logits[0].device)
+    return list(logits_to_probs(torch.cat(logits), t, k, p).split(rows))
+
+
+class _EngineBase:
+    side = "engine"
+
+    def __init__(self, runner: ModelRunner, max_prefill_tokens: int = 512):
+        self.runner = runner
+        self.max_prefill_tokens = max_prefill_tokens
+        self.seqs: dict[str, _Seq] = {}
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.vocab_size
+
+    @property
+    def num_running(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def block_manager(self):
+        return self.runner.block_manager
+
+    def _check_ids(self, seq_id: str, ids: Sequence[int]) -> None:
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise EngineError(f"sequence {seq_id!r}: token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+
+    def _get(self, seq_id: str) -> _Seq:
+        try:
+            return self.seqs[seq_id]
+        except KeyError:
+            raise EngineError(f"unknown sequence {seq_id!r} on the {self.side}: add it first") from None
+
+    def add(self, seqs: Sequence[SeqAdd]) -> None:
+        """Register sequences and reserve KV for their prompts; all or nothing."""
+        for s in seqs:
+            if s.seq_id in self.seqs:
+                raise EngineError(f"sequence {s.seq_id!r} is already running on the {self.side}")
+            if not s.prompt_token_ids:
+                raise EngineError(f"sequence {s.seq_id!r} has an empty prompt")
+            if len(s.prompt_token_ids) >= self.runner.max_model_len:
+                raise EngineError(
+                    f"sequence {s.seq_id!r}: prompt of {len(s.prompt_token_ids)} tokens leaves no room "
+                    f"under max_model_len {self.runner.max_model_len}"
+                )
+            self._check_ids(s.seq_id, s.prompt_token_ids)
+            try:
+                s.params.validate()
+            except ValueError as e:
+                raise EngineError(f"sequence {s.seq_id!r}: {e}") from None
+        added: list[str] = []
+        try:
+            for s in seqs:
+                self.block_manager.allocate(s.seq_id, len(s.prompt_token_ids))
+                added.append(s.seq_id)
+                self.seqs[s.seq_id] = _Seq(
+                    tokens=list(s.prompt_token_ids), params=s.params, rng=SeqRandom(s.params.seed, self.side)
+                )
+        except OutOfBlocks:
+            self.release(added)
+            raise
+
+    def release(self, seq_ids: Sequence[str]) -> None:
+        for seq_id in seq_ids:
+            self.seqs.pop(seq_id, None)
+            self.runner.free(seq_id)
+
+    def _forward(self, items: list[ForwardItem]) -> list[torch.Tensor]:
+        """runner.forward with long inputs (prompts) split into chunks of max_prefill_tokens."""
+        chunk = self.max_prefill_tokens
+        items = list(items)
+        while True:
+            long = [i for i, it in enumerate(items) if len(it.token_ids) > chunk]
+            if not long:
+                break
+            head = [ForwardItem(items[i].seq_id, items[i].start, items[i].token_ids[:chunk], 1) for i in long]
+            self.runner.forward(head)
+            for i in long:
+                it = items[i]
+                items[i] = ForwardItem(it.seq_id, it.start + chunk, it.token_ids[chunk:], it.num_logits)
+        return self.runner.forward(items)
+
+
+class TargetEngine(_EngineBase):
+    """The target model: scores k drafts + 1 in one forward and applies the rejection sampler."""
+
+    side = "verifier"
+
+    def __init__(self, runner: ModelRunner, max_prefill_tokens: int = 512, sampler: RejectionSampler | None = None):
+        super().__init__(runner, max_prefill_tokens)
+        self.sampler = sampler or RejectionSampler()
+
+    def verify(self, reqs: Sequence[VerifyRequest]) -> list[VerifyResult]:
+        if not reqs:
+            return []
+        seqs = [self._get(r.seq_id) for r in reqs]
+        for r, s in zip(reqs, seqs):
+            self._check_ids(r.seq_id, r.draft_token_ids)
+            if s.p_row is not None:
+                raise EngineError(f"sequence {r.seq_id!r} is waiting for resolve(), not verify()")
+            if not s.params.greedy and r.draft_token_ids and (
+                r.draft_probs is None or len(r.draft_probs) != len(r.draft_token_ids)
+            ):
+                raise EngineError(f"sequence {r.seq_id!r} samples, so it needs q(x) for each draft token")
+            if len(s.tokens) + len(r.draft_token_ids) + 1 > self.runner.max_model_len:
+                raise EngineError(
+                    f"sequence {r.seq_id!r}: {len(s.tokens)} tokens + {len(r.draft_token_ids)} drafts "
+                    f"pass max_model_len {self.runner.max_model_len}"
+                )
+        items = [
+            ForwardItem(r.seq_id, s.num_computed, s.tokens[s.num_computed :] + list(r.draft_token_ids), len(r.draft_token_ids) + 1)
+            for r, s in zip(reqs, seqs)
+        ]
+        logits = self._forward(items)  # per seq [k+1, V]
+
+        results: list[VerifyResult | None] = [None] * len(reqs)
+        greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
+        sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        if greedy:
+            self._verify_greedy(greedy, reqs, seqs, logits, results)
+        if sampled:
+            self._verify_sampled(sampled, reqs, seqs, logits, results)
+        return results  # type: ignore[return-value]
+
+    def _padded_drafts(self, idx: list[int], reqs: Sequence[VerifyRequest]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        k_max = max(len(reqs[i].draft_token_ids) for i in idx)
+        drafts = torch.full((len(idx), k_max), -1, dtype=torch.int64)  # [B, K]
+        for row, i in enumerate(idx):
+            d = reqs[i].draft_token_ids
+            drafts[row, : len(d)] = torch.tensor(d, dtype=torch.int64)
+        num_draft = torch.tensor([len(reqs[i].draft_token_ids) for i in idx], dtype=torch.int64)  # [B]
+        return drafts, num_draft, k_max
+
+    def _verify_greedy(self, idx, reqs, seqs, logits, results) -> None:
+        drafts, num_draft, k_max = self._padded_drafts(idx, reqs)
+        argmax = torch.full((len(idx), k_max + 1), 0, dtype=torch.int64)  # [B, K+1]
+        for row, i in enumerate(idx):
+            a = logits[i].argmax(dim=-1).cpu()
+            argmax[row, : a.shape[0]] = a
+        num_accepted, out = self.sampler.greedy(drafts, num_draft, argmax)
+        for row, i in enumerate(idx):
+            n = int(num_accepted[row])
+            emitted = out[row, : n + 1].tolist()
+            results[i] = self._commit(reqs[i].seq_id, seqs[i], n, emitted)
+
+    def _verify_sampled(self, idx, reqs, seqs, logits, results) -> None:
+        drafts, num_draft, k_max = self._padded_drafts(idx, reqs)
+        probs = _probs([logits[i] for i in idx], [seqs[i].params for i in idx])  # per seq [k+1, V]
+        vocab = self.vocab_size
+        target = torch.zeros((len(idx), k_max + 1, vocab), dtype=torch.float32, device=probs[0].device)
+        q_x = torch.ones((len(idx), k_max), dtype=torch.float32)
+        u_accept = torch.zeros((len(idx), k_max), dtype=torch.float64)
+        u_final = torch.zeros(len(idx), dtype=torch.float64)
+        for row, i in enumerate(idx):
+            k = len(reqs[i].draft_token_ids)
+            target[row, : k + 1] = probs[row]
+            if k:
+                q_x[row, :k] = torch.tensor(reqs[i].draft_probs, dtype=torch.float32)
+            draws = seqs[i].rng.uniforms(k + 1)  # k accept draws, then one final draw
+            u_accept[row, :k] = draws[:k]
+            u_final[row] = draws[k]
+        num_accepted = self.sampler.accept(drafts, q_x.to(target.device), num_draft, target, u_accept)
+        finish_rows: list[int] = []
+        for row, i in enumerate(idx):
+            n, k = int(num_accepted[row]), len(reqs[i].draft_token_ids)
+            s = seqs[i]
+            if n < k and float(reqs[i].draft_probs[n]) != 1.0:
+                # Rejected a sampled draft: the residual needs the draft's q row at position n.
+                s.p_row = target[row, n].clone()
+                s.pending_accepted = n
+                s.pending_u = float(u_final[row])
+                s.pending_drafts = list(reqs[i].draft_token_ids[:n])
+                results[i] = VerifyResult(reqs[i].seq_id, n, (), pending_position=n)
+            else:
+                finish_rows.append(row)
+        if finish_rows:
+            # All accepted (bonus from p) or rejected a deterministic draft (q one-hot at it).
+            p_rows = torch.stack([target[row, int(num_accepted[row])] for row in finish_rows])  # [F, V]
+            q_rows = torch.zeros_like(p_rows)
+            for j, row in enumerate(finish_rows):
+                n, k = int(num_accepted[row]), int(num_draft[row])
+                if n < k:
+                    q_rows[j, int(drafts[row, n])] = 1.0
+            final = self.sampler.finish(p_rows, q_rows, u_final[finish_rows])
+            for j, row in enumerate(finish_rows):
+                i, n = idx[row], int(num_accepted[row])
+                emitted = list(reqs[i].draft_token_ids[:n]) + [int(final[j])]
+                results[i] = self._commit(reqs[i].seq_id, seqs[i], n, emitted)
+
+    def resolve(self, rows: Sequence[QRow]) -> list[VerifyResult]:
+        if not rows:
+            return []
+        seqs = [self._get(r.seq_id) for r in rows]
+        for r, s in zip(rows, seqs):
+            if s.p_row is None:
+                raise EngineError(f"sequence {r.seq_id!r} has no pending rejection to resolve")
+            if r.row.shape != (self.vocab_size,):
+                raise EngineError(f"sequence {r.seq_id!r}: q row has shape {tuple(r.row.shape)}, expected ({self.vocab_size},)")
+        p = torch.stack([s.p_row for s in seqs])  # [B, V]
+        q = torch.stack([r.row.to(device=p.device, dtype=torch.float32) for r in rows])  # [B, V]
+        u = torch.tensor([s.pending_u for s in seqs], dtype=torch.float64)
+        final = self.sampler.finish(p, q, u)
+        out = []
+        for j, (r, s) in enumerate(zip(rows, seqs)):
+            n = s.pending_accepted
+            emitted = s.pending_drafts + [int(final[j])]
+            s.p_row = None
+            s.pending_drafts = []
+            out.append(self._commit(r.seq_id, s, n, emitted))
+        return out
+
+    def _commit(self, seq_id: str, s: _Seq, num_accepted: int, emitted: list[int]) -> VerifyResult:
+        """Append the emitted tokens; keep KV only through the accepted drafts."""
+        before = len(s.tokens)
+        s.tokens.extend(emitted)
+        s.num_computed = before + num_accepted  # the bonus/recovered token is not in the KV yet
+        self.runner.truncate(seq_id, s.num_computed)
+        return VerifyResult(seq_id, num_accepted, tuple(emitted))
+
+
+class DraftEngine(_EngineBase):
+    """The draft model: catches up on emitted tokens, rolls back rejected drafts, drafts k more."""
+
+    side = "drafter"
+
+    def propose(self, reqs: Sequence[ProposeRequest]) -> list[Proposal]:
+        seqs = [self._get(r.seq_id) for r in reqs]
+        for r, s in zip(reqs, seqs):
+            self._check_ids(r.seq_id, r.new_token_ids)
+            if r.k < 0:
+                raise EngineError(f"sequence {r.seq_id!r}: k must be >= 0, got {r.k}")
+            if len(s.tokens) + len(r.new_token_ids) + r.k > self.runner.max_model_len:
+                raise EngineError(f"sequence {r.seq_id!r}: drafting {r.k} tokens passes max_model_len {self.runner.max_model_len}")
+        for r, s in zip(reqs, seqs):
+            self._ingest(r.seq_id, s, r.new_token_ids)
+        active = [i for i, r in enumerate(reqs) if r.k > 0]
+        k_max = max((reqs[i].k for i in active), default=0)
+        q_x: dict[int, list[float]] = {i: [] for i in active}
+        rows: dict[int, list[torch.Tensor]] = {i: [] for i in active}
+        for step in range(k_max):
+            live = [i for i in active if reqs[i].k > step]
+            items = []
+            for i in live:
+                s = seqs[i]
+                context = s.tokens + s.drafted
+                items.append(ForwardItem(reqs[i].seq_id, s.num_computed, context[s.num_computed :], 1))
+                s.num_computed = len(context)
+            logits = self._forward(items)  # per seq [1, V]
+            tokens = self._sample([seqs[i] for i in live], logits, q_x, rows, live)
+            for i, t in zip(live, tokens):
+                seqs[i].drafted.append(t)
+        out = []
+        for i, (r, s) in enumerate(zip(reqs, seqs)):
+            sampled = not s.params.greedy and i in rows and rows[i]
+            s.q_rows = torch.stack(rows[i]) if sampled else None  # [k, V]
+            out.append(Proposal(r.seq_id, tuple(s.drafted), tuple(q_x[i]) if sampled else None))
+        return out
+
+    def _ingest(self, seq_id: str, s: _Seq, new: Sequence[int]) -> None:
+        """Take the tokens emitted since the last call; keep KV only for drafts they confirm."""
+        matched = 0
+        for d, t in zip(s.drafted, new):
+            if d != t:
+                break
+            matched += 1
+        s.num_computed = min(s.num_computed, len(s.tokens) + matched)
+        s.tokens.extend(new)
+        s.drafted = []
+        s.q_rows = None
+        self.runner.truncate(seq_id, s.num_computed)
+
+    def _sample(self, seqs: list[_Seq], logits: list[torch.Tensor], q_x, rows, live) -> list[int]:
+        tokens: list[int] = []
+        probs = None
+        if any(not s.params.greedy for s in seqs):
+            probs = _probs(logits, [s.params for s in seqs])
+        for j, (s, i) in enumerate(zip(seqs, live)):
+            if s.params.greedy:
+                tokens.append(int(logits[j][0].argmax()))
+                continue
+            row = probs[j][0]  # [V]
+            t = int(sample_from_probs(row[None], s.rng.uniforms(1))[0])
+            tokens.append(t)
+            q_x[i].append(float(row[t]))
+            rows[i].append(row)
+        return tokens
+
+    def finish_step(self, fetch: Sequence[RowRequest]) -> list[QRow]:
+        out = []
+        for r in fetch:
+            s = self._get(r.seq_id)
+            if s.q_rows is None or not 0 <= r.position < s.q_rows.shape[0]:
+                raise EngineError(f"sequence {r.seq_id!r} has no q row at draft position {r.position}")
+            out.append(QRow(r.seq_id, s.q_rows[r.position].clone()))
+        for s in self.seqs.values():
+            s.q_rows = None
+        return out
+
+
+class NgramDrafter:
+    """Prompt-lookup drafting with no model; implements the Drafter protocol.
+
+    Its drafts are deterministic, so q(x) = 1 and the q row is one-hot: the verifier resolves
+    rejections locally and finish_step never needs to send a row.
+    """
+
+    side = "drafter"
+
+    def __init__(self, n_min: int = 1, n_max: int = 4, vocab_size: int | None = None, max_model_len: int | None = None):
+        self.n_min, self.n_max = n_min, n_max
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.seqs: dict[str, list[int]] = {}
+
+    @property
+    def num_running(self) -> int:
+        return len(self.seqs)
+
+    def add(self, seqs: Sequence[SeqAdd]) -> None:
+        for s in seqs:
+            if s.seq_id in self.seqs:
+                raise EngineError(f"sequence {s.seq_id!r} is already running on the drafter")
+        for s in seqs:
+            self.seqs[s.seq_id] = list(s.prompt_token_ids)
+
+    def propose(self, reqs: Sequence[ProposeRequest]) -> list[Proposal]:
+        out = []
+        for r in reqs:
+            if r.seq_id not in self.seqs:
+                raise EngineError(f"unknown sequence {r.seq_id!r} on the drafter: add it first")
+            tokens = self.seqs[r.seq_id]
+            tokens.extend(r.new_token_ids)
+            drafts = ngram_propose(tokens, r.k, self.n_min, self.n_max) if r.k > 0 else []
+            out.append(Proposal(r.seq_id, tuple(drafts), tuple(1.0 for _ in drafts)))
+        return out
+
+    def finish_step(self, fetch: Sequence[RowRequest]) -> list[QRow]:
+        if fetch:
+            raise EngineError("the n-gram drafter's q rows are one-hot; the verifier resolves them itself")
+        return []
+
+    def release(self, seq_ids: Sequence[str]) -> None:
+        for seq_id in seq_ids:
+            self.seqs.pop(seq_id, None)

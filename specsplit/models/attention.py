@@ -1,0 +1,130 @@
+"""Batch description for one forward, and attention over the paged KV cache.
+
+A batch is a flat run of T new tokens from B sequences, no padding in the token dimension.
+Sequence b contributes q_lens[b] new tokens at positions kv_lens[b]-q_lens[b] .. kv_lens[b]-1;
+each new token attends to the sequence's cached prefix and causally to the new tokens before it.
+That one rule covers prefill chunks (q = chunk), decode (q = 1) and verification (q = k+1).
+
+Attention groups sequences with the same q_len and runs one padded SDPA per group: decode and
+verification batches are one group, so a layer costs one gather and one SDPA call.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionGroup:
+    seq_index: torch.Tensor  # [G] which sequences of the batch (indices into q_lens)
+    token_index: torch.Tensor  # [G * q] flat token indices of those sequences' new tokens
+    q_len: int
+    block_tables: torch.Tensor  # [G, max_blocks] int64
+    mask: torch.Tensor | None  # [G, 1, q, max_blocks*block_size] bool, True = attend; None = all
+
+
+@dataclass
+class BatchMetadata:
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64 flat cache slot each new token's K/V is written to
+    q_lens: list[int]  # [B]
+    kv_lens: list[int]  # [B] context length after this forward
+    groups: list[AttentionGroup]
+    logits_index: torch.Tensor  # [N] flat token indices whose logits are wanted
+
+    @classmethod
+    def build(
+        cls,
+        q_lens: list[int],
+        kv_lens: list[int],
+        block_tables: list[list[int]],
+        slot_mapping: list[int],
+        logits_per_seq: list[int],
+        block_size: int,
+        device: torch.device,
+    ) -> "BatchMetadata":
+        positions: list[int] = []
+        starts: list[int] = []
+        logits_index: list[int] = []
+        offset = 0
+        for q, kv, n_logits in zip(q_lens, kv_lens, logits_per_seq):
+            starts.append(offset)
+            positions.extend(range(kv - q, kv))
+            logits_index.extend(range(offset + q - n_logits, offset + q))
+            offset += q
+
+        by_q: dict[int, list[int]] = {}
+        for b, q in enumerate(q_lens):
+            by_q.setdefault(q, []).append(b)
+        groups = []
+        for q, members in by_q.items():
+            max_blocks = max(len(block_tables[b]) for b in members)
+            tables = torch.zeros((len(members), max_blocks), dtype=torch.int64)
+            for i, b in enumerate(members):
+                tables[i, : len(block_tables[b])] = torch.tensor(block_tables[b], dtype=torch.int64)
+            token_index = torch.tensor([starts[b] + j for b in members for j in range(q)], dtype=torch.int64)
+            kv = torch.tensor([kv_lens[b] for b in members], dtype=torch.int64)  # [G]
+            span = max_blocks * block_size
+            key_pos = torch.arange(span)  # [S]
+            query_pos = kv[:, None] - q + torch.arange(q)[None, :]  # [G, q] absolute positions
+            mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [G, q, S] causal and in-range
+            full = bool(mask.all())
+            groups.append(
+                AttentionGroup(
+                    seq_index=torch.tensor(members, dtype=torch.int64, device=device),
+                    token_index=token_index.to(device),
+                    q_len=q,
+                    block_tables=tables.to(device),
+                    mask=None if full else mask[:, None].to(device),
+                )
+            )
+        return cls(
+            positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+            q_lens=list(q_lens),
+            kv_lens=list(kv_lens),
+            groups=groups,
+            logits_index=torch.tensor(logits_index, dtype=torch.int64, device=device),
+        )
+
+
+def store_kv(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T]
+) -> None:
+    num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def paged_attention(
+    query: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    meta: BatchMetadata,
+    scale: float,
+) -> torch.Tensor:  # [T, H, D]
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    out = torch.empty_like(query)
+    for g in meta.groups:
+        n = g.block_tables.shape[0]
+        # Gather each sequence's blocks into a contiguous context: [G, S, Hkv, D].
+        keys = k_cache[g.block_tables].reshape(n, -1, num_kv_heads, head_dim)
+        values = v_cache[g.block_tables].reshape(n, -1, num_kv_heads, head_dim)
+        q = query[g.token_index].reshape(n, g.q_len, num_heads, head_dim).transpose(1, 2)  # [G, H, q, D]
+        o = F.scaled_dot_product_attention(
+            q,
+            keys.transpose(1, 2),  # [G, Hkv, S, D]
+            values.transpose(1, 2),
+            attn_mask=g.mask,
+            scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        )  # [G, H, q, D]
+        out[g.token_index] = o.transpose(1, 2).reshape(n * g.q_len, num_heads, head_dim)
+    return out

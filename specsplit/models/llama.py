@@ -1,0 +1,158 @@
+"""Native Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over the paged KV cache.
+
+One forward takes a flat batch of new tokens (see attention.BatchMetadata) and returns logits only
+at the requested positions. q/k/v and gate/up projections are fused into one matmul each at load
+time (weights are concatenated once), which matters on CPUs where per-op overhead dominates.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specsplit.config import ModelConfig
+from specsplit.kv.paged_cache import PagedKVCache
+from specsplit.models.attention import BatchMetadata, paged_attention, store_kv
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, dim]
+        # Normalise in fp32 like the reference implementation, then cast back.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2], with Llama 3 style scaling when the config asks for it."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = cfg.rope_scaling_dict
+    if not scaling:
+        return inv_freq.float()
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq.float()
+    if kind == "linear":
+        return (inv_freq / float(scaling["factor"])).float()
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_ctx = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled).float()
+    raise ValueError(f"rope scaling type {kind!r} is not supported (default, linear, llama3 are)")
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int, device):
+        super().__init__()
+        inv_freq = rope_inv_freq(cfg).to(device)
+        t = torch.arange(max_positions, dtype=torch.float32, device=device)
+        freqs = torch.outer(t, inv_freq)  # [P, D/2]
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x: [T, heads, D], rotate-half convention (as in HF Llama)
+        cos = self.cos[positions][:, None, :]  # [T, 1, D/2]
+        sin = self.sin[positions][:, None, :]
+        x32 = x.float()
+        x1, x2 = x32.chunk(2, dim=-1)
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return out.to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype, device):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
+        kw = dict(dtype=dtype, device=device)
+        self.input_norm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
+        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias, **kw)
+        self.o_proj = nn.Linear(self.q_size, h, bias=False, **kw)
+        self.post_attn_norm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
+        self.gate_up_proj = nn.Linear(h, 2 * cfg.intermediate_size, bias=False, **kw)
+        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False, **kw)
+        self.scale = d**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        rope: RotaryEmbedding,
+        meta: BatchMetadata,
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(self.input_norm(x))  # [T, q + 2kv]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = rope(q.view(t, self.num_heads, self.head_dim), meta.positions)
+        k = rope(k.view(t, self.num_kv_heads, self.head_dim), meta.positions)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        attn = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, H, D]
+        x = x + self.o_proj(attn.reshape(t, self.q_size))
+        gate, up = self.gate_up_proj(self.post_attn_norm(x)).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder + LM head. `vocab_subset` restricts the head to some rows (a draft's FR-Spec head):
+    logits outside the subset are -inf, so q is exactly 0 there."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, max_positions: int | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = torch.device(device)
+        kw = dict(dtype=dtype, device=device)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, **kw)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, **kw)
+        self.rope = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings, device)
+        self.vocab_subset: torch.Tensor | None = None  # [N] int64 sorted token ids
+        self._subset_head: torch.Tensor | None = None  # [N, hidden]
+        self.requires_grad_(False)
+
+    def set_vocab_subset(self, token_ids: torch.Tensor | None) -> None:
+        if token_ids is None:
+            self.vocab_subset = self._subset_head = None
+            return
+        ids = token_ids.to(device=self.device, dtype=torch.int64)
+        self.vocab_subset = ids
+        self._subset_head = self.head_weight()[ids].contiguous()
+
+    def head_weight(self) -> torch.Tensor:  # [V, hidden]
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, meta: BatchMetadata, kv: PagedKVCache) -> torch.Tensor:
+        """input_ids [T] -> logits [N, V] float32 at meta.logits_index."""
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        for i, layer in enumerate(self.layers):
+            k_cache, v_cache = kv.layer(i)
+            x = layer(x, self.rope, meta, k_cache, v_cache)
+        x = self.norm(x[meta.logits_index])  # [N, hidden]
+        if self._subset_head is None:
+            return F.linear(x, self.head_weight()).float()
+        sub = F.linear(x, self._subset_head).float()  # [N, subset]
+        logits = torch.full((x.shape[0], self.cfg.vocab_size), float("-inf"), device=x.device)
+        logits[:, self.vocab_subset] = sub
+        return logits

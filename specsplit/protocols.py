@@ -1,0 +1,109 @@
+"""The two small protocols the speculative step depends on, and the messages they exchange.
+
+In-process engines (specsplit.engine) and gRPC clients (gateway.clients) both implement them; the
+step (specsplit.spec) and the scheduler never know which one they hold.
+
+Lifecycle of one sequence, on each side:  add -> step ... step -> release.
+
+Token bookkeeping (deltas only, never the whole context):
+  * The verifier emitted every token after the prompt, so it needs only the draft tokens.
+  * The drafter is sent, at each propose, the tokens emitted since it last saw the sequence
+    (accepted drafts + the bonus/recovered token, or several steps' worth after speculation was
+    off). It compares them with what it drafted, truncates its KV to the common prefix and
+    catches up on the rest before drafting k more.
+
+q (the draft distribution) crosses only where the math needs it: greedy needs none; sampling
+needs q(x) of each drafted token, and the full q row only at the first rejected position, fetched
+with Drafter.finish_step after the verifier says which position that is.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import torch
+
+from specsplit.sampling.params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SeqAdd:
+    seq_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams = SamplingParams()
+
+
+@dataclass(frozen=True)
+class ProposeRequest:
+    seq_id: str
+    new_token_ids: tuple[int, ...]  # tokens emitted since the drafter last saw this sequence
+    k: int  # tokens to draft; 0 = only ingest new_token_ids
+
+
+@dataclass(frozen=True)
+class Proposal:
+    seq_id: str
+    token_ids: tuple[int, ...]  # k drafted ids
+    probs: tuple[float, ...] | None = None  # q(x) of each drafted id; None when greedy
+
+
+@dataclass(frozen=True)
+class RowRequest:
+    seq_id: str
+    position: int  # index into the last proposal's drafts (0-based)
+
+
+@dataclass(frozen=True)
+class VerifyRequest:
+    seq_id: str
+    draft_token_ids: tuple[int, ...] = ()  # empty = target-only decode of one token
+    draft_probs: tuple[float, ...] | None = None  # q(x) per draft id; needed when sampling
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    seq_id: str
+    num_accepted: int  # draft tokens accepted
+    token_ids: tuple[int, ...]  # emitted: accepted drafts + one bonus/recovered (empty if pending)
+    pending_position: int | None = None  # sampling: first rejected position, awaiting q row
+
+
+@dataclass
+class QRow:
+    seq_id: str
+    row: torch.Tensor  # [vocab] float32, the draft distribution at the requested position
+
+
+class Drafter(Protocol):
+    def add(self, seqs: Sequence[SeqAdd]) -> None: ...
+
+    def propose(self, reqs: Sequence[ProposeRequest]) -> list[Proposal]: ...
+
+    def finish_step(self, fetch: Sequence[RowRequest]) -> list[QRow]:
+        """Return the requested q rows and drop every row kept from this step's proposals."""
+        ...
+
+    def release(self, seq_ids: Sequence[str]) -> None: ...
+
+
+class Verifier(Protocol):
+    def add(self, seqs: Sequence[SeqAdd]) -> None: ...
+
+    def verify(self, reqs: Sequence[VerifyRequest]) -> list[VerifyResult]: ...
+
+    def resolve(self, rows: Sequence[QRow]) -> list[VerifyResult]:
+        """Finish sequences left pending by verify, sampling from normalize(max(0, p - q))."""
+        ...
+
+    def release(self, seq_ids: Sequence[str]) -> None: ...
+
+
+@dataclass
+class StepStats:
+    """What one speculative step did, for usage counters and metrics."""
+
+    proposed: int = 0
+    accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    draft_s: float = 0.0
+    verify_s: float = 0.0

@@ -1,0 +1,65 @@
+"""Prompt-lookup (n-gram) drafting: propose the tokens that followed the last repeat of the suffix.
+
+Drafts are a deterministic function of the context, so q(x) = 1 for each drafted token and the q
+row is one-hot: rejection sampling with these drafts stays lossless (see ngram_q_rows).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+def ngram_propose(
+    token_ids: Sequence[int],
+    k: int,
+    n_min: int = 1,
+    n_max: int = 4,
+) -> list[int]:
+    """Up to k tokens that followed the most recent earlier occurrence of the longest suffix n-gram.
+
+    n runs from n_max down to n_min; the first n with a match wins, and among its matches the most
+    recent one (closest to the end) is used. [] when nothing matches or k <= 0.
+
+    Cost: one backward scan over the context comparing the last token (O(len) cheap integer
+    compares, early exit at the first full-length match), with the n-gram compared only where the
+    last token matches. No per-call O(len**2) work.
+    """
+    if k <= 0 or n_min < 1 or n_max < n_min:
+        return []
+    tokens = list(token_ids)
+    length = len(tokens)
+    n_max = min(n_max, length - 1)
+    if n_max < n_min:
+        return []
+
+    last = tokens[-1]
+    # best[n] = start of the most recent earlier occurrence of the length-n suffix (found first
+    # while scanning backwards, so the first hit per n is the most recent one).
+    best: dict[int, int] = {}
+    # An occurrence ending at index `end` (exclusive end = end + 1) must end before the suffix
+    # itself does, i.e. end <= length - 2.
+    for end in range(length - 2, -1, -1):
+        if tokens[end] != last:
+            continue
+        # longest n at this position such that tokens[end-n+1 : end+1] == suffix of length n
+        matched = 1
+        while matched < n_max and end - matched >= 0 and tokens[end - matched] == tokens[-1 - matched]:
+            matched += 1
+        for n in range(n_min, matched + 1):
+            best.setdefault(n, end - n + 1)
+        if matched >= n_max:
+            break  # nothing later in the scan can beat the most recent full-length match
+    for n in range(n_max, n_min - 1, -1):
+        if n in best:
+            follow = best[n] + n
+            return tokens[follow : follow + k]
+    return []
+
+
+def ngram_q_rows(
+    draft_ids: torch.Tensor,  # [B, K] int64
+    vocab_size: int,
+) -> torch.Tensor:  # [B, K, V] float32 one-hot (q of a deterministic proposer)
+    q = torch.zeros(*draft_ids.shape, vocab_size, dtype=torch.float32, device=draft_ids.device)
+    return q.scatter_(-1, draft_ids.clamp(0, vocab_size - 1)[..., None].to(torch.int64), 1.0)

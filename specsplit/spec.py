@@ -1,0 +1,231 @@
+"""The speculative step over the Drafter and Verifier protocols.
+
+    propose (drafter) -> verify (target, rejection sampler) -> [finish_step + resolve, sampling only]
+
+The step never knows whether it talks to in-process engines or gRPC clients. It keeps, per
+sequence, only what the protocol needs: the tokens the drafter has not been told about yet
+(deltas; after speculation was off for a while, several steps' worth) and the full token list so
+a restarted drafter can be given the sequence again. Nothing per step (probabilities, hidden
+states) is kept here: q rows live on the drafter until finish_step, p rows on the verifier until
+resolve, both within the step.
+
+Speculation is off for a step when the batch is larger than `disable_by_batch_size`, when a
+request asked for none, or while the drafter is unreachable (then every stream goes on
+target-only, with the same greedy tokens, and the drafter is re-synced when it answers again).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from specsplit.config import SpecConfig
+from specsplit.protocols import (
+    Drafter,
+    ProposeRequest,
+    QRow,
+    RowRequest,
+    SeqAdd,
+    StepStats,
+    Verifier,
+    VerifyRequest,
+    VerifyResult,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Track:
+    add: SeqAdd
+    k: int  # speculative tokens for this request (0 = none)
+    tokens: list[int]  # prompt + every emitted token
+    unsent: list[int] = field(default_factory=list)  # emitted, not yet sent to the drafter
+    on_drafter: bool = False
+
+
+@dataclass
+class StepOutput:
+    tokens: dict[str, list[int]]  # seq_id -> tokens emitted this step
+    stats: StepStats
+    speculated: bool
+    drafts: dict[str, tuple[int, int]] = field(default_factory=dict)  # seq_id -> (proposed, accepted)
+
+
+class SpecDecoder:
+    def __init__(
+        self,
+        verifier: Verifier,
+        drafter: Drafter | None = None,
+        spec: SpecConfig = SpecConfig(),
+        max_model_len: int = 2048,
+        drafter_retry_s: float = 1.0,
+        clock=time.monotonic,
+    ):
+        self.verifier = verifier
+        self.drafter = drafter
+        self.spec = spec
+        self.max_model_len = max_model_len
+        self.drafter_retry_s = drafter_retry_s
+        self._clock = clock
+        self._drafter_down_since: float | None = None
+        self._next_drafter_try = 0.0
+        self.tracks: dict[str, _Track] = {}
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    @property
+    def drafter_up(self) -> bool:
+        return self.drafter is not None and self._drafter_down_since is None
+
+    def add(self, seq: SeqAdd, num_speculative_tokens: int | None = None, disable: bool = False) -> None:
+        """Add to the verifier (errors propagate: nothing is kept) and, best effort, the drafter."""
+        if seq.seq_id in self.tracks:
+            raise ValueError(f"sequence {seq.seq_id!r} is already running")
+        k = 0 if disable else (self.spec.num_speculative_tokens if not num_speculative_tokens else num_speculative_tokens)
+        self.verifier.add([seq])
+        track = _Track(add=seq, k=k, tokens=list(seq.prompt_token_ids))
+        self.tracks[seq.seq_id] = track
+        if self.drafter_up and k > 0:
+            try:
+                self.drafter.add([seq])
+                track.on_drafter = True
+            except Exception as e:  # the drafter is optional: never fail a request because of it
+                self._drafter_failed(e)
+
+    def release(self, seq_ids: Sequence[str]) -> None:
+        ids = [s for s in seq_ids if s in self.tracks]
+        on_drafter = [s for s in ids if self.tracks[s].on_drafter]
+        for s in ids:
+            del self.tracks[s]
+        if ids:
+            self.verifier.release(ids)
+        if on_drafter and self.drafter_up:
+            try:
+                self.drafter.release(on_drafter)
+            except Exception as e:
+                self._drafter_failed(e)
+
+    # ---- the step ------------------------------------------------------------------------
+    def step(self, budgets: dict[str, int] | None = None) -> StepOutput:
+        """One step for every running sequence. budgets: tokens each may still emit (caps k)."""
+        stats = StepStats()
+        ids = list(self.tracks)
+        if not ids:
+            return StepOutput({}, stats, False)
+        self._maybe_resync_drafter()
+        speculate = self.drafter_up and self.spec.enabled_for(len(ids))
+        proposals = {}
+        if speculate:
+            t0 = time.perf_counter()
+            proposals = self._propose(ids, budgets or {})
+            stats.draft_s = time.perf_counter() - t0
+            speculate = bool(proposals)
+
+        reqs = []
+        for s in ids:
+            p = proposals.get(s)
+            if p is not None and p.token_ids:
+                reqs.append(VerifyRequest(s, p.token_ids, p.probs))
+            else:
+                reqs.append(VerifyRequest(s))
+        t0 = time.perf_counter()
+        results = self.verifier.verify(reqs)
+        results = self._resolve_pending(results, proposals)
+        stats.verify_s = time.perf_counter() - t0
+
+        out: dict[str, list[int]] = {}
+        drafts: dict[str, tuple[int, int]] = {}
+        k_max = max((len(r.draft_token_ids) for r in reqs), default=0)
+        stats.accepted_per_position = [0] * k_max
+        for req, res in zip(reqs, results):
+            track = self.tracks[res.seq_id]
+            emitted = list(res.token_ids)
+            out[res.seq_id] = emitted
+            track.tokens.extend(emitted)
+            if track.on_drafter:
+                track.unsent.extend(emitted)
+            drafts[res.seq_id] = (len(req.draft_token_ids), res.num_accepted)
+            stats.proposed += len(req.draft_token_ids)
+            stats.accepted += res.num_accepted
+            for j in range(res.num_accepted):
+                stats.accepted_per_position[j] += 1
+        return StepOutput(out, stats, speculate, drafts)
+
+    def _propose(self, ids: list[str], budgets: dict[str, int]):
+        reqs = []
+        for s in ids:
+            t = self.tracks[s]
+            if not t.on_drafter or t.k <= 0:
+                continue
+            room = self.max_model_len - len(t.tokens) - 1
+            k = min(t.k, room, budgets.get(s, t.k + 1) - 1)
+            if k <= 0:
+                continue
+            reqs.append(ProposeRequest(s, tuple(t.unsent), k))
+        if not reqs:
+            return {}
+        try:
+            proposals = self.drafter.propose(reqs)
+        except Exception as e:
+            self._drafter_failed(e)
+            return {}
+        for r in reqs:
+            self.tracks[r.seq_id].unsent = []
+        return {p.seq_id: p for p in proposals}
+
+    def _resolve_pending(self, results: list[VerifyResult], proposals) -> list[VerifyResult]:
+        pending = [r for r in results if r.pending_position is not None]
+        sampled = any(p.probs is not None and any(q != 1.0 for q in p.probs) for p in proposals.values())
+        if not pending and not sampled:
+            return results
+        fetch = [RowRequest(r.seq_id, r.pending_position) for r in pending]
+        try:
+            rows = self.drafter.finish_step(fetch)
+        except Exception as e:
+            self._drafter_failed(e)
+            # The q rows are gone with the drafter. Resolve with q one-hot at the rejected draft:
+            # exact for greedy and n-gram drafts, an approximation for this one token otherwise.
+            rows = []
+            vocab = None
+            for r in pending:
+                d = proposals[r.seq_id].token_ids[r.pending_position]
+                vocab = vocab or getattr(self.verifier, "vocab_size", None)
+                row = torch.zeros(vocab)
+                row[d] = 1.0
+                rows.append(QRow(r.seq_id, row))
+        if not pending:
+            return results
+        resolved = {r.seq_id: r for r in self.verifier.resolve(rows)}
+        return [resolved.get(r.seq_id, r) for r in results]
+
+    # ---- drafter health ------------------------------------------------------------------
+    def _drafter_failed(self, error: Exception) -> None:
+        if self._drafter_down_since is None:
+            log.warning("drafter failed (%s); continuing target-only, retrying every %.1fs", error, self.drafter_retry_s)
+            self._drafter_down_since = self._clock()
+        self._next_drafter_try = self._clock() + self.drafter_retry_s
+        for t in self.tracks.values():
+            t.on_drafter = False
+            t.unsent = []
+
+    def _maybe_resync_drafter(self) -> None:
+        """After a drafter failure, give it every running sequence again once it answers."""
+        if self.drafter is None or self._drafter_down_since is None or self._clock() < self._next_drafter_try:
+            return
+        want = [t for t in self.tracks.values() if t.k > 0]
+        try:
+            self.drafter.release([t.add.seq_id for t in want])
+            self.drafter.add([SeqAdd(t.add.seq_id, tuple(t.tokens), t.add.params) for t in want])
+        except Exception as e:
+            self._next_drafter_try = self._clock() + self.drafter_retry_s
+            log.debug("drafter still unavailable: %s", e)
+            return
+        down = self._clock() - self._drafter_down_since
+        log.info("drafter is back after %.1fs; re-synced %d sequences, speculation resumes", down, len(want))
+        self._drafter_down_since = None
+        for t in want:
+            t.on_drafter = True
+            t.unsent = []
