@@ -1,13 +1,31 @@
-"""Assemble engines from model arguments: load weights, size the KV cache, wire the decoder."""
+"""Assemble engines from model arguments: load weights, profile memory, size the KV cache, wire up.
+
+Every engine comes up the same way (specsplit.kv.profiler):
+    load the weights (measured) -> profile run at the largest step (measured) -> size the cache
+    from what the budget leaves -> log the plan -> allocate the cache.
+
+    build_colocated(target, draft, spec)   both in one process (`serve`, `generate`): on one device,
+                                           one joint budget for both models
+    build_target_engine(cfg, spec)         the verifier service alone, its own budget
+    build_draft_engine(cfg, spec)          the drafter service alone (a model, or 'ngram')
+    plan_memory(target, draft, spec, colocated)
+                                           the plan without allocating a cache (`specsplit profile`)
+
+Each returns the MemoryPlan it sized with; MemoryPlan.to_dict() is what GetServerInfo reports.
+"""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple
 
 import torch
 
 from specsplit.config import EngineConfig, SpecConfig
 from specsplit.engine import DraftEngine, NgramDrafter, TargetEngine
+from specsplit.kv.bounded import BoundedRunner, ForwardBound
+from specsplit.kv.profile_run import make_profile_runner, profile_shapes, run_drafter_shape, run_verifier_shape
+from specsplit.kv.profiler import KVShape, MemoryPlan, MemoryProfiler, ServicePlan
 from specsplit.models.loader import LoadedModel, load_model, load_tokenizer
 from specsplit.models.runner import ModelRunner
 from specsplit.spec import SpecDecoder
@@ -15,26 +33,198 @@ from specsplit.spec import SpecDecoder
 log = logging.getLogger(__name__)
 
 NGRAM = "ngram"
-
-
-def blocks_for_tokens(max_model_len: int, max_num_seqs: int, block_size: int, lookahead: int) -> int:
-    """Blocks that let max_num_seqs sequences of max_model_len (+ lookahead) tokens run at once."""
-    per_seq = -(-(max_model_len + lookahead) // block_size)
-    return per_seq * max_num_seqs
+VERIFIER, DRAFTER = "verifier", "drafter"
 
 
 def load_for(cfg: EngineConfig, show_progress: bool = True) -> LoadedModel:
     return load_model(cfg.model, cfg.device, cfg.dtype, max_positions=cfg.max_model_len + 16, show_progress=show_progress)
 
 
-def make_runner(loaded: LoadedModel, cfg: EngineConfig, num_blocks: int) -> ModelRunner:
-    return ModelRunner(loaded.model, num_blocks, cfg.block_size, cfg.max_model_len)
-
-
 def check_model_len(loaded: LoadedModel, cfg: EngineConfig) -> None:
     limit = loaded.config.max_position_embeddings
     if cfg.max_model_len > limit:
         raise ValueError(f"--max-model-len {cfg.max_model_len} exceeds what {cfg.model} supports ({limit} positions)")
+
+
+def forward_bound(cfg: EngineConfig, num_speculative_tokens: int) -> ForwardBound:
+    """The largest forward an engine of cfg may run: what the profile measures, what BoundedRunner keeps."""
+    return ForwardBound(
+        max_num_seqs=cfg.max_num_seqs,
+        window=max(1, num_speculative_tokens + 1),
+        max_prefill_tokens=max(1, min(cfg.max_prefill_tokens, cfg.max_model_len)),
+    )
+
+
+def kv_shape(loaded: LoadedModel, cfg: EngineConfig) -> KVShape:
+    return KVShape.for_model(
+        loaded.config, cfg.dtype, cfg.block_size, cfg.max_model_len, cfg.max_num_seqs, cfg.num_blocks,
+        cap=bool(cfg.extra.get("kv_cap", True)),
+    )
+
+
+def make_runner(loaded: LoadedModel, cfg: EngineConfig, num_blocks: int, num_speculative_tokens: int = 0) -> ModelRunner:
+    return BoundedRunner(loaded.model, num_blocks, cfg.block_size, cfg.max_model_len, forward_bound(cfg, num_speculative_tokens))
+
+
+# ---- measuring one budget's services ----------------------------------------------------------
+
+
+@dataclass
+class _Service:
+    name: str  # VERIFIER | DRAFTER
+    cfg: EngineConfig
+    k: int  # speculative tokens its steps carry (0: target-only)
+    loaded: LoadedModel | None = None
+    after_load: Callable[[LoadedModel], None] | None = None
+
+
+def _profile_steps(s: _Service):
+    model, cfg = s.loaded.model, s.cfg
+    bound = forward_bound(cfg, s.k)
+    engine_cls = TargetEngine if s.name == VERIFIER else DraftEngine
+    run_shape = run_verifier_shape if s.name == VERIFIER else run_drafter_shape
+    k = max(0, min(s.k, cfg.max_model_len - 2))
+
+    def setup():
+        return engine_cls(make_profile_runner(model, cfg.block_size, cfg.max_model_len, bound), bound.max_prefill_tokens)
+
+    steps = {shape.name: (lambda eng, shape=shape: run_shape(eng, shape, k)) for shape in profile_shapes(bound, cfg.max_model_len)}
+    return setup, steps
+
+
+def _plan_budget(services: list[_Service], show_progress: bool, joint: bool,
+                 after_loads: Callable[[list[_Service]], None] | None = None) -> MemoryPlan:
+    """Load, profile and size services that share one budget (set by the first one's flags)."""
+    lead = services[0].cfg
+    prof = MemoryProfiler(lead.device, lead.memory_budget_bytes, lead.memory_utilization, joint=joint)
+    for s in services:
+        s.loaded = prof.load(s.name, lambda s=s: load_for(s.cfg, show_progress))
+        check_model_len(s.loaded, s.cfg)
+        if s.after_load is not None:
+            s.after_load(s.loaded)
+    if after_loads is not None:
+        after_loads(services)
+    for s in services:
+        setup, steps = _profile_steps(s)
+        prof.profile(s.name, setup, steps)
+    return prof.plan(
+        {s.name: kv_shape(s.loaded, s.cfg) for s in services},
+        models={s.name: s.cfg.model for s in services},
+        dtypes={s.name: s.cfg.dtype for s in services},
+    )
+
+
+def _ngram_plan(cfg: EngineConfig | None) -> MemoryPlan:
+    device = str(torch.device(cfg.device)) if cfg is not None else "cpu"
+    return MemoryPlan(joint=False, budget_bytes=0, services={DRAFTER: ServicePlan.zeros(DRAFTER, NGRAM, device)})
+
+
+def _with_drafter_zeros(plan: MemoryPlan, cfg: EngineConfig) -> MemoryPlan:
+    plan.services[DRAFTER] = _ngram_plan(cfg).services[DRAFTER]
+    return plan
+
+
+def _vocab_check(target_vocab: int) -> Callable[[LoadedModel], None]:
+    def check(draft: LoadedModel) -> None:
+        if draft.config.vocab_size != target_vocab:
+            raise ValueError(
+                f"draft vocabulary ({draft.config.vocab_size}) differs from the target's "
+                f"({target_vocab}); they must share a tokenizer"
+            )
+
+    return check
+
+
+def _same_device(a: EngineConfig, b: EngineConfig) -> bool:
+    da, db = torch.device(a.device), torch.device(b.device)
+    if da.type == "cuda" and db.type == "cuda":
+        cur = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        return (da.index if da.index is not None else cur) == (db.index if db.index is not None else cur)
+    return da == db
+
+
+def _plan_models(target: EngineConfig, draft: EngineConfig | None, spec: SpecConfig, joint: bool, show_progress: bool,
+                 after_target: Callable[[LoadedModel], None] | None = None) -> tuple[MemoryPlan, _Service, _Service | None]:
+    """Measure and size target (+ draft model): one budget on a shared device when joint, else one each."""
+    has_draft = draft is not None and draft.model != NGRAM
+    k = spec.num_speculative_tokens if draft is not None else 0
+    t = _Service(VERIFIER, target, k, after_load=after_target)
+    d = _Service(DRAFTER, draft, k) if has_draft else None
+    if d is not None and joint and _same_device(target, draft):
+        def check(services):
+            _vocab_check(services[0].loaded.config.vocab_size)(services[1].loaded)
+
+        plan = _plan_budget([t, d], show_progress, joint=True, after_loads=check)
+        return plan, t, d
+    t_plan = _plan_budget([t], show_progress, joint=False)
+    if d is None:
+        plan = _with_drafter_zeros(t_plan, draft) if draft is not None else t_plan
+        return plan, t, None
+    d.after_load = _vocab_check(t.loaded.config.vocab_size)
+    d_plan = _plan_budget([d], show_progress, joint=False)
+    return MemoryPlan.merge([t_plan, d_plan]), t, d
+
+
+def plan_memory(target: EngineConfig, draft: EngineConfig | None = None, spec: SpecConfig = SpecConfig(),
+                colocated: bool = True, show_progress: bool = False) -> MemoryPlan:
+    """The plan the services would start with, without allocating a KV cache (`specsplit profile`).
+
+    colocated: both models in one process, one joint budget when they share a device. Otherwise
+    each service on its own budget and device, measured one after the other.
+    """
+    if colocated or draft is None:
+        plan, _, _ = _plan_models(target, draft, spec, joint=True, show_progress=show_progress)
+        return plan
+    t_plan = plan_memory(target, None, spec, colocated=True, show_progress=show_progress)
+    _, d_plan = _draft_plan(draft, spec, show_progress, allocate=False)
+    return MemoryPlan.merge([t_plan, d_plan])
+
+
+# ---- building engines -----------------------------------------------------------------------
+
+
+def _allocate(s: _Service, sp: ServicePlan):
+    runner = make_runner(s.loaded, s.cfg, sp.num_blocks, s.k)
+    if runner.kv.nbytes != sp.kv_cache_bytes:  # the plan's arithmetic and the tensor must agree
+        raise RuntimeError(f"{s.name}: KV cache is {runner.kv.nbytes} bytes, the plan sized {sp.kv_cache_bytes}")
+    engine_cls = TargetEngine if s.name == VERIFIER else DraftEngine
+    return engine_cls(runner, s.cfg.max_prefill_tokens)
+
+
+class ServiceBuild(NamedTuple):
+    """One service's engine and the memory plan it was sized with: `engine, plan = build_...(cfg)`."""
+
+    engine: TargetEngine | DraftEngine | NgramDrafter
+    plan: MemoryPlan
+
+
+def build_target_engine(cfg: EngineConfig, spec: SpecConfig = SpecConfig(), show_progress: bool = False) -> ServiceBuild:
+    """The verifier service's engine on its own budget. spec.num_speculative_tokens sets the widest
+    verification step the profile measures (k+1 tokens per sequence)."""
+    t = _Service(VERIFIER, cfg, spec.num_speculative_tokens)
+    plan = _plan_budget([t], show_progress, joint=False)
+    plan.log()
+    return ServiceBuild(_allocate(t, plan.services[VERIFIER]), plan)
+
+
+def _draft_plan(cfg: EngineConfig, spec: SpecConfig, show_progress: bool, allocate: bool, vocab_size: int | None = None):
+    if cfg.model == NGRAM:
+        drafter = NgramDrafter(spec.ngram_min, spec.ngram_max, vocab_size, cfg.max_model_len) if allocate else None
+        return drafter, _ngram_plan(cfg)
+    d = _Service(DRAFTER, cfg, spec.num_speculative_tokens)
+    if vocab_size is not None:
+        d.after_load = _vocab_check(vocab_size)
+    plan = _plan_budget([d], show_progress, joint=False)
+    return (_allocate(d, plan.services[DRAFTER]) if allocate else None), plan
+
+
+def build_draft_engine(cfg: EngineConfig, spec: SpecConfig = SpecConfig(), show_progress: bool = False,
+                       vocab_size: int | None = None) -> ServiceBuild:
+    """The drafter service's engine on its own budget: a DraftEngine, or the NgramDrafter (cfg.model
+    'ngram', a plan of zeros). vocab_size, when known, is checked against the draft model's."""
+    engine, plan = _draft_plan(cfg, spec, show_progress, allocate=True, vocab_size=vocab_size)
+    plan.log()
+    return ServiceBuild(engine, plan)
 
 
 @dataclass
@@ -47,6 +237,7 @@ class Colocated:
     target_model: LoadedModel
     draft_model: LoadedModel | None
     tokenizer: object
+    plan: MemoryPlan | None = field(default=None)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -63,29 +254,22 @@ def build_colocated(
     spec: SpecConfig = SpecConfig(),
     show_progress: bool = True,
 ) -> Colocated:
-    lookahead = spec.num_speculative_tokens + 1
-    target_model = load_for(target, show_progress)
-    check_model_len(target_model, target)
-    draft_model = None
+    """Target (+ draft) in this process. On one device the two share the target's budget flags."""
+    tokenizer = []
+
+    def load_tok(loaded: LoadedModel) -> None:  # inside the measured window: its memory is counted
+        tokenizer.append(load_tokenizer(loaded.hf_dir))
+
+    plan, t, d = _plan_models(target, draft, spec, joint=True, show_progress=show_progress, after_target=load_tok)
+    plan.log()
+    verifier = _allocate(t, plan.services[VERIFIER])
     drafter = None
-    if draft is not None and draft.model != NGRAM:
-        draft_model = load_for(draft, show_progress)
-        if draft_model.config.vocab_size != target_model.config.vocab_size:
-            raise ValueError(
-                f"draft vocabulary ({draft_model.config.vocab_size}) differs from the target's "
-                f"({target_model.config.vocab_size}); they must share a tokenizer"
-            )
-    t_blocks = target.num_blocks or blocks_for_tokens(target.max_model_len, target.max_num_seqs, target.block_size, lookahead)
-    verifier = TargetEngine(make_runner(target_model, target, t_blocks), target.max_prefill_tokens)
-    if draft is not None:
-        if draft.model == NGRAM:
-            drafter = NgramDrafter(spec.ngram_min, spec.ngram_max, target_model.config.vocab_size, target.max_model_len)
-        else:
-            d_blocks = draft.num_blocks or blocks_for_tokens(draft.max_model_len, draft.max_num_seqs, draft.block_size, lookahead)
-            drafter = DraftEngine(make_runner(draft_model, draft, d_blocks), draft.max_prefill_tokens)
+    if d is not None:
+        drafter = _allocate(d, plan.services[DRAFTER])
+    elif draft is not None:
+        drafter = NgramDrafter(spec.ngram_min, spec.ngram_max, t.loaded.config.vocab_size, target.max_model_len)
     decoder = SpecDecoder(verifier, drafter, spec if drafter else SpecConfig(num_speculative_tokens=0), target.max_model_len)
-    tokenizer = load_tokenizer(target_model.hf_dir)
-    return Colocated(decoder, verifier, drafter, target_model, draft_model, tokenizer)
+    return Colocated(decoder, verifier, drafter, t.loaded, d.loaded if d else None, tokenizer[0], plan)
 
 
 def set_threads(num_threads: int | None) -> None:

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels import dispatch
+
 
 @dataclass
 class AttentionGroup:
@@ -97,9 +99,8 @@ def store_kv(
     v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     slot_mapping: torch.Tensor,  # [T]
 ) -> None:
-    num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    # One place decides torch vs Triton (kernels.dispatch): Triton on CUDA, torch on CPU.
+    dispatch.store_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
 def paged_attention(

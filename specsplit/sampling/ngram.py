@@ -3,6 +3,7 @@
 Drafts are a deterministic function of the context, so q(x) = 1 for each drafted token and the q
 row is one-hot: rejection sampling with these drafts stays lossless (see ngram_q_rows).
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -44,7 +45,9 @@ def ngram_propose(
             continue
         # longest n at this position such that tokens[end-n+1 : end+1] == suffix of length n
         matched = 1
-        while matched < n_max and end - matched >= 0 and tokens[end - matched] == tokens[-1 - matched]:
+        while (
+            matched < n_max and end - matched >= 0 and tokens[end - matched] == tokens[-1 - matched]
+        ):
             matched += 1
         for n in range(n_min, matched + 1):
             best.setdefault(n, end - n + 1)

@@ -15,6 +15,7 @@ Semantics, row by row (one row = one position of one sequence):
     token i is kept when the mass strictly above it is < top_p; the argmax is always kept, and
     ties with the last kept value are kept too. top_p >= 1 switches it off.
 """
+
 from __future__ import annotations
 
 from typing import Sequence

@@ -19,6 +19,7 @@ network only at the first rejected position:
           to p, an all-zero p to argmax(p).
 Drafted ids outside [0, V) are rejected (p(x) is taken as 0), never read out of bounds.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -54,11 +55,12 @@ def greedy_rejection_ref(
     target_argmax: torch.Tensor,  # [B, K+1] int64
 ) -> tuple[torch.Tensor, torch.Tensor]:  # num_accepted [B] int64, out_ids [B, K+1] int64 (-1 pad)
     batch, k = draft_ids.shape
-    num_draft = num_draft.to(torch.int64).clamp(0, k)
+    device = target_argmax.device
+    num_draft = num_draft.to(device=device, dtype=torch.int64).clamp(0, k)
     target_argmax = target_argmax.to(torch.int64)
-    match = draft_ids.to(torch.int64) == target_argmax[:, :k]  # [B, K]
+    match = draft_ids.to(device=device, dtype=torch.int64) == target_argmax[:, :k]  # [B, K]
     num_accepted = _first_stop(match, num_draft)  # [B]
-    pos = torch.arange(k + 1, device=draft_ids.device)[None, :]  # [1, K+1]
+    pos = torch.arange(k + 1, device=device)[None, :]  # [1, K+1]
     out_ids = torch.where(pos <= num_accepted[:, None], target_argmax, PAD_ID)  # [B, K+1]
     return num_accepted, out_ids
 
@@ -72,15 +74,17 @@ def random_accept_ref(
 ) -> torch.Tensor:  # num_accepted [B] int64
     batch, k = draft_ids.shape
     vocab = target_probs.shape[-1]
-    num_draft = num_draft.to(torch.int64).clamp(0, k)
+    device = target_probs.device
+    num_draft = num_draft.to(device=device, dtype=torch.int64).clamp(0, k)
     if k == 0:
         return num_draft
-    ids = draft_ids.to(torch.int64)
+    ids = draft_ids.to(device=device, dtype=torch.int64)
     valid = (ids >= 0) & (ids < vocab)  # [B, K]
     p_x = target_probs[:, :k, :].gather(2, ids.clamp(0, vocab - 1)[:, :, None])[:, :, 0]  # [B,K]
     p_x = torch.where(valid, p_x.float(), 0.0)
-    q_x = draft_q.float()
-    accepted = u_accept.double() * q_x.double() < p_x.double()  # [B, K]
+    q_x = draft_q.to(device=device, dtype=torch.float32).double()  # via float32, as the kernel
+    u = u_accept.to(device=device, dtype=torch.float64)
+    accepted = u * q_x < p_x.double()  # [B, K]
     return _first_stop(accepted, num_draft)
 
 
@@ -90,11 +94,13 @@ def random_finish_ref(
     u_final: torch.Tensor,  # [B] float64 in [0, 1)
 ) -> torch.Tensor:  # ids [B] int64 in [0, V)
     p = target_probs_row.float()
-    residual = p - draft_q_row.float()  # [B, V] float32; negatives get weight 0 = max(0, p - q)
+    residual = p - draft_q_row.to(
+        device=p.device, dtype=torch.float32
+    )  # [B, V] float32; negatives get weight 0 = max(0, p - q)
     w_residual = integer_weights(residual)  # [B, V] int64
     use_residual = w_residual.sum(dim=-1) > 0  # [B] bool; else bonus / fallback: sample from p
     weights = torch.where(use_residual[:, None], w_residual, integer_weights(p))  # [B, V]
-    ids, total = inverse_cdf(weights, u_final)
+    ids, total = inverse_cdf(weights, u_final.to(device=p.device, dtype=torch.float64))
     return torch.where(total > 0, ids, argmax_fallback(p))
 
 
@@ -201,15 +207,17 @@ class RejectionSampler:
     ) -> tuple[torch.Tensor, torch.Tensor]:  # num_accepted [B], out_ids [B, K+1] (-1 pad)
         """Both stages at once, when all q rows are at hand (in-process, n-gram one-hot q)."""
         batch, k = draft_ids.shape
-        ids = draft_ids.to(torch.int64)
+        device = target_probs.device
+        ids = draft_ids.to(device=device, dtype=torch.int64)
+        draft_q_full = draft_q_full.to(device)
         vocab = target_probs.shape[-1]
         if k:
             q_x = draft_q_full.gather(2, ids.clamp(0, vocab - 1)[:, :, None])[:, :, 0]  # [B, K]
         else:
-            q_x = torch.zeros(batch, 0, dtype=torch.float32, device=draft_ids.device)
+            q_x = torch.zeros(batch, 0, dtype=torch.float32, device=device)
         num_accepted = self.accept(ids, q_x, num_draft, target_probs, u_accept)
         p_row = gather_stop_rows(target_probs, num_accepted)  # [B, V]
-        num_draft_c = num_draft.to(torch.int64).clamp(0, k).to(num_accepted.device)
+        num_draft_c = num_draft.to(device=device, dtype=torch.int64).clamp(0, k)
         if k:
             q_row = gather_stop_rows(draft_q_full, num_accepted.clamp(max=k - 1))  # [B, V]
             q_row = torch.where((num_accepted < num_draft_c)[:, None], q_row.float(), 0.0)

@@ -8,6 +8,7 @@ The drafter and the verifier MUST use different streams of the same seed: the re
 lossless only if its uniforms are independent of the ones that drew the draft tokens. `stream`
 derives a separate, reproducible seed per use ("draft", "verify", ...).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -63,7 +64,7 @@ def draw_step_uniforms(
         k_max = max(num_draft, default=0)
     u_accept = torch.zeros(len(rngs), k_max, dtype=torch.float64)
     u_final = torch.zeros(len(rngs), dtype=torch.float64)
-    for b, (rng, k) in enumerate(zip(rngs, num_draft)):
+    for b, (rng, k) in enumerate(zip(rngs, num_draft, strict=True)):
         if k > k_max:
             raise ValueError(f"num_draft[{b}]={k} exceeds k_max={k_max}")
         draws = rng.uniforms(k + 1)

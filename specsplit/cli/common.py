@@ -1,0 +1,104 @@
+"""Flags shared by several subcommands, and turning them into config objects."""
+from __future__ import annotations
+
+import argparse
+import re
+
+from specsplit.config import EngineConfig, SpecConfig, parse_dtype
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+          "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
+
+
+def parse_bytes(text: str) -> int:
+    """'512MiB', '2GiB', '1.5GB', '123456' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r} as a size: use e.g. 512MiB, 2GiB or a byte count")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def positive_int(text: str) -> int:
+    v = int(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return v
+
+
+def nonneg_int(text: str) -> int:
+    v = int(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text}")
+    return v
+
+
+def port(text: str) -> int:
+    v = int(text)
+    if not 0 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in [0, 65535], got {text}")
+    return v
+
+
+def add_engine_flags(p: argparse.ArgumentParser, device_flag: str = "--device") -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument(device_flag, dest=device_flag.lstrip("-").replace("-", "_"), default="cpu", help="cpu or cuda:N")
+    g.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="weights and KV dtype")
+    g.add_argument("--max-model-len", type=positive_int, default=2048, help="prompt + generated tokens per sequence")
+    g.add_argument("--max-num-seqs", type=positive_int, default=32, help="most sequences in one batch")
+    g.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
+    g.add_argument("--max-prefill-tokens", type=positive_int, default=512, help="largest prefill chunk")
+    g.add_argument("--num-blocks", type=nonneg_int, default=0, help="KV blocks (0 = size from the memory budget)")
+    g.add_argument("--memory-utilization", type=float, default=0.9, help="fraction of device memory to use")
+    g.add_argument("--memory-budget", type=parse_bytes, default=None, help="bytes to use instead, e.g. 2GiB")
+    g.add_argument("--threads", type=nonneg_int, default=0, help="torch CPU threads (0 = torch default)")
+
+
+def add_spec_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculation")
+    g.add_argument("--num-speculative-tokens", type=nonneg_int, default=None,
+                   help="draft tokens per step (default: 3 for a model draft, 4 for n-gram)")
+    g.add_argument("--disable-by-batch-size", type=nonneg_int, default=0,
+                   help="decode target-only while more than N sequences run (0 = never)")
+
+
+def add_server_flags(p: argparse.ArgumentParser, default_port: int) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind")
+    g.add_argument("--port", type=port, default=default_port, help="port to bind (0 = any free port)")
+    g.add_argument("--metrics-port", type=port, default=None, help="serve Prometheus metrics on this port")
+
+
+def validate_engine(args) -> None:
+    if not 0.0 < args.memory_utilization <= 1.0:
+        raise ValueError(f"--memory-utilization must be in (0, 1], got {args.memory_utilization}")
+    dev = getattr(args, "device", "cpu")
+    if not (dev == "cpu" or re.fullmatch(r"cuda(:\d+)?", dev)):
+        raise ValueError(f"--device must be cpu or cuda:N, got {dev!r}")
+    if args.max_prefill_tokens > args.max_model_len:
+        args.max_prefill_tokens = args.max_model_len
+
+
+DEFAULT_K_MODEL = 3
+DEFAULT_K_NGRAM = 4
+
+
+def spec_config(args, draft: str | None) -> SpecConfig:
+    k = args.num_speculative_tokens
+    if k is None:
+        k = 0 if draft is None else (DEFAULT_K_NGRAM if draft == "ngram" else DEFAULT_K_MODEL)
+    return SpecConfig(num_speculative_tokens=k, disable_by_batch_size=args.disable_by_batch_size)
+
+
+def engine_config(args, model: str, device: str | None = None) -> EngineConfig:
+    return EngineConfig(
+        model=model,
+        device=device or args.device,
+        dtype=parse_dtype(args.dtype),
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_prefill_tokens=args.max_prefill_tokens,
+        num_blocks=args.num_blocks,
+        memory_budget_bytes=args.memory_budget,
+        memory_utilization=args.memory_utilization,
+    )

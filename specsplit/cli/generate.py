@@ -1,0 +1,127 @@
+"""`specsplit generate`: one generation, in-process (target-only or colocated speculative), or
+streamed from a running gateway with --server. Prints one JSON object with --json."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from specsplit.cli.common import add_engine_flags, add_spec_flags, engine_config, nonneg_int, positive_int, spec_config, validate_engine
+
+
+def add_arguments(p, name: str) -> None:
+    p.add_argument("prompt", nargs="?", default=None, help="prompt text (tokenized like Hugging Face does by default)")
+    p.add_argument("--prompt-token-ids", default=None, help="comma-separated prompt ids instead of text, e.g. 1,2,3")
+    p.add_argument("--target", default="smollm2-135m", help="alias, Hugging Face directory or .gguf file")
+    p.add_argument("--draft", default=None, help="draft model (alias/dir/.gguf) or 'ngram'; omit for target-only")
+    p.add_argument("--draft-device", default=None, help="device of the draft model (default: --device)")
+    p.add_argument("--server", default=None, metavar="HOST:PORT", help="stream from a running gateway instead")
+    p.add_argument("--max-tokens", type=positive_int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=nonneg_int, default=0, help="0 = off")
+    p.add_argument("--seed", type=nonneg_int, default=None)
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to the prompt")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.add_argument("--timeout", type=float, default=None, help="--server: deadline in seconds")
+    add_engine_flags(p)
+    add_spec_flags(p)
+
+
+def parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+    except ValueError:
+        raise ValueError(f"--prompt-token-ids must be comma-separated integers, got {text!r}") from None
+
+
+def validate(args) -> None:
+    validate_engine(args)
+    if args.prompt is None and args.prompt_token_ids is None:
+        raise ValueError("give a PROMPT or --prompt-token-ids")
+    if args.prompt_token_ids is not None:
+        ids = parse_ids(args.prompt_token_ids)
+        if not ids:
+            raise ValueError("--prompt-token-ids is empty")
+        if any(t < 0 for t in ids):
+            raise ValueError(f"--prompt-token-ids has negative ids: {[t for t in ids if t < 0][:5]}")
+    if args.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.server is None and args.prompt_token_ids is not None:
+        n = len(parse_ids(args.prompt_token_ids))
+        if n + args.max_tokens > args.max_model_len:
+            raise ValueError(
+                f"prompt ({n} tokens) + --max-tokens {args.max_tokens} exceeds --max-model-len {args.max_model_len}"
+            )
+
+
+def _prompt_ids(args, tokenizer) -> list[int]:
+    if args.prompt_token_ids is not None:
+        return parse_ids(args.prompt_token_ids)
+    if args.chat:
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True, return_dict=False))
+    return list(tokenizer(args.prompt).input_ids)
+
+
+def run(args) -> int:
+    if args.server:
+        from gateway.client import generate_over_grpc
+
+        return generate_over_grpc(args)
+    return run_local(args)
+
+
+def run_local(args) -> int:
+    from specsplit.factory import build_colocated, set_threads
+    from specsplit.generation import GenerationRequest, Generator
+    from specsplit.sampling.params import SamplingParams
+
+    set_threads(args.threads)
+    target = engine_config(args, args.target)
+    draft = engine_config(args, args.draft, args.draft_device) if args.draft else None
+    spec = spec_config(args, args.draft)
+    t0 = time.perf_counter()
+    colo = build_colocated(target, draft, spec, show_progress=not args.json)
+    load_s = time.perf_counter() - t0
+    ids = _prompt_ids(args, colo.tokenizer)
+    vocab = colo.target_model.config.vocab_size
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+    if len(ids) + args.max_tokens > args.max_model_len:
+        raise ValueError(f"prompt ({len(ids)} tokens) + --max-tokens {args.max_tokens} exceeds --max-model-len {args.max_model_len}")
+    params = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
+    request = GenerationRequest("cli", tuple(ids), args.max_tokens, params, args.ignore_eos)
+    gen = Generator(colo.decoder, colo.eos_token_ids, max_num_seqs=1)
+
+    def stream(state, kept):
+        if not args.json:
+            sys.stdout.write(colo.tokenizer.decode(kept))
+            sys.stdout.flush()
+
+    t1 = time.perf_counter()
+    (state,) = gen.run([request], on_tokens=stream)
+    gen_s = time.perf_counter() - t1
+    result = {
+        "token_ids": state.output,
+        "text": colo.tokenizer.decode(state.output),
+        "finish_reason": state.finish_reason,
+        "usage": {
+            "prompt_tokens": len(ids),
+            "completion_tokens": len(state.output),
+            "proposed_draft_tokens": state.proposed,
+            "accepted_draft_tokens": state.accepted,
+        },
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        rate = len(state.output) / gen_s if gen_s > 0 else float("inf")
+        acc = f", acceptance {state.accepted / state.proposed:.2f}" if state.proposed else ""
+        print(f"\n[{len(state.output)} tokens in {gen_s:.2f}s = {rate:.1f} tok/s{acc}; load {load_s:.1f}s; finish={state.finish_reason}]",
+              file=sys.stderr)
+    colo.close()
+    return 0

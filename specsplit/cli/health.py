@@ -1,0 +1,27 @@
+"""`specsplit health HOST:PORT`: exit 0 when the service reports SERVING."""
+from __future__ import annotations
+
+
+def add_arguments(p, name: str) -> None:
+    p.add_argument("address", metavar="HOST:PORT")
+    p.add_argument("--service", default="", help="service name to ask about ('' = the whole server)")
+    p.add_argument("--timeout", type=float, default=3.0)
+
+
+def check(address: str, service: str = "", timeout: float = 3.0) -> str:
+    """The serving status name (SERVING, NOT_SERVING, ...) or 'UNREACHABLE: <why>'."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        except grpc.RpcError as e:
+            return f"UNREACHABLE: {e.code().name}: {e.details()}"
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+
+def run(args) -> int:
+    status = check(args.address, args.service, args.timeout)
+    print(f"{args.address}{' ' + args.service if args.service else ''}: {status}")
+    return 0 if status == "SERVING" else 1

@@ -1,0 +1,28 @@
+"""`specsplit serve`: the colocated server (gateway + engines in one process, one memory budget)."""
+from __future__ import annotations
+
+from specsplit.cli.common import add_engine_flags, add_server_flags, add_spec_flags, validate_engine
+
+
+def add_arguments(p, name: str) -> None:
+    p.add_argument("--target", required=True, help="alias, Hugging Face directory or .gguf file")
+    p.add_argument("--draft", default=None, help="draft model or 'ngram' (omit: target only)")
+    p.add_argument("--draft-device", default=None, help="device of the draft (default: --device)")
+    p.add_argument("--max-queue", type=int, default=64, help="waiting requests before RESOURCE_EXHAUSTED")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds to let live streams finish before stopping (default 30)")
+    add_engine_flags(p)
+    add_spec_flags(p)
+    add_server_flags(p, 50051)
+
+
+def validate(args) -> None:
+    validate_engine(args)
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+
+
+def run(args) -> int:
+    from gateway.app import run_colocated
+
+    return run_colocated(args)

@@ -1,0 +1,55 @@
+"""`specsplit drafter | verifier | gateway`: one gRPC service per process."""
+from __future__ import annotations
+
+from specsplit.cli.common import add_engine_flags, add_server_flags, add_spec_flags, positive_int, validate_engine
+
+DEFAULT_PORTS = {"drafter": 50061, "verifier": 50062, "gateway": 50051}
+
+
+def add_arguments(p, name: str) -> None:
+    if name in ("drafter", "verifier"):
+        p.add_argument("--model", required=True, help="alias, Hugging Face directory, .gguf file" + (" or 'ngram'" if name == "drafter" else ""))
+        add_engine_flags(p)
+        add_spec_flags(p)
+    else:
+        p.add_argument("--drafter", default=None, metavar="HOST:PORT", help="drafter service (omit for target-only)")
+        p.add_argument("--verifier", required=True, metavar="HOST:PORT", help="verifier service")
+        p.add_argument("--max-num-seqs", type=int, default=32)
+        p.add_argument("--max-queue", type=int, default=64, help="waiting requests before RESOURCE_EXHAUSTED")
+        p.add_argument("--tokenizer", default=None,
+                       help="tokenizer directory (default: the one the verifier reports; set it when the verifier runs on another host)")
+        p.add_argument("--drafter-timeout", type=float, default=5.0,
+                       help="seconds per drafter call before decoding target-only (default 5)")
+        p.add_argument("--verifier-timeout", type=float, default=120.0, help="seconds per verifier call (default 120)")
+        p.add_argument("--connect-timeout", type=float, default=300.0,
+                       help="seconds to wait at start-up for the verifier to answer (default 300)")
+        add_spec_flags(p)
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds to let live streams finish before stopping (default 30)")
+    add_server_flags(p, DEFAULT_PORTS[name])
+
+
+def validate(args) -> None:
+    if args.command in ("drafter", "verifier"):
+        validate_engine(args)
+    else:
+        positive_int(str(args.max_num_seqs))
+        if args.max_queue < 0:
+            raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+        for flag in ("drafter_timeout", "verifier_timeout", "connect_timeout"):
+            if getattr(args, flag) <= 0:
+                raise ValueError(f"--{flag.replace('_', '-')} must be positive")
+        for flag in ("drafter", "verifier"):
+            addr = getattr(args, flag)
+            if addr is not None and ":" not in addr:
+                raise ValueError(f"--{flag} must be HOST:PORT, got {addr!r}")
+
+
+def run(args) -> int:
+    if args.command == "drafter":
+        from drafter_svc.service import main
+    elif args.command == "verifier":
+        from verifier_svc.service import main
+    else:
+        from gateway.app import run_split as main
+    return main(args)

@@ -1,0 +1,146 @@
+"""`specsplit up`: drafter, verifier and gateway as three local processes.
+
+Starts `python -m specsplit.cli verifier|drafter|gateway ...`, waits until each reports SERVING
+over gRPC health, then waits. Ctrl-C / SIGTERM stops the gateway first (it drains its live
+streams), then the drafter and the verifier; a child that exits on its own stops the rest.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from specsplit.cli.common import add_engine_flags, add_server_flags, add_spec_flags, port, validate_engine
+
+
+def add_arguments(p, name: str) -> None:
+    p.add_argument("--target", required=True)
+    p.add_argument("--draft", required=True, help="draft model or 'ngram'")
+    p.add_argument("--draft-device", default=None)
+    p.add_argument("--drafter-port", type=port, default=0, help="drafter port (0 = a free one)")
+    p.add_argument("--verifier-port", type=port, default=0, help="verifier port (0 = a free one)")
+    p.add_argument("--max-queue", type=int, default=64)
+    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for all three to be SERVING")
+    p.add_argument("--drain-timeout", type=float, default=30.0)
+    add_engine_flags(p)
+    add_spec_flags(p)
+    add_server_flags(p, 50051)
+
+
+def validate(args) -> None:
+    validate_engine(args)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _engine_flags(args, device: str) -> list[str]:
+    out = ["--device", device, "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
+           "--max-num-seqs", str(args.max_num_seqs), "--block-size", str(args.block_size),
+           "--max-prefill-tokens", str(args.max_prefill_tokens), "--num-blocks", str(args.num_blocks),
+           "--memory-utilization", str(args.memory_utilization), "--threads", str(args.threads)]
+    if args.memory_budget is not None:
+        out += ["--memory-budget", str(args.memory_budget)]
+    return out
+
+
+def _spec_flags(args) -> list[str]:
+    out = ["--disable-by-batch-size", str(args.disable_by_batch_size)]
+    if args.num_speculative_tokens is not None:
+        out += ["--num-speculative-tokens", str(args.num_speculative_tokens)]
+    return out
+
+
+def commands(args, drafter_port: int, verifier_port: int) -> dict[str, list[str]]:
+    base = [sys.executable, "-m", "specsplit.cli", "--log-level", args.log_level]
+    host = args.host
+    common = ["--host", host, "--drain-timeout", str(args.drain_timeout)]
+
+    def metrics(offset: int) -> list[str]:
+        return [] if args.metrics_port is None else ["--metrics-port", str(args.metrics_port + offset)]
+
+    return {
+        "verifier": base + ["verifier", "--model", args.target, "--port", str(verifier_port), *common,
+                            *_engine_flags(args, args.device), *_spec_flags(args), *metrics(1)],
+        "drafter": base + ["drafter", "--model", args.draft, "--port", str(drafter_port), *common,
+                           *_engine_flags(args, args.draft_device or args.device), *_spec_flags(args), *metrics(2)],
+        "gateway": base + ["gateway", "--verifier", f"{host}:{verifier_port}", "--drafter", f"{host}:{drafter_port}",
+                           "--port", str(args.port), "--max-num-seqs", str(args.max_num_seqs),
+                           "--max-queue", str(args.max_queue), *common, *_spec_flags(args), *metrics(0)],
+    }
+
+
+def stop_all(procs: dict[str, subprocess.Popen], timeout: float) -> None:
+    """SIGTERM in order (gateway first, so it drains while the engines are still up), then kill."""
+    for name in ("gateway", "drafter", "verifier"):
+        p = procs.get(name)
+        if p is None or p.poll() is not None:
+            continue
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            print(f"specsplit up: {name} did not stop in {timeout:.0f}s; killing it", file=sys.stderr)
+            p.kill()
+            p.wait(5)
+
+
+def run(args) -> int:
+    from specsplit.cli.health import check
+
+    drafter_port = args.drafter_port or free_port(args.host)
+    verifier_port = args.verifier_port or free_port(args.host)
+    cmds = commands(args, drafter_port, verifier_port)
+    addresses = {"verifier": f"{args.host}:{verifier_port}", "drafter": f"{args.host}:{drafter_port}",
+                 "gateway": f"{args.host}:{args.port}"}
+    stop_requested = []
+
+    def on_signal(signum, frame):
+        stop_requested.append(signum)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    procs: dict[str, subprocess.Popen] = {}
+    rc = 0
+    try:
+        for name in ("verifier", "drafter", "gateway"):
+            # Children ignore the terminal's Ctrl-C (own process group): this process forwards it.
+            procs[name] = subprocess.Popen(cmds[name], start_new_session=True, env=os.environ.copy())
+            print(f"specsplit up: started {name} (pid {procs[name].pid}) on {addresses[name]}", file=sys.stderr)
+        deadline = time.monotonic() + args.startup_timeout
+        pending = set(procs)
+        while pending and not stop_requested:
+            for name in sorted(pending):
+                if procs[name].poll() is not None:
+                    raise RuntimeError(f"{name} exited with code {procs[name].returncode} during start-up; see its log above")
+                if check(addresses[name], timeout=1.0) == "SERVING":
+                    print(f"specsplit up: {name} is SERVING on {addresses[name]}", file=sys.stderr)
+                    pending.discard(name)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{', '.join(sorted(pending))} not SERVING after {args.startup_timeout:.0f}s")
+            time.sleep(0.25)
+        if not stop_requested:
+            print(f"specsplit up: ready; Generate on {addresses['gateway']} (Ctrl-C stops all three)", file=sys.stderr, flush=True)
+        while not stop_requested:
+            dead = [n for n, p in procs.items() if p.poll() is not None]
+            if dead:
+                print(f"specsplit up: {dead[0]} exited with code {procs[dead[0]].returncode}; stopping the others",
+                      file=sys.stderr)
+                rc = 1
+                break
+            time.sleep(0.2)
+    except RuntimeError as e:
+        print(f"specsplit up: {e}", file=sys.stderr)
+        rc = 1
+    finally:
+        stop_all(procs, args.drain_timeout + 10)
+        for s, h in old.items():
+            signal.signal(s, h)
+    if stop_requested:
+        print("specsplit up: stopped", file=sys.stderr)
+    return rc

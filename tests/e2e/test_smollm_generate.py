@@ -1,0 +1,116 @@
+"""On the real SmolLM2-135M: native greedy == transformers generate, token for token, fp32."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from specsplit.config import EngineConfig, SpecConfig
+from specsplit.factory import build_colocated
+from specsplit.generation import GenerationRequest, Generator
+from specsplit.models.registry import ASSETS_DIR, DRAFT_ALIAS
+
+pytestmark = [pytest.mark.smollm, pytest.mark.slow]
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Here is a list of the planets in the solar system:",
+]
+NEW = 64
+
+
+@pytest.fixture(scope="module")
+def target_only():
+    colo = build_colocated(EngineConfig(model="smollm2-135m", max_model_len=256, max_num_seqs=4), None,
+                           SpecConfig(num_speculative_tokens=0), show_progress=False)
+    yield colo
+    colo.close()
+
+
+@pytest.fixture(scope="module")
+def hf_reference(target_only):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(target_only.target_model.hf_dir, dtype=torch.float32).eval()
+    # ignore_eos semantics: EOS may be emitted and generation goes on, so HF must not stop at it.
+    hf.generation_config.eos_token_id = None
+    tok = target_only.tokenizer
+    out = {}
+    for p in PROMPTS:
+        ids = tok(p, return_tensors="pt").input_ids
+        with torch.no_grad():
+            gen = hf.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=tok.eos_token_id)
+        out[p] = gen[0, ids.shape[1]:].tolist()
+    del hf
+    return out
+
+
+def _requests(tok):
+    return [GenerationRequest(f"p{i}", tuple(tok(p).input_ids), NEW, ignore_eos=True) for i, p in enumerate(PROMPTS)]
+
+
+def test_native_greedy_equals_hf_generate(target_only, hf_reference):
+    states = Generator(target_only.decoder, target_only.eos_token_ids, 4).run(_requests(target_only.tokenizer))
+    for p, s in zip(PROMPTS, states):
+        assert s.output == hf_reference[p], p
+
+
+def test_cli_generate_json_matches(hf_reference):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "specsplit.cli", "generate", "--target", "smollm2-135m", "--max-tokens", str(NEW),
+         "--ignore-eos", "--max-model-len", "256", "--threads", "1", "--json", PROMPTS[0]],
+        capture_output=True, text=True, timeout=300, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["token_ids"] == hf_reference[PROMPTS[0]]
+    assert result["finish_reason"] == "length"
+    assert result["usage"]["completion_tokens"] == NEW and result["usage"]["prompt_tokens"] == 5
+
+
+def test_cli_generate_ngram_reports_drafts(hf_reference):
+    proc = subprocess.run(
+        [sys.executable, "-m", "specsplit.cli", "generate", "--target", "smollm2-135m", "--draft", "ngram",
+         "--max-tokens", str(NEW), "--ignore-eos", "--max-model-len", "256", "--threads", "1", "--json", PROMPTS[2]],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["token_ids"] == hf_reference[PROMPTS[2]]
+    assert result["usage"]["proposed_draft_tokens"] > 0
+    assert 0 <= result["usage"]["accepted_draft_tokens"] <= result["usage"]["proposed_draft_tokens"]
+
+
+@pytest.mark.parametrize("draft", ["ngram", "model"])
+def test_speculative_greedy_equals_target_only(target_only, hf_reference, draft):
+    if draft == "model":
+        name = DRAFT_ALIAS if (ASSETS_DIR / DRAFT_ALIAS / "config.json").exists() else "smollm2-135m"
+    else:
+        name = "ngram"
+    colo = build_colocated(EngineConfig(model="smollm2-135m", max_model_len=256, max_num_seqs=4),
+                           EngineConfig(model=name, max_model_len=256, max_num_seqs=4),
+                           SpecConfig(num_speculative_tokens=3), show_progress=False)
+    states = Generator(colo.decoder, colo.eos_token_ids, 4).run(_requests(colo.tokenizer))
+    for p, s in zip(PROMPTS, states):
+        assert s.output == hf_reference[p], p
+    assert sum(s.proposed for s in states) > 0
+    colo.close()
+
+
+def test_bad_inputs_exit_nonzero_with_one_line():
+    cases = [
+        (["--target", "no-such-model", "hi"], "unknown model"),
+        (["--prompt-token-ids", "1,99999999", "--max-model-len", "256"], "outside the vocabulary"),
+        (["--prompt-token-ids", "1,2,3", "--max-tokens", "300", "--max-model-len", "256"], "exceeds --max-model-len"),
+    ]
+    for extra, needle in cases:
+        proc = subprocess.run([sys.executable, "-m", "specsplit.cli", "generate", "--json", "--threads", "1", *extra],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode != 0
+        assert needle in proc.stderr, proc.stderr

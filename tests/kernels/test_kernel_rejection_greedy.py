@@ -1,0 +1,72 @@
+"""Greedy rejection kernel == torch reference."""
+
+import pytest
+import torch
+
+from specsplit.sampling.rejection import greedy_rejection_ref
+
+
+@pytest.fixture(scope="module")
+def greedy_triton(load_kernel):
+    return load_kernel("rejection_greedy").greedy_rejection_triton
+
+
+def _case(batch, k, vocab, seed, device, match_rate=0.7):
+    g = torch.Generator().manual_seed(seed)
+    target = torch.randint(0, vocab, (batch, k + 1), generator=g)
+    draft = torch.where(
+        torch.rand(batch, k, generator=g) < match_rate,
+        target[:, :k],
+        torch.randint(0, vocab, (batch, k), generator=g),
+    )
+    num_draft = torch.randint(0, k + 1, (batch,), generator=g)
+    return draft.to(device), num_draft.to(device), target.to(device)
+
+
+def _assert_equal(triton_fn, draft, num_draft, target):
+    n_ref, out_ref = greedy_rejection_ref(draft, num_draft, target)
+    n_tri, out_tri = triton_fn(draft, num_draft, target)
+    assert torch.equal(n_tri, n_ref) and torch.equal(out_tri, out_ref)
+    return n_tri, out_tri
+
+
+@pytest.mark.parametrize(
+    "batch,k,vocab",
+    [(1, 1, 10), (3, 2, 10), (7, 5, 49152), (16, 8, 151936), (31, 7, 10), (29, 3, 151936)],
+)
+def test_matches_reference_mixed_lengths(greedy_triton, device, batch, k, vocab):
+    for seed in range(3):
+        _, out = _assert_equal(greedy_triton, *_case(batch, k, vocab, seed, device))
+        assert ((out >= -1) & (out < vocab)).all()
+
+
+def test_all_accepted_and_all_rejected(greedy_triton, device):
+    target = torch.arange(6 * 5, device=device).reshape(6, 5) % 10
+    draft = target[:, :4].clone()
+    n, out = _assert_equal(greedy_triton, draft, torch.full((6,), 4, device=device), target)
+    assert (n == 4).all() and torch.equal(out, target)
+    n, out = _assert_equal(
+        greedy_triton, (draft + 1) % 10, torch.full((6,), 4, device=device), target
+    )
+    assert (n == 0).all() and ((out >= 0).sum(-1) == 1).all()
+
+
+def test_k_zero_and_num_draft_zero(greedy_triton, device):
+    target = torch.tensor([[5], [7]], device=device)
+    _assert_equal(
+        greedy_triton,
+        torch.zeros(2, 0, dtype=torch.long, device=device),
+        torch.zeros(2, dtype=torch.long, device=device),
+        target,
+    )
+    draft, _, target = _case(4, 3, 10, 0, device, match_rate=1.0)
+    n, _ = _assert_equal(
+        greedy_triton, draft, torch.zeros(4, dtype=torch.long, device=device), target
+    )
+    assert (n == 0).all()
+
+
+def test_non_contiguous_inputs(greedy_triton, device):
+    draft, num_draft, target = _case(9, 4, 10, 1, device, match_rate=0.9)
+    wide = torch.cat([target, target], 1)[:, :5]  # row stride 10
+    _assert_equal(greedy_triton, draft, num_draft, wide)

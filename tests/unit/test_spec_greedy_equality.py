@@ -1,0 +1,78 @@
+"""Speculative greedy output == target-only greedy output, token for token (fp32, tiny pairs)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specsplit.config import EngineConfig, SpecConfig
+from specsplit.factory import build_colocated
+from specsplit.generation import GenerationRequest, Generator
+
+MAX_LEN = 160
+
+
+def _requests(n: int, seed: int = 0, max_tokens: int = 24) -> list[GenerationRequest]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        length = int(torch.randint(1, 40, (1,), generator=g))
+        # Repetitive prompts give the n-gram proposer something to find.
+        base = torch.randint(3, 256, (max(1, length // 2),), generator=g).tolist()
+        prompt = (base * 3)[:length]
+        out.append(GenerationRequest(f"r{i}", tuple(prompt), max_tokens, ignore_eos=True))
+    return out
+
+
+def _run(target, draft, k, requests, max_num_seqs=16):
+    tc = EngineConfig(model=str(target), max_model_len=MAX_LEN, max_num_seqs=max_num_seqs)
+    dc = None if draft is None else EngineConfig(model=str(draft), max_model_len=MAX_LEN, max_num_seqs=max_num_seqs)
+    colo = build_colocated(tc, dc, SpecConfig(num_speculative_tokens=k), show_progress=False)
+    gen = Generator(colo.decoder, colo.eos_token_ids, max_num_seqs)
+    states = gen.run(requests)
+    free = colo.target.block_manager.num_free_blocks, colo.target.block_manager.num_blocks
+    assert free[0] == free[1], "target KV blocks leaked"
+    if colo.draft_model is not None:
+        bm = colo.drafter.block_manager
+        assert bm.num_free_blocks == bm.num_blocks, "draft KV blocks leaked"
+    return [s.output for s in states], sum(s.proposed for s in states), sum(s.accepted for s in states)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    cache = {}
+
+    def get(batch):
+        if batch not in cache:
+            cache[batch] = _run(tiny_llama, None, 0, _requests(batch, seed=batch))[0]
+        return cache[batch]
+
+    return get
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("batch", [1, 4, 16])
+def test_close_draft_greedy_equal(tiny_llama, tiny_draft_close, reference, k, batch):
+    out, proposed, accepted = _run(tiny_llama, tiny_draft_close, k, _requests(batch, seed=batch))
+    assert out == reference(batch)
+    assert proposed > 0 and accepted / proposed > 0.3, "the close draft should agree often"
+
+
+@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("batch", [1, 16])
+def test_far_draft_greedy_equal(tiny_llama, tiny_draft_far, reference, k, batch):
+    out, proposed, accepted = _run(tiny_llama, tiny_draft_far, k, _requests(batch, seed=batch))
+    assert out == reference(batch)
+    assert proposed > 0
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("batch", [1, 4, 16])
+def test_ngram_greedy_equal(tiny_llama, reference, k, batch):
+    out, proposed, _ = _run(tiny_llama, "ngram", k, _requests(batch, seed=batch))
+    assert out == reference(batch)
+
+
+def test_target_as_its_own_draft_accepts_everything(tiny_llama, reference):
+    out, proposed, accepted = _run(tiny_llama, tiny_llama, 4, _requests(4, seed=4))
+    assert out == reference(4)
+    assert proposed > 0 and accepted == proposed
