@@ -35,6 +35,8 @@ class RequestState:
     finish_reason: str | None = None  # "length" | "stop" | "abort"
     proposed: int = 0
     accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # steps that accepted draft j
+    speculative_steps: int = 0  # steps that verified at least one draft token
 
     @property
     def finished(self) -> bool:
@@ -115,6 +117,12 @@ class Generator:
             state = self.running[rid]
             state.proposed += proposed
             state.accepted += accepted
+            if proposed:
+                state.speculative_steps += 1
+                per_pos = state.accepted_per_position
+                per_pos.extend([0] * (proposed - len(per_pos)))
+                for j in range(accepted):
+                    per_pos[j] += 1
 
     def run(
         self,

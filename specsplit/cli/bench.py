@@ -1,11 +1,50 @@
-"""`specsplit bench`: benchmark arms side by side on the same prompts."""
+"""`specsplit bench`: benchmark arms side by side on the same prompts (see specsplit.bench.suite)."""
 from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from specsplit.cli.common import positive_int
 
 
 def add_arguments(p, name: str) -> None:
-    p.add_argument("suite", nargs="?", default="target", choices=["target", "spec", "all"])
-    p.add_argument("--quick", action="store_true")
+    p.add_argument("suite", nargs="?", default="all", choices=["target", "spec", "all"])
+    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--draft", default="smollm2-135m-draft", help="model draft for the spec arms ('ngram' too)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="dtype of the spec arms")
+    p.add_argument("--quick", action="store_true", help="a few minutes: 2 prompts, fewer arms")
+    p.add_argument("--num-prompts", type=positive_int, default=None)
+    p.add_argument("--new-tokens", type=positive_int, default=None)
+    p.add_argument("--repeats", type=positive_int, default=None, help="runs per prompt; the median is kept")
+    p.add_argument("--ks", default=None, help="comma-separated K values, default 1,2,3,4,6")
+    p.add_argument("--concurrency", default=None, help="comma-separated, default 1,4,16,32")
+    p.add_argument("--max-model-len", type=positive_int, default=1024)
+    p.add_argument("--max-prompt-tokens", type=positive_int, default=384)
+    p.add_argument("--prompt-token-ids", default=None, help="use these ids as every prompt (tiny models)")
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers arms")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--out", default="bench_out", help="directory for bench.json and bench.png")
+
+
+def validate(args) -> None:
+    for name in ("ks", "concurrency"):
+        v = getattr(args, name)
+        if v is not None and not all(t.strip().isdigit() and int(t) > 0 for t in v.split(",")):
+            raise ValueError(f"--{name} must be comma-separated positive integers, got {v!r}")
 
 
 def run(args) -> int:
-    raise RuntimeError("`specsplit bench` is not implemented yet")
+    from specsplit.bench.suite import Bench, format_table, plot
+    from specsplit.factory import set_threads
+
+    set_threads(args.threads)
+    report = Bench(args).run()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(report, indent=2))
+    png = plot(report, out / "bench.png")
+    print(format_table(report))
+    print(f"\nwrote {out / 'bench.json'}" + (f" and {png}" if png else ""), file=sys.stderr)
+    return 0

@@ -1,0 +1,149 @@
+"""Benchmark arms: each turns prompts into timed generations, measured the same way.
+
+Every arm generates exactly `new_tokens` per prompt (EOS ignored, so all arms do the same work),
+greedy, batch 1 unless a concurrency is given. A warm-up generation is discarded; each prompt runs
+`repeats` times and the median is kept. TTFT = time to the first generated token, TPOT = the rest
+divided by (new_tokens - 1).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from specsplit.generation import GenerationRequest, Generator
+
+
+@dataclass
+class Timing:
+    total_s: float
+    ttft_s: float
+    tokens: int
+    proposed: int = 0
+    accepted: int = 0
+    steps: int = 0  # speculative steps (verified >= 1 draft)
+    per_position: list[int] = field(default_factory=list)
+
+
+@dataclass
+class ArmResult:
+    name: str
+    timings: list[Timing]
+    extra: dict = field(default_factory=dict)
+
+    def summary(self) -> dict:
+        tok = sum(t.tokens for t in self.timings)
+        total = [t.total_s for t in self.timings]
+        ttft = [t.ttft_s for t in self.timings]
+        tpot = [(t.total_s - t.ttft_s) / max(1, t.tokens - 1) for t in self.timings]
+        proposed = sum(t.proposed for t in self.timings)
+        accepted = sum(t.accepted for t in self.timings)
+        spec_steps = sum(t.steps for t in self.timings)
+        k = max((len(t.per_position) for t in self.timings), default=0)
+        per_pos = [sum(t.per_position[j] for t in self.timings if j < len(t.per_position)) for j in range(k)]
+        out = {
+            "arm": self.name,
+            "tokens_per_s": tok / sum(total) if sum(total) else 0.0,
+            "median_request_tokens_per_s": statistics.median(t.tokens / t.total_s for t in self.timings),
+            "ttft_ms": 1000 * statistics.median(ttft),
+            "tpot_ms": 1000 * statistics.median(tpot),
+            "acceptance_rate": accepted / proposed if proposed else None,
+            "mean_accepted_length": accepted / spec_steps if proposed and spec_steps else None,
+            "per_position_acceptance": [n / spec_steps for n in per_pos] if spec_steps else [],
+            "proposed_draft_tokens": proposed,
+            "accepted_draft_tokens": accepted,
+            "generated_tokens": tok,
+        }
+        out.update(self.extra)
+        return out
+
+
+def _median_timing(runs: list[Timing]) -> Timing:
+    runs = sorted(runs, key=lambda t: t.total_s)
+    return runs[len(runs) // 2]
+
+
+def run_specsplit(name: str, colo, prompts: list[list[int]], new_tokens: int, repeats: int,
+                  k: int | None = None, concurrency: int = 1, progress: Callable[[], None] | None = None) -> ArmResult:
+    """specsplit (target-only or speculative, colocated) over the same SpecDecoder the server uses."""
+    max_num_seqs = max(concurrency, 1)
+    timings: list[Timing] = []
+
+    def one_batch(batch: list[list[int]], tag: str) -> list[Timing]:
+        gen = Generator(colo.decoder, colo.eos_token_ids, max_num_seqs)
+        reqs = [GenerationRequest(f"{tag}-{i}", tuple(p), new_tokens, ignore_eos=True, num_speculative_tokens=k or 0)
+                for i, p in enumerate(batch)]
+        first: dict[str, float] = {}
+        t0 = time.perf_counter()
+        states = [gen.submit(r) for r in reqs]
+        while gen.waiting or gen.running:
+            events = gen.step()
+            now = time.perf_counter()
+            for state, kept in events:
+                if kept and state.request.request_id not in first:
+                    first[state.request.request_id] = now
+        done = time.perf_counter()
+        return [Timing(done - t0, first.get(st.request.request_id, done) - t0, len(st.output), st.proposed,
+                       st.accepted, st.speculative_steps, list(st.accepted_per_position)) for st in states]
+
+    # warm-up (discarded)
+    one_batch(prompts[:1], "warm")
+    if concurrency <= 1:
+        for i, p in enumerate(prompts):
+            runs = [one_batch([p], f"p{i}r{j}")[0] for j in range(repeats)]
+            timings.append(_median_timing(runs))
+            if progress:
+                progress()
+    else:
+        for j in range(repeats):
+            batch = [prompts[(j * concurrency + i) % len(prompts)] for i in range(concurrency)]
+            timings.extend(one_batch(batch, f"c{j}"))
+            if progress:
+                progress()
+    return ArmResult(name, timings, {"concurrency": concurrency, "k": k or 0})
+
+
+def run_hf(name: str, model, prompts: list[list[int]], new_tokens: int, repeats: int, assistant=None,
+           assistant_mode: str | None = None, k: int | None = None, progress=None) -> ArmResult:
+    """transformers generate (optionally assisted generation with `assistant`)."""
+    from transformers.generation.streamers import BaseStreamer
+
+    class FirstToken(BaseStreamer):
+        def __init__(self):
+            self.calls = 0
+            self.first = None
+
+        def put(self, value):
+            self.calls += 1
+            if self.calls == 2 and self.first is None:  # first call carries the prompt
+                self.first = time.perf_counter()
+
+        def end(self):
+            pass
+
+    def once(p: list[int]) -> Timing:
+        ids = torch.tensor([p])
+        kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        if assistant is not None:
+            kwargs["assistant_model"] = assistant
+            assistant.generation_config.num_assistant_tokens = k or 5
+            assistant.generation_config.num_assistant_tokens_schedule = assistant_mode or "constant"
+            assistant.generation_config.assistant_confidence_threshold = 0.0 if assistant_mode == "constant" else 0.4
+        streamer = FirstToken()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(ids, streamer=streamer, **kwargs)
+        total = time.perf_counter() - t0
+        n = out.shape[1] - ids.shape[1]
+        return Timing(total, (streamer.first or t0 + total) - t0, n)
+
+    once(prompts[0])  # warm-up
+    timings = []
+    for p in prompts:
+        timings.append(_median_timing([once(p) for _ in range(repeats)]))
+        if progress:
+            progress()
+    return ArmResult(name, timings, {"concurrency": 1, "k": k or 0})

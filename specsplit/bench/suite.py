@@ -1,0 +1,274 @@
+"""`specsplit bench`: arms side by side in one run on the same held-out ShareGPT prompts.
+
+Suites:
+  target  native target-only vs transformers generate, fp32 and bf16 (the foundation's ratio)
+  spec    target-only baselines, HF assisted generation, specsplit colocated with the model draft
+          and with n-gram for several K, and a concurrency sweep with and without speculation
+  all     both
+Output: a table on stdout, a JSON file and a PNG plot under --out.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from specsplit.bench.arms import ArmResult, run_hf, run_specsplit
+from specsplit.bench.costs import measure_costs, predicted_speedup
+from specsplit.config import EngineConfig, SpecConfig, parse_dtype
+from specsplit.factory import build_colocated
+from specsplit.models.registry import ASSETS_DIR, DRAFT_ALIAS, sharegpt_json_path
+
+log = logging.getLogger(__name__)
+
+
+def heldout_prompts(tokenizer, n: int, max_prompt_tokens: int, chat: bool = True) -> list[list[int]]:
+    """The first n held-out ShareGPT prompts (ids written by the draft's training) that fit."""
+    from specsplit.datasets.sharegpt import load_prompts
+
+    ids_file = ASSETS_DIR / DRAFT_ALIAS / "heldout_ids.json"
+    prompts = load_prompts(sharegpt_json_path())
+    if ids_file.exists():
+        wanted = json.loads(ids_file.read_text())
+        by_id = dict(prompts)
+        chosen = [by_id[i] for i in wanted if i in by_id]
+    else:
+        chosen = [p for _, p in prompts[-200:]]
+    out = []
+    for text in chosen:
+        if chat:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                tokenize=True, return_dict=False)
+        else:
+            ids = tokenizer(text).input_ids
+        if 8 <= len(ids) <= max_prompt_tokens:
+            out.append(list(ids))
+        if len(out) == n:
+            break
+    return out
+
+
+def _hf_models(colo, draft_name: str | None, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(colo.target_model.hf_dir, dtype=dtype).eval()
+    assistant = None
+    if draft_name and draft_name != "ngram" and colo.draft_model is not None:
+        assistant = hf_draft_model(colo.draft_model, target, dtype)
+    return target, assistant
+
+
+def hf_draft_model(draft_loaded, hf_target, dtype):
+    """The same draft as a transformers model (for assisted generation): its own layers from the
+    native model, embedding from the target; the head is the full tied embedding (transformers has
+    no sub-vocabulary head), so HF's draft may also propose tokens outside the FR-Spec subset."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(draft_loaded.hf_dir)
+    native = draft_loaded.model
+    cfg_dir = ASSETS_DIR / DRAFT_ALIAS if (ASSETS_DIR / DRAFT_ALIAS / "config.json").exists() else path
+    cfg = AutoConfig.from_pretrained(cfg_dir)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    sd = model.state_dict()
+    with torch.no_grad():
+        sd["model.embed_tokens.weight"].copy_(native.embed_tokens.weight)
+        sd["model.norm.weight"].copy_(native.norm.weight)
+        for i, layer in enumerate(native.layers):
+            p = f"model.layers.{i}."
+            q, k, v = layer.qkv_proj.weight.split([layer.q_size, layer.kv_size, layer.kv_size])
+            sd[p + "self_attn.q_proj.weight"].copy_(q)
+            sd[p + "self_attn.k_proj.weight"].copy_(k)
+            sd[p + "self_attn.v_proj.weight"].copy_(v)
+            sd[p + "self_attn.o_proj.weight"].copy_(layer.o_proj.weight)
+            gate, up = layer.gate_up_proj.weight.chunk(2)
+            sd[p + "mlp.gate_proj.weight"].copy_(gate)
+            sd[p + "mlp.up_proj.weight"].copy_(up)
+            sd[p + "mlp.down_proj.weight"].copy_(layer.down_proj.weight)
+            sd[p + "input_layernorm.weight"].copy_(layer.input_norm.weight)
+            sd[p + "post_attention_layernorm.weight"].copy_(layer.post_attn_norm.weight)
+    model.tie_weights()
+    return model
+
+
+class Bench:
+    def __init__(self, args):
+        self.args = args
+        self.results: list[dict] = []
+        self.costs: dict = {}
+        self.quick = args.quick
+        self.new_tokens = args.new_tokens or (24 if self.quick else 96)
+        self.repeats = args.repeats or (1 if self.quick else 3)
+        self.num_prompts = args.num_prompts or (2 if self.quick else 6)
+        self.ks = [int(k) for k in (args.ks or ("2,4" if self.quick else "1,2,3,4,6")).split(",")]
+        self.concurrency = [int(c) for c in (args.concurrency or ("1,4" if self.quick else "1,4,16,32")).split(",")]
+        self.bar = None
+
+    def _cfg(self, model: str, dtype: str, max_num_seqs: int = 1) -> EngineConfig:
+        return EngineConfig(model=model, dtype=parse_dtype(dtype), max_model_len=self.args.max_model_len,
+                            max_num_seqs=max_num_seqs, max_prefill_tokens=self.args.max_model_len)
+
+    def _add(self, result: ArmResult, **extra) -> dict:
+        row = result.summary()
+        row.update(extra)
+        self.results.append(row)
+        return row
+
+    def _tick(self):
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def _prompts(self, colo) -> list[list[int]]:
+        if self.args.prompt_token_ids:
+            return [[int(t) for t in self.args.prompt_token_ids.split(",")]] * self.num_prompts
+        return heldout_prompts(colo.tokenizer, self.num_prompts, self.args.max_prompt_tokens, chat=True)
+
+    # ---- suites ------------------------------------------------------------------------------
+    def target_suite(self, dtypes=("fp32", "bf16")) -> None:
+        for dtype in dtypes:
+            colo = build_colocated(self._cfg(self.args.target, dtype), None, SpecConfig(num_speculative_tokens=0),
+                                   show_progress=False)
+            prompts = self._prompts(colo)
+            native = self._add(run_specsplit(f"native target-only {dtype}", colo, prompts, self.new_tokens,
+                                             self.repeats, progress=self._tick), dtype=dtype, suite="target")
+            if not self.args.no_hf:
+                hf, _ = _hf_models(colo, None, parse_dtype(dtype))
+                ref = self._add(run_hf(f"transformers generate {dtype}", hf, prompts, self.new_tokens, self.repeats,
+                                       progress=self._tick), dtype=dtype, suite="target")
+                native["ratio_vs_hf_generate"] = native["tokens_per_s"] / ref["tokens_per_s"]
+                del hf
+            colo.close()
+
+    def spec_suite(self) -> None:
+        a = self.args
+        dtype = a.dtype
+        draft = a.draft
+        base = build_colocated(self._cfg(a.target, dtype), None, SpecConfig(num_speculative_tokens=0), show_progress=False)
+        prompts = self._prompts(base)
+        baseline = self._add(run_specsplit(f"native target-only {dtype}", base, prompts, self.new_tokens,
+                                           self.repeats, progress=self._tick), dtype=dtype, suite="spec")
+        base.close()
+        hf_ref = None
+        for name, k_list in ((draft, self.ks), ("ngram", self.ks)):
+            if name is None:
+                continue
+            colo = build_colocated(self._cfg(a.target, dtype), self._cfg(name, dtype),
+                                   SpecConfig(num_speculative_tokens=max(k_list)), show_progress=False)
+            if name != "ngram":
+                self.costs = measure_costs(colo, prompts[0], self.ks)
+            for k in k_list:
+                row = self._add(run_specsplit(f"specsplit colocated {name} K={k}", colo, prompts, self.new_tokens,
+                                              self.repeats, k=k, progress=self._tick),
+                                dtype=dtype, suite="spec", draft=name)
+                row["speedup_vs_target_only"] = row["tokens_per_s"] / baseline["tokens_per_s"]
+                if name != "ngram" and row["mean_accepted_length"] is not None and self.costs:
+                    row["predicted_speedup"] = predicted_speedup(row["mean_accepted_length"] + 1, k, self.costs)
+            if name != "ngram" and not a.no_hf:
+                hf, assistant = _hf_models(colo, name, parse_dtype(dtype))
+                hf_ref = self._add(run_hf(f"transformers generate {dtype}", hf, prompts, self.new_tokens,
+                                          self.repeats, progress=self._tick), dtype=dtype, suite="spec")
+                for mode, k in (("constant", 3), ("heuristic", 5)):
+                    self._add(run_hf(f"HF assisted {mode} K={k}", hf, prompts, self.new_tokens, self.repeats,
+                                     assistant=assistant, assistant_mode=mode, k=k, progress=self._tick),
+                              dtype=dtype, suite="spec", draft=name)
+                del hf, assistant
+            colo.close()
+        if hf_ref is not None:
+            baseline["ratio_vs_hf_generate"] = baseline["tokens_per_s"] / hf_ref["tokens_per_s"]
+        self.concurrency_sweep(draft or "ngram", dtype, prompts)
+
+    def concurrency_sweep(self, draft: str, dtype: str, prompts) -> None:
+        a = self.args
+        top = max(self.concurrency)
+        k = 3 if draft != "ngram" else 4
+        for spec_on in (False, True):
+            colo = build_colocated(self._cfg(a.target, dtype, top), self._cfg(draft, dtype, top) if spec_on else None,
+                                   SpecConfig(num_speculative_tokens=k if spec_on else 0), show_progress=False)
+            for c in self.concurrency:
+                self._add(run_specsplit(f"concurrency {c} {'spec ' + draft if spec_on else 'target-only'}", colo,
+                                        prompts, self.new_tokens, 1, k=k if spec_on else None, concurrency=c,
+                                        progress=self._tick), dtype=dtype, suite="concurrency", speculation=spec_on)
+            colo.close()
+
+    def total_ticks(self) -> int:
+        per_arm = self.num_prompts
+        n = 0
+        if self.args.suite in ("target", "all"):
+            n += 2 * per_arm * (1 if self.args.no_hf else 2)
+        if self.args.suite in ("spec", "all"):
+            n += per_arm * (1 + 2 * len(self.ks) + (0 if self.args.no_hf else 3))
+            n += 2 * len(self.concurrency)
+        return n
+
+    def run(self) -> dict:
+        t0 = time.time()
+        with tqdm(total=self.total_ticks(), desc="bench", unit="arm-prompt", disable=self.args.no_progress) as bar:
+            self.bar = bar
+            if self.args.suite in ("target", "all"):
+                self.target_suite(("fp32", "bf16") if not self.quick else (self.args.dtype,))
+            if self.args.suite in ("spec", "all"):
+                self.spec_suite()
+        return {
+            "machine": {"platform": platform.platform(), "threads": torch.get_num_threads(),
+                        "torch": torch.__version__},
+            "settings": {"target": self.args.target, "draft": self.args.draft, "new_tokens": self.new_tokens,
+                         "repeats": self.repeats, "num_prompts": self.num_prompts, "ks": self.ks,
+                         "concurrency": self.concurrency, "quick": self.quick, "dtype": self.args.dtype},
+            "costs": self.costs,
+            "arms": self.results,
+            "wall_s": time.time() - t0,
+        }
+
+
+def format_table(report: dict) -> str:
+    cols = [("arm", 40, "{}"), ("tokens_per_s", 9, "{:.1f}"), ("ttft_ms", 8, "{:.0f}"), ("tpot_ms", 8, "{:.1f}"),
+            ("acceptance_rate", 6, "{:.2f}"), ("mean_accepted_length", 6, "{:.2f}"),
+            ("speedup_vs_target_only", 7, "{:.2f}x"), ("predicted_speedup", 7, "{:.2f}x"),
+            ("ratio_vs_hf_generate", 7, "{:.2f}x")]
+    heads = ["arm", "tok/s", "TTFT ms", "TPOT ms", "accept", "acc/st", "speedup", "pred", "vs HF"]
+    lines = ["  ".join(h.ljust(w) for h, (_, w, _) in zip(heads, cols))]
+    for row in report["arms"]:
+        cells = []
+        for key, w, fmt in cols:
+            v = row.get(key)
+            cells.append(("-" if v is None else fmt.format(v)).ljust(w))
+        lines.append("  ".join(cells))
+    if report.get("costs"):
+        c = report["costs"]
+        lines.append(f"draft cost c = {c['c']:.3f} of a target step; verify cost v(k) = "
+                     + ", ".join(f"v({k})={v:.2f}" for k, v in c["v"].items()))
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for draft in sorted({r.get("draft") for r in report["arms"] if r.get("speedup_vs_target_only")}):
+        rows = [r for r in report["arms"] if r.get("draft") == draft and r.get("speedup_vs_target_only")]
+        axes[0].plot([r["k"] for r in rows], [r["speedup_vs_target_only"] for r in rows], marker="o", label=str(draft))
+        pred = [r for r in rows if r.get("predicted_speedup")]
+        if pred:
+            axes[0].plot([r["k"] for r in pred], [r["predicted_speedup"] for r in pred], "--", label=f"{draft} predicted")
+    axes[0].axhline(1.0, color="gray", lw=0.8)
+    axes[0].set(xlabel="K (speculative tokens)", ylabel="speedup vs target-only", title="batch 1")
+    axes[0].legend()
+    for spec_on in (False, True):
+        rows = [r for r in report["arms"] if r.get("suite") == "concurrency" and r.get("speculation") == spec_on]
+        axes[1].plot([r["concurrency"] for r in rows], [r["tokens_per_s"] for r in rows], marker="o",
+                     label="speculative" if spec_on else "target-only")
+    axes[1].set(xlabel="concurrent requests", ylabel="tokens/s (all requests)", title="concurrency", xscale="log")
+    axes[1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
