@@ -161,7 +161,7 @@ class TargetEngine(_EngineBase):
                 r.draft_probs is None or len(r.draft_probs) != len(r.draft_token_ids)
             ):
                 raise EngineError(f"sequence {r.seq_id!r} samples, so it needs q(x) for each draft token")
-            if len(s.tokens) + len(r.draft_token_ids) + 1 > self.runner.max_model_len:
+            if len(s.tokens) + len(r.draft_token_ids) > self.runner.max_model_len:  # KV positions needed
                 raise EngineError(
                     f"sequence {r.seq_id!r}: {len(s.tokens)} tokens + {len(r.draft_token_ids)} drafts "
                     f"pass max_model_len {self.runner.max_model_len}"
@@ -288,7 +288,8 @@ class DraftEngine(_EngineBase):
             self._check_ids(r.seq_id, r.new_token_ids)
             if r.k < 0:
                 raise EngineError(f"sequence {r.seq_id!r}: k must be >= 0, got {r.k}")
-            if len(s.tokens) + len(r.new_token_ids) + r.k > self.runner.max_model_len:
+            # KV positions needed: the context plus k-1 drafts (the last draft is never fed)
+            if len(s.tokens) + len(r.new_token_ids) + max(r.k - 1, 0) > self.runner.max_model_len:
                 raise EngineError(f"sequence {r.seq_id!r}: drafting {r.k} tokens passes max_model_len {self.runner.max_model_len}")
         for r, s in zip(reqs, seqs):
             self._ingest(r.seq_id, s, r.new_token_ids)

@@ -69,10 +69,10 @@ def hf_draft_model(draft_loaded, hf_target, dtype):
     no sub-vocabulary head), so HF's draft may also propose tokens outside the FR-Spec subset."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    path = Path(draft_loaded.hf_dir)
+    from specsplit.models.loader import hf_dir_for
+
     native = draft_loaded.model
-    cfg_dir = ASSETS_DIR / DRAFT_ALIAS if (ASSETS_DIR / DRAFT_ALIAS / "config.json").exists() else path
-    cfg = AutoConfig.from_pretrained(cfg_dir)
+    cfg = AutoConfig.from_pretrained(hf_dir_for(draft_loaded.name, show_progress=False))
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
     sd = model.state_dict()
     with torch.no_grad():
@@ -110,7 +110,7 @@ class Bench:
 
     def _cfg(self, model: str, dtype: str, max_num_seqs: int = 1) -> EngineConfig:
         return EngineConfig(model=model, dtype=parse_dtype(dtype), max_model_len=self.args.max_model_len,
-                            max_num_seqs=max_num_seqs, max_prefill_tokens=self.args.max_model_len)
+                            max_num_seqs=max_num_seqs, max_prefill_tokens=min(512, self.args.max_model_len // 2))
 
     def _add(self, result: ArmResult, **extra) -> dict:
         row = result.summary()

@@ -4,8 +4,6 @@ from __future__ import annotations
 import argparse
 import re
 
-from specsplit.config import EngineConfig, SpecConfig, parse_dtype
-
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
           "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
 
@@ -68,12 +66,25 @@ def add_server_flags(p: argparse.ArgumentParser, default_port: int) -> None:
     g.add_argument("--metrics-port", type=port, default=None, help="serve Prometheus metrics on this port")
 
 
+def check_device(flag: str, dev: str | None) -> None:
+    if dev is not None and not (dev == "cpu" or re.fullmatch(r"cuda(:\d+)?", dev)):
+        raise ValueError(f"{flag} must be cpu or cuda:N, got {dev!r}")
+
+
+def check_address(flag: str, address: str | None) -> None:
+    """HOST:PORT with a non-empty host and a port in [1, 65535] ([v6]:port accepted)."""
+    if address is None:
+        return
+    m = re.fullmatch(r"(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})", address)
+    if not m or not 1 <= int(m.group(2)) <= 65535:
+        raise ValueError(f"{flag} must be HOST:PORT (e.g. 127.0.0.1:50051), got {address!r}")
+
+
 def validate_engine(args) -> None:
     if not 0.0 < args.memory_utilization <= 1.0:
         raise ValueError(f"--memory-utilization must be in (0, 1], got {args.memory_utilization}")
-    dev = getattr(args, "device", "cpu")
-    if not (dev == "cpu" or re.fullmatch(r"cuda(:\d+)?", dev)):
-        raise ValueError(f"--device must be cpu or cuda:N, got {dev!r}")
+    check_device("--device", getattr(args, "device", "cpu"))
+    check_device("--draft-device", getattr(args, "draft_device", None))
     if args.max_prefill_tokens > args.max_model_len:
         args.max_prefill_tokens = args.max_model_len
 
@@ -82,14 +93,20 @@ DEFAULT_K_MODEL = 3
 DEFAULT_K_NGRAM = 4
 
 
-def spec_config(args, draft: str | None) -> SpecConfig:
+def spec_config(args, draft: str | None):
+    from specsplit.config import SpecConfig
+
     k = args.num_speculative_tokens
     if k is None:
         k = 0 if draft is None else (DEFAULT_K_NGRAM if draft == "ngram" else DEFAULT_K_MODEL)
     return SpecConfig(num_speculative_tokens=k, disable_by_batch_size=args.disable_by_batch_size)
 
 
-def engine_config(args, model: str, device: str | None = None) -> EngineConfig:
+def engine_config(args, model: str, device: str | None = None):
+    # Imported here: the parser (and `specsplit health`, a container healthcheck) must not pay
+    # for importing torch.
+    from specsplit.config import EngineConfig, parse_dtype
+
     return EngineConfig(
         model=model,
         device=device or args.device,

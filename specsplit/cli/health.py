@@ -21,6 +21,12 @@ def check(address: str, service: str = "", timeout: float = 3.0) -> str:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
 
+def validate(args) -> None:
+    from specsplit.cli.common import check_address
+
+    check_address("address", args.address)
+
+
 def run(args) -> int:
     status = check(args.address, args.service, args.timeout)
     print(f"{args.address}{' ' + args.service if args.service else ''}: {status}")

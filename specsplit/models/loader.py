@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -161,8 +163,10 @@ def gguf_to_hf_dir(gguf_path: Path, show_progress: bool = True) -> Path:
     log.info("converting %s to a Hugging Face directory in %s (first use only)", gguf_path.name, out)
     if show_progress:
         print(f"specsplit: dequantizing {gguf_path.name} once into {out} ...", flush=True)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # A private temp dir, renamed into place: concurrent converters (containers sharing a
+    # volume may even share PIDs) never write the same directory.
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp", dir=out.parent))
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     hf = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     config = hf.config.to_dict()
@@ -174,12 +178,13 @@ def gguf_to_hf_dir(gguf_path: Path, show_progress: bool = True) -> Path:
     save_file(state, str(tmp / "model.safetensors"))
     tokenizer.save_pretrained(tmp)
     del hf, state
-    if out.exists():  # another process finished first
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-    else:
+    try:
         os.replace(tmp, out)
+    except OSError:
+        if not (out / "config.json").exists():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # only left when another process finished first
     return out
 
 

@@ -1,0 +1,37 @@
+"""`specsplit bench --quick` on a tiny random pair: every field present, acceptance consistent."""
+from __future__ import annotations
+
+import json
+
+from specsplit.cli import main
+
+FIELDS = {"arm", "tokens_per_s", "ttft_ms", "tpot_ms", "acceptance_rate", "mean_accepted_length",
+          "per_position_acceptance", "proposed_draft_tokens", "accepted_draft_tokens", "generated_tokens"}
+
+
+def test_bench_quick_json(tmp_path, tiny_llama, tiny_draft_close):
+    out = tmp_path / "bench"
+    rc = main(["bench", "all", "--quick", "--target", str(tiny_llama), "--draft", str(tiny_draft_close),
+               "--prompt-token-ids", "5,6,7,8,5,6,7,8,9", "--max-model-len", "128", "--new-tokens", "12",
+               "--no-progress", "--out", str(out)])
+    assert rc == 0
+    report = json.loads((out / "bench.json").read_text())
+    assert (out / "bench.png").stat().st_size > 0
+    arms = report["arms"]
+    names = [a["arm"] for a in arms]
+    for needle in ("native target-only", "transformers generate", "HF assisted constant", "HF assisted heuristic",
+                   "specsplit colocated ngram K=2", "concurrency 4 spec"):
+        assert any(needle in n for n in names), (needle, names)
+    for a in arms:
+        assert FIELDS <= set(a), (a["arm"], FIELDS - set(a))
+        assert a["tokens_per_s"] > 0 and a["generated_tokens"] > 0
+        if a["proposed_draft_tokens"]:
+            assert a["acceptance_rate"] == a["accepted_draft_tokens"] / a["proposed_draft_tokens"]
+            assert 0 <= a["acceptance_rate"] <= 1
+            assert len(a["per_position_acceptance"]) >= 1
+            assert all(0 <= x <= 1 for x in a["per_position_acceptance"])
+        elif a["arm"].startswith("specsplit colocated"):
+            raise AssertionError(f"{a['arm']} proposed nothing")
+    spec = [a for a in arms if a["arm"].startswith("specsplit colocated") and a.get("draft") != "ngram"]
+    assert spec and all("speedup_vs_target_only" in a and "predicted_speedup" in a for a in spec)
+    assert {"c", "v", "target_step_ms"} <= set(report["costs"])
