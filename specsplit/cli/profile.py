@@ -1,7 +1,17 @@
-"""`specsplit profile`: the memory plan without serving."""
+"""`specsplit profile`: the memory plan without serving.
+
+Loads the model(s), measures weights and the activation peak of a profile run exactly as the
+services do at start-up, sizes the KV cache(s) from the budget and prints the plan; no cache is
+allocated. --colocated: both models in one process with one joint budget (as `specsplit serve`);
+otherwise each service (verifier, drafter) on its own budget and device (as `specsplit verifier`
+and `specsplit drafter`). A budget too small for the weights or for one --max-model-len sequence
+exits 1 with the numbers.
+"""
 from __future__ import annotations
 
-from specsplit.cli.common import add_engine_flags, add_spec_flags, validate_engine
+import sys
+
+from specsplit.cli.common import add_engine_flags, add_spec_flags, engine_config, spec_config, validate_engine
 
 
 def add_arguments(p, name: str) -> None:
@@ -19,4 +29,18 @@ def validate(args) -> None:
 
 
 def run(args) -> int:
-    raise RuntimeError("`specsplit profile` is not implemented yet (memory profiler issue)")
+    from specsplit.factory import plan_memory, set_threads
+
+    set_threads(args.threads)
+    target = engine_config(args, args.target)
+    draft = engine_config(args, args.draft, args.draft_device) if args.draft else None
+    spec = spec_config(args, args.draft)
+    plan = plan_memory(target, draft, spec, colocated=args.colocated, show_progress=not args.json)
+    if args.json:
+        print(plan.to_json())
+    else:
+        mode = "joint budget (colocated)" if plan.joint else "one budget per service"
+        print(f"memory plan, {mode}:", file=sys.stdout)
+        for line in plan.log_lines():
+            print("  " + line)
+    return 0

@@ -24,5 +24,6 @@ def validate(args) -> None:
 
 def run(args) -> int:
     from gateway.app import run_colocated
+    from gateway.serving import exit_now
 
-    return run_colocated(args)
+    exit_now(run_colocated(args))

@@ -1,7 +1,7 @@
 """`specsplit drafter | verifier | gateway`: one gRPC service per process."""
 from __future__ import annotations
 
-from specsplit.cli.common import add_engine_flags, add_server_flags, add_spec_flags, positive_int, validate_engine
+from specsplit.cli.common import add_engine_flags, add_server_flags, add_spec_flags, check_address, positive_int, validate_engine
 
 DEFAULT_PORTS = {"drafter": 50061, "verifier": 50062, "gateway": 50051}
 
@@ -14,7 +14,7 @@ def add_arguments(p, name: str) -> None:
     else:
         p.add_argument("--drafter", default=None, metavar="HOST:PORT", help="drafter service (omit for target-only)")
         p.add_argument("--verifier", required=True, metavar="HOST:PORT", help="verifier service")
-        p.add_argument("--max-num-seqs", type=int, default=32)
+        p.add_argument("--max-num-seqs", type=positive_int, default=32, help="most sequences in one batch")
         p.add_argument("--max-queue", type=int, default=64, help="waiting requests before RESOURCE_EXHAUSTED")
         p.add_argument("--tokenizer", default=None,
                        help="tokenizer directory (default: the one the verifier reports; set it when the verifier runs on another host)")
@@ -33,16 +33,13 @@ def validate(args) -> None:
     if args.command in ("drafter", "verifier"):
         validate_engine(args)
     else:
-        positive_int(str(args.max_num_seqs))
         if args.max_queue < 0:
             raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
         for flag in ("drafter_timeout", "verifier_timeout", "connect_timeout"):
             if getattr(args, flag) <= 0:
                 raise ValueError(f"--{flag.replace('_', '-')} must be positive")
-        for flag in ("drafter", "verifier"):
-            addr = getattr(args, flag)
-            if addr is not None and ":" not in addr:
-                raise ValueError(f"--{flag} must be HOST:PORT, got {addr!r}")
+        check_address("--drafter", args.drafter)
+        check_address("--verifier", args.verifier)
 
 
 def run(args) -> int:
@@ -52,4 +49,6 @@ def run(args) -> int:
         from verifier_svc.service import main
     else:
         from gateway.app import run_split as main
-    return main(args)
+    from gateway.serving import exit_now
+
+    exit_now(main(args))

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 
-from specsplit.cli.common import add_engine_flags, add_server_flags, add_spec_flags, port, validate_engine
+from specsplit.cli.common import add_engine_flags, add_server_flags, add_spec_flags, port, spec_config, validate_engine
 
 
 def add_arguments(p, name: str) -> None:
@@ -51,10 +51,9 @@ def _engine_flags(args, device: str) -> list[str]:
 
 
 def _spec_flags(args) -> list[str]:
-    out = ["--disable-by-batch-size", str(args.disable_by_batch_size)]
-    if args.num_speculative_tokens is not None:
-        out += ["--num-speculative-tokens", str(args.num_speculative_tokens)]
-    return out
+    # K decided here from the draft argument, so the gateway need not wait for the drafter to learn it.
+    k = spec_config(args, args.draft).num_speculative_tokens
+    return ["--disable-by-batch-size", str(args.disable_by_batch_size), "--num-speculative-tokens", str(k)]
 
 
 def commands(args, drafter_port: int, verifier_port: int) -> dict[str, list[str]]:
@@ -77,18 +76,20 @@ def commands(args, drafter_port: int, verifier_port: int) -> dict[str, list[str]
 
 
 def stop_all(procs: dict[str, subprocess.Popen], timeout: float) -> None:
-    """SIGTERM in order (gateway first, so it drains while the engines are still up), then kill."""
-    for name in ("gateway", "drafter", "verifier"):
-        p = procs.get(name)
-        if p is None or p.poll() is not None:
-            continue
-        p.send_signal(signal.SIGTERM)
-        try:
-            p.wait(timeout)
-        except subprocess.TimeoutExpired:
-            print(f"specsplit up: {name} did not stop in {timeout:.0f}s; killing it", file=sys.stderr)
-            p.kill()
-            p.wait(5)
+    """SIGTERM the gateway first (it drains while the engines are still up), then the drafter and
+    the verifier together; kill whatever has not exited after `timeout`."""
+    for group in (("gateway",), ("drafter", "verifier")):
+        live = {n: procs[n] for n in group if n in procs and procs[n].poll() is None}
+        for p in live.values():
+            p.send_signal(signal.SIGTERM)
+        end = time.monotonic() + timeout
+        for name, p in live.items():
+            try:
+                p.wait(max(0.1, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                print(f"specsplit up: {name} did not stop in {timeout:.0f}s; killing it", file=sys.stderr)
+                p.kill()
+                p.wait(5)
 
 
 def run(args) -> int:

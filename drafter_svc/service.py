@@ -1,0 +1,57 @@
+"""drafter_svc: a draft model (or the n-gram proposer, --model ngram) behind a thin grpc.aio
+servicer. Session messages map one to one onto the Drafter protocol (add, propose,
+finish_step, release); the servicer converts and calls the engine, nothing else.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from gateway import wire
+from gateway.engine_service import info_pb, log_startup, serve
+from gateway.engines import BuiltEngine, build_engine
+from gateway.sessions import PeerSession, SessionHost
+from protos.specsplit.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
+
+
+class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
+    def __init__(self, built: BuiltEngine, threads: int = 0):
+        self.built = built
+        self.host = SessionHost("drafter", built.engine, threads)
+
+    def _handle(self, session: PeerSession, req: drafter_pb2.DrafterRequest) -> drafter_pb2.DrafterResponse:
+        engine, kind = self.built.engine, req.WhichOneof("kind")
+        if kind == "add":
+            self.host.add(session, wire.seq_adds_from_pb(req.add, session.to_engine))
+            return drafter_pb2.DrafterResponse(id=req.id, ack=common_pb2.Ack())
+        if kind == "propose":
+            proposals = engine.propose(wire.propose_from_pb(req.propose, session.to_engine))
+            return drafter_pb2.DrafterResponse(id=req.id, proposals=wire.proposals_to_pb(proposals, session.from_engine))
+        if kind == "finish_step":
+            rows = engine.finish_step(wire.finish_step_from_pb(req.finish_step, session.to_engine))
+            return drafter_pb2.DrafterResponse(id=req.id, rows=drafter_pb2.QRows(rows=wire.rows_to_pb(rows, session.from_engine)))
+        if kind == "release":
+            self.host.release(session, [session.to_engine(s) for s in req.release.seq_ids])
+            return drafter_pb2.DrafterResponse(id=req.id, ack=common_pb2.Ack())
+        raise wire.EngineError("empty DrafterRequest: set add, propose, finish_step or release")
+
+    async def Session(self, request_iterator, context):
+        async for resp in self.host.session(request_iterator, context, self._handle, drafter_pb2.DrafterResponse):
+            yield resp
+
+    async def GetInfo(self, request, context):
+        return info_pb(self.built, "drafter", self.host)
+
+
+def main(args) -> int:
+    from specsplit.factory import set_threads
+
+    set_threads(args.threads)
+    built = build_engine(args, "drafter")
+    log_startup("drafter", built)
+    servicer = DrafterServicer(built, args.threads)
+    return asyncio.run(serve("drafter", servicer, drafter_pb2_grpc.add_DrafterServicer_to_server, SERVICE_NAME, args))

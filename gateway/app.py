@@ -1,0 +1,237 @@
+"""Assemble and run a gateway: split (gRPC clients to a drafter and a verifier) or colocated
+(the engines in this process, from specsplit.factory.build_colocated). Both run the same
+scheduler and the same public service; only the decoder's verifier and drafter differ.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+from gateway import metrics
+from gateway.clients import GrpcDrafter, GrpcVerifier
+from gateway.engines import plan_to_dict, static_plan
+from gateway.scheduler import Scheduler
+from gateway.service import SERVICE_NAME, GatewayServicer, Limits, Tokenizer
+from gateway.serving import Server, wait_until
+from protos.specsplit.v1 import gateway_pb2, gateway_pb2_grpc
+from specsplit.cli.common import DEFAULT_K_MODEL, DEFAULT_K_NGRAM
+from specsplit.config import SpecConfig
+from specsplit.spec import SpecDecoder
+
+log = logging.getLogger(__name__)
+
+UNKNOWN = "unknown"
+
+
+@dataclass
+class Gateway:
+    decoder: SpecDecoder
+    tokenizer: Tokenizer
+    eos_token_ids: tuple[int, ...]
+    limits: Limits
+    max_num_seqs: int
+    max_queue: int
+    mode: str
+    target_model: str
+    draft_model: str
+    services: Callable[[], Awaitable[list[gateway_pb2.ServiceStatus]]]
+    timing_sources: list = field(default_factory=list)
+
+
+def _kv_pb(kv) -> gateway_pb2.KvBlocks:
+    return gateway_pb2.KvBlocks(paged=kv.paged, num_blocks=kv.num_blocks, free_blocks=kv.free_blocks, block_size=kv.block_size)
+
+
+async def run(gw: Gateway, args) -> int:
+    scheduler = Scheduler(gw.decoder, gw.tokenizer.decode, gw.eos_token_ids, gw.max_num_seqs, gw.max_queue,
+                          timing_sources=gw.timing_sources)
+    spec = gw.decoder.spec
+
+    async def server_info() -> gateway_pb2.ServerInfo:
+        services = await gw.services()
+        draft_model = gw.draft_model
+        if draft_model == UNKNOWN:  # the drafter was not up when the gateway started
+            draft_model = next((s.model for s in services if s.name == "drafter" and s.reachable), UNKNOWN)
+            gw.draft_model = draft_model
+        return gateway_pb2.ServerInfo(
+            mode=gw.mode, target_model=gw.target_model, draft_model=draft_model,
+            num_speculative_tokens=spec.num_speculative_tokens if gw.decoder.drafter is not None else 0,
+            disable_by_batch_size=spec.disable_by_batch_size, max_model_len=gw.limits.max_model_len,
+            max_num_seqs=gw.max_num_seqs, max_queue=gw.max_queue, vocab_size=gw.limits.vocab_size,
+            eos_token_ids=gw.eos_token_ids, drafter_up=gw.decoder.drafter_up,
+            num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+            services=services,
+        )
+
+    servicer = GatewayServicer(scheduler, gw.tokenizer, gw.limits, server_info)
+    server = Server("gateway", args.host, args.port, [SERVICE_NAME])
+    gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server.server)
+    scheduler.start()
+    await server.start(metrics_port=args.metrics_port)
+    log.info("gateway (%s): target %s, draft %s, K=%d, disable_by_batch_size=%d, max_num_seqs %d, max_queue %d, "
+             "max_model_len %d", gw.mode, gw.target_model, gw.draft_model or "none",
+             spec.num_speculative_tokens if gw.decoder.drafter is not None else 0, spec.disable_by_batch_size,
+             gw.max_num_seqs, gw.max_queue, gw.limits.max_model_len)
+
+    async def drain():
+        servicer.draining = True
+        if not await wait_until(lambda: scheduler.inflight == 0, args.drain_timeout):
+            log.warning("gateway: %d requests still live after %.0fs; aborting them", scheduler.inflight, args.drain_timeout)
+            scheduler.abort_all("abort")
+            await wait_until(lambda: scheduler.inflight == 0, 2.0)
+
+    rc = await server.run_until_signal(drain)
+    scheduler.stop()
+    return rc
+
+
+# ---- split mode ------------------------------------------------------------------------------
+def _status_from_info(name: str, address: str, info) -> gateway_pb2.ServiceStatus:
+    return gateway_pb2.ServiceStatus(
+        name=name, address=address, reachable=True, model=info.model, device=info.device, dtype=info.dtype,
+        max_model_len=info.max_model_len, num_running=info.num_running, kv=_kv_pb(info.kv),
+        memory_plan_json=info.memory_plan_json,
+    )
+
+
+async def _peer_status(client, name: str) -> gateway_pb2.ServiceStatus:
+    loop = asyncio.get_running_loop()
+    try:
+        info = await loop.run_in_executor(None, lambda: client.info(timeout=2.0))
+    except Exception as e:
+        detail = e.details() if hasattr(e, "details") else str(e)
+        return gateway_pb2.ServiceStatus(name=name, address=client.address, reachable=False, error=str(detail))
+    return _status_from_info(name, client.address, info)
+
+
+def _wait_for_verifier(verifier: GrpcVerifier, timeout: float):
+    end = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < end:
+        try:
+            return verifier.info(timeout=min(10.0, max(0.1, end - time.monotonic())), wait_for_ready=True)
+        except Exception as e:  # not up yet: keep waiting until the deadline
+            last = e
+            time.sleep(0.2)
+    detail = last.details() if hasattr(last, "details") else last
+    raise RuntimeError(f"the verifier at {verifier.address} did not answer within {timeout:.0f}s: {detail}")
+
+
+def build_split(args) -> Gateway:
+    from specsplit.models.loader import load_tokenizer
+
+    verifier = GrpcVerifier(args.verifier, timeout=args.verifier_timeout)
+    log.info("gateway: waiting for the verifier at %s (up to %.0fs)", args.verifier, args.connect_timeout)
+    vinfo = _wait_for_verifier(verifier, args.connect_timeout)
+    verifier.vocab_size = vinfo.vocab_size
+    log.info("gateway: verifier serves %s (vocab %d, max_model_len %d, max_num_seqs %d, KV %d/%d blocks free)",
+             vinfo.model, vinfo.vocab_size, vinfo.max_model_len, vinfo.max_num_seqs, vinfo.kv.free_blocks, vinfo.kv.num_blocks)
+    tok_dir = args.tokenizer or vinfo.tokenizer_dir
+    log.info("gateway: tokenizer from %s%s", tok_dir, "" if args.tokenizer else " (reported by the verifier)")
+    tokenizer = Tokenizer(load_tokenizer(tok_dir))
+
+    drafter = None
+    draft_model = ""
+    if args.drafter:
+        drafter = GrpcDrafter(args.drafter, timeout=args.drafter_timeout)
+        try:
+            dinfo = drafter.info(timeout=args.drafter_timeout, wait_for_ready=True)
+            draft_model = dinfo.model
+            if dinfo.vocab_size and dinfo.vocab_size != vinfo.vocab_size:
+                raise ValueError(f"the drafter's vocabulary ({dinfo.vocab_size}) differs from the verifier's "
+                                 f"({vinfo.vocab_size}); they must share a tokenizer")
+            log.info("gateway: drafter at %s serves %s", args.drafter, dinfo.model)
+        except ValueError:
+            raise
+        except Exception as e:
+            log.warning("gateway: drafter at %s not reachable yet (%s); target-only until it answers", args.drafter,
+                        e.details() if hasattr(e, "details") else e)
+    k = args.num_speculative_tokens
+    if k is None:
+        k = 0 if drafter is None else (DEFAULT_K_NGRAM if draft_model == "ngram" else DEFAULT_K_MODEL)
+    spec = SpecConfig(num_speculative_tokens=k, disable_by_batch_size=args.disable_by_batch_size)
+    decoder = SpecDecoder(verifier, drafter if k > 0 else None, spec, max_model_len=vinfo.max_model_len)
+    max_num_seqs = args.max_num_seqs
+    if vinfo.max_num_seqs and max_num_seqs > vinfo.max_num_seqs:
+        log.warning("gateway: --max-num-seqs %d exceeds the verifier's %d (its KV cache is sized for that); using %d",
+                    max_num_seqs, vinfo.max_num_seqs, vinfo.max_num_seqs)
+        max_num_seqs = vinfo.max_num_seqs
+
+    async def services():
+        out = [await _peer_status(verifier, "verifier")]
+        if drafter is not None:
+            out.append(await _peer_status(drafter, "drafter"))
+        return out
+
+    return Gateway(
+        decoder=decoder, tokenizer=tokenizer, eos_token_ids=tuple(vinfo.eos_token_ids),
+        limits=Limits(vinfo.vocab_size, vinfo.max_model_len), max_num_seqs=max_num_seqs, max_queue=args.max_queue,
+        mode="split", target_model=vinfo.model, draft_model=draft_model or (UNKNOWN if args.drafter else ""),
+        services=services, timing_sources=[c for c in (verifier, drafter) if c is not None],
+    )
+
+
+def run_split(args) -> int:
+    import torch
+
+    torch.set_num_threads(1)  # the gateway computes nothing heavy
+    gw = build_split(args)
+    return asyncio.run(run(gw, args))
+
+
+# ---- colocated mode --------------------------------------------------------------------------
+def build_colocated_gateway(args) -> Gateway:
+    from specsplit.cli.common import engine_config, spec_config
+    from specsplit.factory import build_colocated
+
+    target = engine_config(args, args.target)
+    draft = engine_config(args, args.draft, args.draft_device) if args.draft else None
+    spec = spec_config(args, args.draft)
+    colo = build_colocated(target, draft, spec, show_progress=False)
+    cfg = colo.target_model.config
+    metrics.watch_kv("verifier", colo.target)
+    if colo.drafter is not None:
+        metrics.watch_kv("drafter", colo.drafter)
+    joint = plan_to_dict(colo)
+    lookahead = spec.num_speculative_tokens + 1
+    engines = [("verifier", colo.target, target, args.target)]
+    if colo.drafter is not None:
+        engines.append(("drafter", colo.drafter, draft, args.draft))
+    plans = {name: (joint or static_plan(engine, c, lookahead)) for name, engine, c, _ in engines}
+    for name, engine, c, model in engines:
+        bm = getattr(engine, "block_manager", None)
+        log.info("serve: %s %s on %s, KV %s", name, model, c.device,
+                 f"{bm.num_blocks} blocks x {bm.block_size} tokens" if bm else "none")
+
+    async def services():
+        out = []
+        for name, engine, c, model in engines:
+            bm = getattr(engine, "block_manager", None)
+            kv = gateway_pb2.KvBlocks(paged=bm is not None)
+            if bm is not None:
+                kv = gateway_pb2.KvBlocks(paged=True, num_blocks=bm.num_blocks, free_blocks=bm.num_free_blocks,
+                                          block_size=bm.block_size)
+            out.append(gateway_pb2.ServiceStatus(
+                name=name, reachable=True, model=model, device=str(c.device), dtype=str(c.dtype).replace("torch.", ""),
+                max_model_len=c.max_model_len, num_running=engine.num_running, kv=kv,
+                memory_plan_json=json.dumps(plans[name], sort_keys=True),
+            ))
+        return out
+
+    return Gateway(
+        decoder=colo.decoder, tokenizer=Tokenizer(colo.tokenizer), eos_token_ids=tuple(colo.eos_token_ids),
+        limits=Limits(cfg.vocab_size, args.max_model_len), max_num_seqs=args.max_num_seqs, max_queue=args.max_queue,
+        mode="colocated", target_model=args.target, draft_model=args.draft or "", services=services,
+    )
+
+
+def run_colocated(args) -> int:
+    from specsplit.factory import set_threads
+
+    set_threads(args.threads)
+    gw = build_colocated_gateway(args)
+    return asyncio.run(run(gw, args))

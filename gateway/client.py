@@ -1,0 +1,93 @@
+"""`specsplit generate --server HOST:PORT`: stream one generation from a gateway.
+
+Prints text as it arrives (and a summary line on stderr), or with --json the same object as the
+local mode: token_ids, text, finish_reason, usage.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Iterator
+
+import grpc
+
+from protos.specsplit.v1 import gateway_pb2, gateway_pb2_grpc
+
+
+def request_from_args(args) -> gateway_pb2.GenerateRequest:
+    from specsplit.cli.generate import parse_ids
+
+    if getattr(args, "chat", False):
+        raise ValueError("--chat needs the tokenizer's chat template; with --server send the templated prompt text")
+    req = gateway_pb2.GenerateRequest(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        ignore_eos=args.ignore_eos,
+    )
+    if args.prompt_token_ids is not None:
+        req.prompt_token_ids.extend(parse_ids(args.prompt_token_ids))
+    else:
+        req.prompt = args.prompt
+    if args.seed is not None:
+        req.seed = args.seed
+    for s in getattr(args, "stop", None) or []:
+        req.stop.append(s)
+    k = args.num_speculative_tokens
+    if k == 0:
+        req.speculation.disable = True
+    elif k:
+        req.speculation.num_speculative_tokens = k
+    return req
+
+
+def stream(address: str, request: gateway_pb2.GenerateRequest, timeout: float | None = None) -> Iterator[gateway_pb2.GenerateResponse]:
+    with grpc.insecure_channel(address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        yield from stub.Generate(request, timeout=timeout, wait_for_ready=False)
+
+
+def collect(responses) -> dict:
+    """Responses -> the local mode's JSON object."""
+    ids: list[int] = []
+    text: list[str] = []
+    finish, usage = None, None
+    for r in responses:
+        ids.extend(r.token_ids)
+        text.append(r.text)
+        if r.finish_reason:
+            finish = r.finish_reason
+            usage = {
+                "prompt_tokens": r.usage.prompt_tokens,
+                "completion_tokens": r.usage.completion_tokens,
+                "proposed_draft_tokens": r.usage.proposed_draft_tokens,
+                "accepted_draft_tokens": r.usage.accepted_draft_tokens,
+            }
+    return {"token_ids": ids, "text": "".join(text), "finish_reason": finish, "usage": usage}
+
+
+def generate_over_grpc(args) -> int:
+    request = request_from_args(args)
+    t0 = time.perf_counter()
+    first = None
+    try:
+        if args.json:
+            print(json.dumps(collect(stream(args.server, request, args.timeout))))
+            return 0
+        last = None
+        for r in stream(args.server, request, args.timeout):
+            if first is None:
+                first = time.perf_counter() - t0
+            sys.stdout.write(r.text)
+            sys.stdout.flush()
+            last = r
+    except grpc.RpcError as e:
+        print(f"\nspecsplit generate: {args.server}: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    dt = time.perf_counter() - t0
+    if last is not None and last.finish_reason:
+        u = last.usage
+        acc = (f", acceptance {u.accepted_draft_tokens / u.proposed_draft_tokens:.2f} "
+               f"({u.accepted_draft_tokens}/{u.proposed_draft_tokens} drafts)") if u.proposed_draft_tokens else ""
+        print(f"\n[{u.completion_tokens} tokens in {dt:.2f}s = {u.completion_tokens / dt:.1f} tok/s, first after "
+              f"{first:.2f}s{acc}; finish={last.finish_reason}]", file=sys.stderr)
+    return 0

@@ -1,0 +1,96 @@
+"""`make demo`: start the split services (`specsplit up`), stream one speculative generation
+through the gateway, print the tokens as they arrive and the acceptance rate, stop everything.
+
+    python -m gateway.demo [--target smollm2-135m] [--draft ngram] [--max-tokens 96] [--port 0]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+
+from protos.specsplit.v1 import gateway_pb2, gateway_pb2_grpc
+
+PROMPT = (
+    "Here is a Python function that adds two numbers:\n"
+    "```python\ndef add(a, b):\n    \"\"\"Return the sum of a and b.\"\"\"\n    return a + b\n```\n"
+    "Here is the same function for multiplication:\n```python\n"
+)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--draft", default="ngram")
+    p.add_argument("--prompt", default=PROMPT)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--port", type=int, default=0, help="gateway port (0 = a free one)")
+    p.add_argument("--max-model-len", type=int, default=1024)
+    args = p.parse_args(argv)
+    from specsplit.cli.up import free_port
+    from specsplit.cli.health import check
+
+    port = args.port or free_port()
+    address = f"127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "specsplit.cli", "--log-level", "WARNING", "up", "--target", args.target, "--draft",
+           args.draft, "--port", str(port), "--max-model-len", str(args.max_model_len), "--max-num-seqs", "4"]
+    print(f"$ specsplit up --target {args.target} --draft {args.draft} --port {port}", flush=True)
+    up = subprocess.Popen(cmd, env=os.environ.copy())
+    try:
+        t0 = time.monotonic()
+        while check(address, timeout=1.0) != "SERVING":
+            if up.poll() is not None:
+                print(f"demo: specsplit up exited with {up.returncode}", file=sys.stderr)
+                return 1
+            if time.monotonic() - t0 > 600:
+                print("demo: the services did not come up in 600 s", file=sys.stderr)
+                return 1
+            time.sleep(0.5)
+        with grpc.insecure_channel(address) as ch:
+            stub = gateway_pb2_grpc.GatewayStub(ch)
+            info = stub.GetServerInfo(gateway_pb2.GetServerInfoRequest(), timeout=10)
+            print(f"\n[{info.mode}: target {info.target_model}, draft {info.draft_model or 'none'}, "
+                  f"K={info.num_speculative_tokens}, max_model_len {info.max_model_len}]")
+            for s in info.services:
+                kv = f"{s.kv.free_blocks}/{s.kv.num_blocks} KV blocks free" if s.kv.paged else "no KV cache"
+                print(f"  {s.name:8s} {s.address:21s} {s.model} on {s.device or '-'}: {kv}")
+            print(f"\nprompt: {json.dumps(args.prompt)}\n" + "-" * 72)
+            req = gateway_pb2.GenerateRequest(prompt=args.prompt, max_tokens=args.max_tokens, top_p=1.0)
+            t1 = time.perf_counter()
+            first = None
+            last = None
+            for msg in stub.Generate(req, timeout=600):
+                if first is None:
+                    first = time.perf_counter() - t1
+                sys.stdout.write(msg.text)
+                sys.stdout.flush()
+                last = msg
+            dt = time.perf_counter() - t1
+        u = last.usage
+        rate = u.accepted_draft_tokens / u.proposed_draft_tokens if u.proposed_draft_tokens else 0.0
+        print("\n" + "-" * 72)
+        print(f"{u.completion_tokens} tokens in {dt:.2f}s ({u.completion_tokens / dt:.1f} tok/s, first after "
+              f"{first:.2f}s), finish={last.finish_reason}")
+        print(f"acceptance rate {rate:.2f}: {u.accepted_draft_tokens} of {u.proposed_draft_tokens} drafted tokens accepted")
+        return 0
+    except grpc.RpcError as e:
+        print(f"\ndemo: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    finally:
+        if up.poll() is None:
+            up.send_signal(signal.SIGTERM)
+            try:
+                up.wait(60)
+            except subprocess.TimeoutExpired:
+                up.kill()
+        print("[services stopped]")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Prometheus metrics of every specsplit service (one process = one registry, the default one).
+
+Served over HTTP by `start_metrics_server` when a service gets --metrics-port. Names:
+
+  specsplit_requests_total{outcome}                 gateway: length, stop, abort, cancelled, or a status code
+  specsplit_prompt_tokens_total, specsplit_generation_tokens_total
+  specsplit_draft_tokens_proposed_total, specsplit_draft_tokens_accepted_total
+  specsplit_draft_position_proposed_total{position}, specsplit_draft_position_accepted_total{position}
+                                                    acceptance per draft position = accepted / proposed
+  specsplit_step_seconds{phase}                     gateway: draft, verify (engine time), network, total
+  specsplit_sequences{service,state}                running / waiting sequences
+  specsplit_drafter_up                              gateway: 0 while decoding target-only after a drafter failure
+  specsplit_engine_seconds{service,op}              drafter / verifier: engine time per session message
+  specsplit_kv_blocks{service,state}                used / free KV blocks of every engine in the process
+"""
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, disable_created_metrics, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+
+log = logging.getLogger(__name__)
+disable_created_metrics()  # no *_created series: counters and histograms only
+
+_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+REQUESTS = Counter("specsplit_requests", "Generate requests by outcome", ["outcome"])
+PROMPT_TOKENS = Counter("specsplit_prompt_tokens", "Prompt tokens of admitted requests")
+GENERATION_TOKENS = Counter("specsplit_generation_tokens", "Tokens streamed to clients")
+DRAFT_PROPOSED = Counter("specsplit_draft_tokens_proposed", "Draft tokens sent to the verifier")
+DRAFT_ACCEPTED = Counter("specsplit_draft_tokens_accepted", "Draft tokens the verifier accepted")
+POSITION_PROPOSED = Counter("specsplit_draft_position_proposed", "Drafts proposed at each position", ["position"])
+POSITION_ACCEPTED = Counter("specsplit_draft_position_accepted", "Drafts accepted at each position", ["position"])
+STEP_SECONDS = Histogram("specsplit_step_seconds", "Step latency by phase", ["phase"], buckets=_STEP_BUCKETS)
+SEQUENCES = Gauge("specsplit_sequences", "Sequences by state", ["service", "state"])
+DRAFTER_UP = Gauge("specsplit_drafter_up", "1 while speculation can use the drafter")
+ENGINE_SECONDS = Histogram("specsplit_engine_seconds", "Engine time per session message", ["service", "op"],
+                           buckets=_STEP_BUCKETS)
+
+
+class KvCollector:
+    """Reads used / free blocks of each engine's block manager at scrape time."""
+
+    def __init__(self):
+        self.engines: dict[str, object] = {}
+
+    def collect(self):
+        g = GaugeMetricFamily("specsplit_kv_blocks", "KV cache blocks by state", labels=["service", "state"])
+        for name, engine in list(self.engines.items()):
+            bm = getattr(engine, "block_manager", None)
+            if bm is None:
+                continue
+            g.add_metric([name, "used"], bm.num_used_blocks)
+            g.add_metric([name, "free"], bm.num_free_blocks)
+        yield g
+
+
+KV = KvCollector()
+REGISTRY.register(KV)
+
+
+def watch_kv(name: str, engine) -> None:
+    KV.engines[name] = engine
+
+
+def start_metrics_server(host: str, port: int | None) -> None:
+    if port is None:
+        return
+    start_http_server(port, addr=host)
+    log.info("Prometheus metrics on http://%s:%d/metrics", host, port)

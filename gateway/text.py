@@ -1,0 +1,56 @@
+"""Incremental detokenization and stop strings for one streamed request.
+
+Text is decoded from a short window of tokens (the vLLM offsets trick): the delta of a new token
+is decode(ids[prefix:]) minus decode(ids[prefix:read]), so tokenizers that drop a leading space
+at the start of a decode, or split a character over several byte tokens, stream the same text
+that decoding the whole output at once gives. An incomplete UTF-8 character waits for its next
+token. With stop strings, the last len(longest stop) - 1 characters are held back until they
+can no longer be the start of a stop string, so a stop string is never streamed.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+
+class TextStream:
+    def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str] = ()):
+        self._decode = decode
+        self.ids: list[int] = []
+        self._prefix = 0
+        self._read = 0
+        self.text = ""  # all text decoded so far (cut at a stop string)
+        self._sent = 0  # characters of text already streamed
+        self.stop = [s for s in stop if s]
+        self._hold = max((len(s) for s in self.stop), default=1) - 1
+        self.stopped = False  # a stop string was found; nothing more is taken
+
+    def add(self, token: int) -> None:
+        self.ids.append(token)
+        self._advance(final=False)
+
+    def _advance(self, final: bool) -> None:
+        before = self._decode(self.ids[self._prefix:self._read])
+        after = self._decode(self.ids[self._prefix:])
+        if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
+            return
+        start = len(self.text)
+        self.text += after[len(before):]
+        self._prefix, self._read = self._read, len(self.ids)
+        if self.stop:
+            self._find_stop(start)
+
+    def _find_stop(self, start: int) -> None:
+        lo = max(0, start - self._hold)
+        hits = [i for i in (self.text.find(s, lo) for s in self.stop) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.stopped = True
+
+    def take(self, final: bool = False) -> str:
+        """The text that may be streamed now (everything, once the request is finished)."""
+        if final and not self.stopped:
+            self._advance(final=True)
+        end = len(self.text) if (final or self.stopped) else max(self._sent, len(self.text) - self._hold)
+        piece = self.text[self._sent:end]
+        self._sent = end
+        return piece

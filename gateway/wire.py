@@ -1,0 +1,212 @@
+"""Proto <-> dataclass conversions shared by the servicers and the gRPC clients, and the one
+table that turns engine exceptions into gRPC status codes.
+
+Nothing here decides anything: it packs and unpacks. Float rows cross as little-endian float32
+bytes, dense or sparse (indices + values) when most entries are zero.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import grpc
+import numpy as np
+import torch
+
+from protos.specsplit.v1 import common_pb2, drafter_pb2, verifier_pb2
+from specsplit.kv.block_manager import OutOfBlocks
+from specsplit.engine import EngineError
+from specsplit.protocols import Proposal, ProposeRequest, QRow, RowRequest, SeqAdd, VerifyRequest, VerifyResult
+from specsplit.sampling.params import SamplingParams
+
+
+# ---- errors -------------------------------------------------------------------------------
+class ServiceError(Exception):
+    """An error with the gRPC status code it should reach the client with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def status_code_for(error: BaseException) -> grpc.StatusCode:
+    """engine.EngineError -> INVALID_ARGUMENT, OutOfBlocks -> RESOURCE_EXHAUSTED, ..."""
+    if isinstance(error, ServiceError):
+        return error.code
+    if isinstance(error, OutOfBlocks):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(error, (EngineError, ValueError)):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    return grpc.StatusCode.INTERNAL
+
+
+def status_message_for(error: BaseException) -> str:
+    if status_code_for(error) is grpc.StatusCode.INTERNAL and not isinstance(error, ServiceError):
+        return f"internal error: {type(error).__name__}: {error}"
+    return str(error)
+
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def code_from_int(value: int) -> grpc.StatusCode:
+    return _CODES.get(value, grpc.StatusCode.UNKNOWN)
+
+
+def status_pb(error: BaseException) -> common_pb2.Status:
+    return common_pb2.Status(code=status_code_for(error).value[0], message=status_message_for(error))
+
+
+# ---- sequences ------------------------------------------------------------------------------
+def params_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k)
+    if p.seed is not None:
+        msg.seed = p.seed
+    return msg
+
+
+def params_from_pb(m: common_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        temperature=float(m.temperature), top_p=float(m.top_p), top_k=int(m.top_k),
+        seed=int(m.seed) if m.HasField("seed") else None,
+    )
+
+
+def seq_adds_to_pb(seqs: Sequence[SeqAdd]) -> common_pb2.AddSeqs:
+    return common_pb2.AddSeqs(seqs=[
+        common_pb2.SeqAdd(seq_id=s.seq_id, prompt_token_ids=s.prompt_token_ids, params=params_to_pb(s.params))
+        for s in seqs
+    ])
+
+
+def seq_adds_from_pb(m: common_pb2.AddSeqs, rename=lambda s: s) -> list[SeqAdd]:
+    return [SeqAdd(rename(s.seq_id), tuple(s.prompt_token_ids), params_from_pb(s.params)) for s in m.seqs]
+
+
+# ---- probabilities ---------------------------------------------------------------------------
+def _probs_to_pb(probs: tuple[float, ...] | None) -> tuple[list[float], bool]:
+    """q(x) per draft -> (numbers, all_one flag). None (greedy) sends nothing."""
+    if probs is None:
+        return [], False
+    if all(q == 1.0 for q in probs):
+        return [], True
+    return list(probs), False
+
+
+def _probs_from_pb(values, all_one: bool, n: int) -> tuple[float, ...] | None:
+    if len(values):
+        return tuple(float(v) for v in values)
+    if all_one:
+        return (1.0,) * n
+    return None
+
+
+def pack_row(seq_id: str, row: torch.Tensor) -> common_pb2.PackedRow:
+    arr = row.detach().to(device="cpu", dtype=torch.float32).numpy().reshape(-1)
+    nz = np.flatnonzero(arr)
+    if 2 * len(nz) < arr.size:  # sparse is smaller: 8 bytes per entry instead of 4 per element
+        return common_pb2.PackedRow(
+            seq_id=seq_id, size=arr.size, sparse=True,
+            values=arr[nz].astype("<f4").tobytes(), indices=nz.astype("<i4").tobytes(),
+        )
+    return common_pb2.PackedRow(seq_id=seq_id, size=arr.size, values=arr.astype("<f4").tobytes())
+
+
+def unpack_row(m: common_pb2.PackedRow) -> torch.Tensor:
+    values = np.frombuffer(m.values, dtype="<f4")
+    if m.sparse:
+        idx = np.frombuffer(m.indices, dtype="<i4")
+        if len(idx) != len(values) or (len(idx) and (idx.min() < 0 or idx.max() >= m.size)):
+            raise EngineError(f"sequence {m.seq_id!r}: malformed sparse q row")
+        dense = np.zeros(m.size, dtype=np.float32)
+        dense[idx] = values
+        return torch.from_numpy(dense)
+    if len(values) != m.size:
+        raise EngineError(f"sequence {m.seq_id!r}: q row has {len(values)} values, expected {m.size}")
+    return torch.from_numpy(values.astype(np.float32))
+
+
+# ---- drafter ---------------------------------------------------------------------------------
+def propose_to_pb(reqs: Sequence[ProposeRequest]) -> drafter_pb2.ProposeBatch:
+    return drafter_pb2.ProposeBatch(items=[
+        drafter_pb2.ProposeItem(seq_id=r.seq_id, new_token_ids=r.new_token_ids, k=r.k) for r in reqs
+    ])
+
+
+def propose_from_pb(m: drafter_pb2.ProposeBatch, rename=lambda s: s) -> list[ProposeRequest]:
+    return [ProposeRequest(rename(i.seq_id), tuple(i.new_token_ids), int(i.k)) for i in m.items]
+
+
+def proposals_to_pb(props: Sequence[Proposal], rename=lambda s: s) -> drafter_pb2.Proposals:
+    out = []
+    for p in props:
+        values, one = _probs_to_pb(p.probs)
+        out.append(drafter_pb2.Proposal(seq_id=rename(p.seq_id), token_ids=p.token_ids, probs=values, probs_one=one))
+    return drafter_pb2.Proposals(proposals=out)
+
+
+def proposals_from_pb(m: drafter_pb2.Proposals) -> list[Proposal]:
+    return [
+        Proposal(p.seq_id, tuple(p.token_ids), _probs_from_pb(p.probs, p.probs_one, len(p.token_ids)))
+        for p in m.proposals
+    ]
+
+
+def finish_step_to_pb(fetch: Sequence[RowRequest]) -> drafter_pb2.FinishStep:
+    return drafter_pb2.FinishStep(fetch=[drafter_pb2.RowRequest(seq_id=r.seq_id, position=r.position) for r in fetch])
+
+
+def finish_step_from_pb(m: drafter_pb2.FinishStep, rename=lambda s: s) -> list[RowRequest]:
+    return [RowRequest(rename(r.seq_id), int(r.position)) for r in m.fetch]
+
+
+def rows_to_pb(rows: Sequence[QRow], rename=lambda s: s) -> list[common_pb2.PackedRow]:
+    return [pack_row(rename(r.seq_id), r.row) for r in rows]
+
+
+def rows_from_pb(rows, rename=lambda s: s) -> list[QRow]:
+    return [QRow(rename(r.seq_id), unpack_row(r)) for r in rows]
+
+
+# ---- verifier --------------------------------------------------------------------------------
+def verify_to_pb(reqs: Sequence[VerifyRequest]) -> verifier_pb2.VerifyBatch:
+    items = []
+    for r in reqs:
+        values, one = _probs_to_pb(r.draft_probs)
+        items.append(verifier_pb2.VerifyItem(
+            seq_id=r.seq_id, draft_token_ids=r.draft_token_ids, draft_probs=values, draft_probs_one=one,
+        ))
+    return verifier_pb2.VerifyBatch(items=items)
+
+
+def verify_from_pb(m: verifier_pb2.VerifyBatch, rename=lambda s: s) -> list[VerifyRequest]:
+    return [
+        VerifyRequest(
+            rename(i.seq_id), tuple(i.draft_token_ids),
+            _probs_from_pb(i.draft_probs, i.draft_probs_one, len(i.draft_token_ids)),
+        )
+        for i in m.items
+    ]
+
+
+def results_to_pb(results: Sequence[VerifyResult], rename=lambda s: s) -> verifier_pb2.VerifyResults:
+    out = []
+    for r in results:
+        msg = verifier_pb2.VerifyResult(seq_id=rename(r.seq_id), num_accepted=r.num_accepted, token_ids=r.token_ids)
+        if r.pending_position is not None:
+            msg.pending_position = r.pending_position
+        out.append(msg)
+    return verifier_pb2.VerifyResults(results=out)
+
+
+def results_from_pb(m: verifier_pb2.VerifyResults) -> list[VerifyResult]:
+    return [
+        VerifyResult(
+            r.seq_id, int(r.num_accepted), tuple(r.token_ids),
+            int(r.pending_position) if r.HasField("pending_position") else None,
+        )
+        for r in m.results
+    ]

@@ -1,0 +1,117 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class SeqAdd(_message.Message):
+    __slots__ = ("seq_id", "prompt_token_ids", "params")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    params: SamplingParams
+    def __init__(self, seq_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+
+class AddSeqs(_message.Message):
+    __slots__ = ("seqs",)
+    SEQS_FIELD_NUMBER: _ClassVar[int]
+    seqs: _containers.RepeatedCompositeFieldContainer[SeqAdd]
+    def __init__(self, seqs: _Optional[_Iterable[_Union[SeqAdd, _Mapping]]] = ...) -> None: ...
+
+class Release(_message.Message):
+    __slots__ = ("seq_ids",)
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, seq_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Ack(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Status(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class PackedRow(_message.Message):
+    __slots__ = ("seq_id", "size", "values", "indices", "sparse")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    size: int
+    values: bytes
+    indices: bytes
+    sparse: bool
+    def __init__(self, seq_id: _Optional[str] = ..., size: _Optional[int] = ..., values: _Optional[bytes] = ..., indices: _Optional[bytes] = ..., sparse: _Optional[bool] = ...) -> None: ...
+
+class KvStats(_message.Message):
+    __slots__ = ("paged", "num_blocks", "free_blocks", "block_size")
+    PAGED_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    paged: bool
+    num_blocks: int
+    free_blocks: int
+    block_size: int
+    def __init__(self, paged: _Optional[bool] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ServiceInfo(_message.Message):
+    __slots__ = ("role", "model", "device", "dtype", "vocab_size", "max_model_len", "max_num_seqs", "eos_token_ids", "tokenizer_dir", "kv", "num_running", "num_sessions", "memory_plan_json", "serving", "num_speculative_tokens")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_DIR_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_PLAN_JSON_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    model: str
+    device: str
+    dtype: str
+    vocab_size: int
+    max_model_len: int
+    max_num_seqs: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    tokenizer_dir: str
+    kv: KvStats
+    num_running: int
+    num_sessions: int
+    memory_plan_json: str
+    serving: bool
+    num_speculative_tokens: int
+    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_dir: _Optional[str] = ..., kv: _Optional[_Union[KvStats, _Mapping]] = ..., num_running: _Optional[int] = ..., num_sessions: _Optional[int] = ..., memory_plan_json: _Optional[str] = ..., serving: _Optional[bool] = ..., num_speculative_tokens: _Optional[int] = ...) -> None: ...

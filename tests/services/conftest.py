@@ -1,0 +1,86 @@
+"""Fixtures: the tiny split stack (drafter + verifier + gateway), the tiny colocated server, both
+started at once and shared by the session, and an in-process target-only reference."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.services.procs import start_colocated, start_split
+
+PROMPT_SEED = 1234
+
+
+@pytest.fixture(scope="session")
+def tiny_servers(tmp_path_factory, tiny_llama, tiny_draft_close):
+    """All three stacks start at once (their start-ups overlap); each fixture below waits for its own.
+
+    split:     drafter + verifier + gateway, max_num_seqs 8, max_queue 32
+    colocated: `specsplit serve` with the same pair
+    small:     verifier + gateway, no drafter, max_num_seqs 2, max_queue 1 (test_services_verifier_down
+               kills its verifier and stops its gateway)
+    """
+    stacks = {
+        "split": start_split(tmp_path_factory.mktemp("split-logs"), tiny_llama, tiny_draft_close),
+        "colocated": start_colocated(tmp_path_factory.mktemp("colocated-logs"), tiny_llama, tiny_draft_close),
+        "small": start_split(tmp_path_factory.mktemp("small-logs"), tiny_llama, None, max_num_seqs=2, max_queue=1),
+    }
+    try:
+        yield stacks
+    finally:
+        for stack in stacks.values():
+            stack.stop()
+
+
+def _ready(stack):
+    try:
+        stack.wait_serving()
+    except Exception:
+        print(stack.logs())
+        raise
+    return stack
+
+
+@pytest.fixture(scope="session")
+def split_stack(tiny_servers):
+    return _ready(tiny_servers["split"])
+
+
+@pytest.fixture(scope="session")
+def colocated_stack(tiny_servers):
+    return _ready(tiny_servers["colocated"])
+
+
+@pytest.fixture(scope="session")
+def small_stack(tiny_servers):
+    return _ready(tiny_servers["small"])
+
+
+@pytest.fixture(scope="session")
+def prompts():
+    """Random prompts over the tiny vocabulary (ids 3.. avoid <unk>, <s>, </s>)."""
+    rng = random.Random(PROMPT_SEED)
+    return [[rng.randrange(3, 256) for _ in range(rng.randrange(3, 24))] for _ in range(24)]
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_llama):
+    """target_only(prompt_ids, max_tokens, ignore_eos) -> greedy tokens of the target alone."""
+    from specsplit.config import EngineConfig, SpecConfig
+    from specsplit.factory import build_colocated
+    from specsplit.generation import GenerationRequest, Generator
+
+    colo = build_colocated(EngineConfig(model=str(tiny_llama), max_model_len=256, max_prefill_tokens=128, max_num_seqs=1),
+                           None, SpecConfig(num_speculative_tokens=0), show_progress=False)
+    cache: dict = {}
+
+    def target_only(ids, max_tokens: int, ignore_eos: bool = False) -> list[int]:
+        key = (tuple(ids), max_tokens, ignore_eos)
+        if key not in cache:
+            gen = Generator(colo.decoder, colo.eos_token_ids, max_num_seqs=1)
+            (state,) = gen.run([GenerationRequest("ref", tuple(ids), max_tokens, ignore_eos=ignore_eos)])
+            cache[key] = state.output
+        return cache[key]
+
+    yield target_only
+    colo.close()

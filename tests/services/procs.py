@@ -1,0 +1,210 @@
+"""Real service processes on free loopback ports, started and stopped reliably.
+
+Every process is `python -m specsplit.cli ...` with its output in a log file; stop() sends
+SIGTERM, waits, and kills on timeout, so a failing test never leaves a process behind.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from protos.specsplit.v1 import common_pb2, drafter_pb2_grpc, gateway_pb2, gateway_pb2_grpc, verifier_pb2_grpc
+
+REPO = Path(__file__).resolve().parents[2]
+HOST = "127.0.0.1"
+# Small engines: one thread each (2 cores shared), short sequences. --max-prefill-tokens below
+# --max-model-len keeps the start-up profile's drafter shape inside max_model_len.
+TINY_ENGINE = ["--max-model-len", "256", "--max-prefill-tokens", "128", "--threads", "1"]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def health(address: str, timeout: float = 1.0) -> str:
+    from specsplit.cli.health import check
+
+    return check(address, timeout=timeout)
+
+
+class ServiceProcess:
+    def __init__(self, name: str, argv: list[str], log_dir: Path, port: int | None = None, metrics_port: int | None = None):
+        self.name = name
+        self.metrics_port = metrics_port
+        if metrics_port:
+            argv = [*argv, "--metrics-port", str(metrics_port)]
+        self.argv = argv
+        self.port = port
+        self.address = f"{HOST}:{port}" if port else None
+        self.log_path = Path(log_dir) / f"{name}.log"
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    def start(self) -> None:
+        env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        log = open(self.log_path, "ab")
+        log.write(f"\n==== {' '.join(self.argv)}\n".encode())
+        log.flush()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "specsplit.cli", "--log-level", "INFO", *self.argv],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO, env=env,
+        )
+        log.close()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+    def wait_serving(self, timeout: float = 180.0) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if not self.alive():
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+            if health(self.address) == "SERVING":
+                return
+            time.sleep(0.25)
+        raise TimeoutError(f"{self.name} not SERVING after {timeout:.0f}s:\n{self.log_tail()}")
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        """SIGTERM, wait, then SIGKILL. Returns the exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
+
+    def kill9(self) -> None:
+        if self.alive():
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+@dataclass
+class Stack:
+    """Some of drafter, verifier, gateway (or one colocated server as 'gateway')."""
+
+    procs: dict[str, ServiceProcess] = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> ServiceProcess:
+        return self.procs[name]
+
+    @property
+    def gateway(self) -> str:
+        return self.procs["gateway"].address
+
+    def wait_serving(self, timeout: float = 240.0) -> None:
+        for p in self.procs.values():
+            p.wait_serving(timeout)
+
+    def stop(self) -> dict[str, int | None]:
+        codes = {}
+        for name in ("gateway", "drafter", "verifier"):
+            if name in self.procs:
+                codes[name] = self.procs[name].stop()
+        return codes
+
+    def logs(self) -> str:
+        return "\n".join(f"---- {n}\n{p.log_tail()}" for n, p in self.procs.items())
+
+
+def start_split(log_dir: Path, target: Path, draft: Path | str | None, max_num_seqs: int = 8, max_queue: int = 32,
+                gateway_extra: tuple[str, ...] = ()) -> Stack:
+    stack = Stack()
+    vport, gport = free_port(), free_port()
+    stack.procs["verifier"] = ServiceProcess(
+        "verifier", ["verifier", "--model", str(target), "--port", str(vport), "--max-num-seqs", str(max_num_seqs),
+                     *TINY_ENGINE], log_dir, vport, free_port())
+    gw = ["gateway", "--verifier", f"{HOST}:{vport}", "--port", str(gport), "--max-num-seqs", str(max_num_seqs),
+          "--max-queue", str(max_queue), "--drain-timeout", "20", "--drafter-timeout", "2", *gateway_extra]
+    if draft is not None:
+        dport = free_port()
+        stack.procs["drafter"] = ServiceProcess(
+            "drafter", ["drafter", "--model", str(draft), "--port", str(dport), "--max-num-seqs", str(max_num_seqs),
+                        *TINY_ENGINE], log_dir, dport, free_port())
+        gw += ["--drafter", f"{HOST}:{dport}"]
+    stack.procs["gateway"] = ServiceProcess("gateway", gw, log_dir, gport, free_port())
+    return stack
+
+
+def start_colocated(log_dir: Path, target: Path, draft: Path | str | None, max_num_seqs: int = 8) -> Stack:
+    port = free_port()
+    argv = ["serve", "--target", str(target), "--port", str(port), "--max-num-seqs", str(max_num_seqs), *TINY_ENGINE]
+    if draft is not None:
+        argv += ["--draft", str(draft)]
+    return Stack({"gateway": ServiceProcess("colocated", argv, log_dir, port)})
+
+
+# ---- talking to the services ------------------------------------------------------------------
+def request(ids=None, prompt: str = "", max_tokens: int = 16, **kw) -> gateway_pb2.GenerateRequest:
+    kw.setdefault("top_p", 1.0)
+    spec = kw.pop("speculation", None)
+    req = gateway_pb2.GenerateRequest(prompt=prompt, prompt_token_ids=ids or [], max_tokens=max_tokens, **kw)
+    if spec is not None:
+        req.speculation.CopyFrom(spec)
+    return req
+
+
+def generate(address: str, req: gateway_pb2.GenerateRequest, timeout: float = 60.0) -> dict:
+    """One stream -> {token_ids, text, finish_reason, usage, messages}."""
+    from gateway.client import collect
+
+    with grpc.insecure_channel(address) as ch:
+        responses = list(gateway_pb2_grpc.GatewayStub(ch).Generate(req, timeout=timeout))
+    out = collect(responses)
+    out["messages"] = len(responses)
+    return out
+
+
+def server_info(address: str, timeout: float = 5.0) -> gateway_pb2.ServerInfo:
+    with grpc.insecure_channel(address) as ch:
+        return gateway_pb2_grpc.GatewayStub(ch).GetServerInfo(gateway_pb2.GetServerInfoRequest(), timeout=timeout)
+
+
+def service_info(address: str, role: str, timeout: float = 5.0) -> common_pb2.ServiceInfo:
+    stub_cls = drafter_pb2_grpc.DrafterStub if role == "drafter" else verifier_pb2_grpc.VerifierStub
+    with grpc.insecure_channel(address) as ch:
+        return stub_cls(ch).GetInfo(common_pb2.InfoRequest(), timeout=timeout)
+
+
+def wait_for(predicate, timeout: float, poll: float = 0.02) -> float | None:
+    """Seconds until predicate() is true, or None after timeout."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if predicate():
+            return time.monotonic() - t0
+        time.sleep(poll)
+    return None
+
+
+def scrape(metrics_port: int) -> dict[str, float]:
+    """Prometheus text -> {'name{labels}': value}."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://{HOST}:{metrics_port}/metrics", timeout=5).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out

@@ -1,0 +1,74 @@
+"""Greedy output is the target's, token for token: split (3 processes) == colocated == target-only,
+one stream at a time and 8 concurrent streams (continuous batching)."""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from protos.specsplit.v1 import gateway_pb2
+from tests.services.procs import generate, request
+
+MAX_TOKENS = 24
+
+
+def _run_all(address, prompts, concurrency, **kw):
+    reqs = [request(ids, max_tokens=MAX_TOKENS, **kw) for ids in prompts]
+    with ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(lambda r: generate(address, r), reqs))
+
+
+@pytest.mark.parametrize("concurrency", [1, 8])
+def test_greedy_split_equals_colocated_equals_target(split_stack, colocated_stack, prompts, reference, concurrency):
+    batch = prompts[:8]
+    split = _run_all(split_stack.gateway, batch, concurrency, ignore_eos=True)
+    colocated = _run_all(colocated_stack.gateway, batch, concurrency, ignore_eos=True)
+    for ids, s, c in zip(batch, split, colocated):
+        expected = reference(ids, MAX_TOKENS, ignore_eos=True)
+        assert s["token_ids"] == expected, f"split differs for prompt {ids}"
+        assert c["token_ids"] == expected, f"colocated differs for prompt {ids}"
+        assert s["finish_reason"] == c["finish_reason"] == "length"
+        assert s["text"] == c["text"]
+        assert s["usage"]["completion_tokens"] == MAX_TOKENS
+        assert s["usage"]["prompt_tokens"] == len(ids)
+    # The close draft agrees often: speculation really ran in both modes.
+    assert sum(r["usage"]["accepted_draft_tokens"] for r in split) > 0
+    assert sum(r["usage"]["accepted_draft_tokens"] for r in colocated) > 0
+
+
+def test_streaming_messages_and_eos(split_stack, prompts, reference):
+    """Tokens arrive over several messages; without ignore_eos, generation stops at EOS like the target."""
+    for ids in prompts[8:12]:
+        out = generate(split_stack.gateway, request(ids, max_tokens=40))
+        expected = reference(ids, 40)
+        assert out["token_ids"] == expected
+        assert out["messages"] >= 2
+        assert out["finish_reason"] == ("stop" if expected[-1] == 2 and len(expected) < 40 else "length")
+
+
+def test_speculation_disabled_and_custom_k(split_stack, prompts, reference):
+    ids = prompts[12]
+    off = generate(split_stack.gateway, request(ids, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                                speculation=gateway_pb2.Speculation(disable=True)))
+    k1 = generate(split_stack.gateway, request(ids, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                               speculation=gateway_pb2.Speculation(num_speculative_tokens=1)))
+    expected = reference(ids, MAX_TOKENS, ignore_eos=True)
+    assert off["token_ids"] == k1["token_ids"] == expected
+    assert off["usage"]["proposed_draft_tokens"] == 0
+    assert 0 < k1["usage"]["proposed_draft_tokens"] <= MAX_TOKENS
+
+
+def test_text_prompt_and_stop_string(split_stack, colocated_stack):
+    """Text prompts use the target's tokenizer; a stop string ends the stream and is not sent."""
+    base = generate(split_stack.gateway, request(prompt="w5 w9 w13 w5 w9", max_tokens=12, ignore_eos=True))
+    assert base["usage"]["prompt_tokens"] == 5
+    words = base["text"].split(" ")
+    j = next(j for j in range(2, len(words) - 1) if words[j] not in words[1:j])
+    stop = f" {words[j]} "  # a whole word with its separators (" w1" would also match " w12")
+    out = generate(split_stack.gateway, request(prompt="w5 w9 w13 w5 w9", max_tokens=12, ignore_eos=True, stop=[stop]))
+    assert out["finish_reason"] == "stop"
+    assert out["text"] == " ".join(words[:j])
+    assert stop not in out["text"]
+    assert out["token_ids"] == base["token_ids"][: len(out["token_ids"])]
+    colo = generate(colocated_stack.gateway, request(prompt="w5 w9 w13 w5 w9", max_tokens=12, ignore_eos=True, stop=[stop]))
+    assert colo["text"] == out["text"] and colo["token_ids"] == out["token_ids"]

@@ -1,0 +1,155 @@
+"""In-process pieces of the services, no processes: proto packing, incremental text and stop
+strings, request validation, CLI argument checks."""
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from gateway import wire
+from gateway.service import Limits, build_request
+from gateway.text import TextStream
+from protos.specsplit.v1 import gateway_pb2
+from specsplit.engine import EngineError
+from specsplit.kv.block_manager import OutOfBlocks
+from specsplit.protocols import Proposal, ProposeRequest, QRow, SeqAdd, VerifyRequest, VerifyResult
+from specsplit.sampling.params import SamplingParams
+
+
+def test_rows_pack_dense_and_sparse_exactly():
+    dense = torch.softmax(torch.randn(300), dim=0)
+    sparse = torch.zeros(300)
+    sparse[[3, 77, 299]] = torch.tensor([0.5, 0.25, 0.25])
+    for row in (dense, sparse, torch.zeros(10)):
+        m = wire.pack_row("s", row)
+        assert m.sparse == bool(row.count_nonzero() * 2 < row.numel())
+        assert torch.equal(wire.unpack_row(m), row.float())
+    assert len(wire.pack_row("s", sparse).SerializeToString()) < 64  # 3 entries, not 300 floats
+
+
+def test_malformed_rows_are_engine_errors():
+    m = wire.pack_row("s", torch.ones(8))
+    m.size = 9
+    with pytest.raises(EngineError):
+        wire.unpack_row(m)
+
+
+def test_messages_round_trip():
+    adds = [SeqAdd("a", (1, 2, 3), SamplingParams(0.5, 0.9, 7, 2**63 + 5)), SeqAdd("b", (4,))]
+    assert wire.seq_adds_from_pb(wire.seq_adds_to_pb(adds)) == [
+        SeqAdd("a", (1, 2, 3), SamplingParams(0.5, pytest.approx(0.9), 7, 2**63 + 5)), SeqAdd("b", (4,))]
+    reqs = [ProposeRequest("a", (5, 6), 3), ProposeRequest("b", (), 0)]
+    assert wire.propose_from_pb(wire.propose_to_pb(reqs)) == reqs
+    props = [Proposal("a", (1, 2), None), Proposal("b", (3,), (1.0,)), Proposal("c", (4, 5), (0.25, 0.5))]
+    pb = wire.proposals_to_pb(props)
+    assert not pb.proposals[0].probs and not pb.proposals[0].probs_one  # greedy: no q at all
+    assert pb.proposals[1].probs_one and not pb.proposals[1].probs  # deterministic drafts: a flag
+    assert wire.proposals_from_pb(pb) == props
+    vreqs = [VerifyRequest("a", (1, 2), (1.0, 1.0)), VerifyRequest("b"), VerifyRequest("c", (3,), (0.125,))]
+    assert wire.verify_from_pb(wire.verify_to_pb(vreqs)) == vreqs
+    results = [VerifyResult("a", 2, (1, 2, 9)), VerifyResult("b", 0, (), pending_position=0)]
+    assert wire.results_from_pb(wire.results_to_pb(results)) == results
+    rows = wire.rows_from_pb(wire.rows_to_pb([QRow("a", torch.tensor([0.0, 1.0]))]))
+    assert rows[0].seq_id == "a" and torch.equal(rows[0].row, torch.tensor([0.0, 1.0]))
+
+
+def test_error_codes():
+    assert wire.status_code_for(EngineError("x")) == grpc.StatusCode.INVALID_ARGUMENT
+    assert wire.status_code_for(OutOfBlocks("x")) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert wire.status_code_for(RuntimeError("x")) == grpc.StatusCode.INTERNAL
+    assert wire.code_from_int(wire.status_pb(OutOfBlocks("full")).code) == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class _Words:
+    """Tokenizer stand-in: token i is 'w{i}', words joined by spaces; 900+ are half a character."""
+
+    def decode(self, ids):
+        out, pending = [], b""
+        for i in ids:
+            if i >= 900:
+                pending += "é".encode()[i - 900:i - 899]
+                continue
+            out.append(f"w{i}")
+        text = " ".join(out)
+        return text + (pending.decode(errors="replace") if pending else "")
+
+
+def _stream(ids, stop=()):
+    s = TextStream(_Words().decode, stop)
+    pieces = []
+    for t in ids:
+        s.add(t)
+        pieces.append(s.take())
+        if s.stopped:
+            break
+    pieces.append(s.take(final=True))
+    return s, pieces
+
+
+def test_incremental_text_equals_whole_decode():
+    ids = [1, 2, 30, 4, 5]
+    s, pieces = _stream(ids)
+    assert "".join(pieces) == _Words().decode(ids)
+    assert pieces[:5] == ["w1", " w2", " w30", " w4", " w5"]
+
+
+def test_incomplete_character_waits_for_its_next_byte():
+    s, pieces = _stream([1, 900, 901])
+    assert pieces == ["w1", "", "é", ""]
+
+
+def test_stop_string_is_never_streamed():
+    ids = [1, 2, 3, 4, 5, 6]
+    s, pieces = _stream(ids, stop=[" w4 "])
+    assert s.stopped and "".join(pieces) == "w1 w2 w3"
+    assert all(" w4" not in p for p in pieces)
+    s, pieces = _stream(ids, stop=["w2"])
+    assert "".join(pieces) == "w1 " and len(s.ids) == 2
+
+
+LIMITS = Limits(vocab_size=100, max_model_len=64)
+
+
+class _Tok:
+    def encode(self, text):
+        return [int(w[1:]) for w in text.split()]
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(prompt="", max_tokens=4), "prompt is empty"),
+    (dict(prompt_token_ids=[1] * 60, max_tokens=5, top_p=1), "exceeds max_model_len 64"),
+    (dict(prompt=" ", max_tokens=5, top_p=1), "tokenizes to no tokens"),
+    (dict(prompt="w1", max_tokens=4, temperature=-1, top_p=1), "temperature"),
+    (dict(prompt="w1", max_tokens=4, top_p=0), "top_p"),
+    (dict(prompt="w1", max_tokens=4, top_p=1.01), "top_p"),
+    (dict(prompt_token_ids=[1, 100], max_tokens=4, top_p=1), "outside the vocabulary"),
+    (dict(prompt="w1", max_tokens=0, top_p=1), "max_tokens"),
+    (dict(prompt="w1", max_tokens=4, top_p=1, stop=[""]), "stop"),
+])
+def test_validation_messages(kw, message):
+    with pytest.raises(wire.ServiceError) as err:
+        build_request(gateway_pb2.GenerateRequest(**kw), _Tok(), LIMITS)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.message
+
+
+def test_valid_request():
+    msg = gateway_pb2.GenerateRequest(prompt="w5 w6", max_tokens=4, top_p=1, temperature=0.5, seed=9, stop=["x"],
+                                      request_id="r1", speculation=gateway_pb2.Speculation(num_speculative_tokens=2))
+    req, stop = build_request(msg, _Tok(), LIMITS)
+    assert req.prompt_token_ids == (5, 6) and req.params == SamplingParams(0.5, 1.0, 0, 9)
+    assert req.request_id.startswith("r1-") and req.num_speculative_tokens == 2 and stop == ["x"]
+
+
+@pytest.mark.parametrize("argv, ok", [
+    (["gateway", "--verifier", "127.0.0.1:1", "--drafter", "127.0.0.1:2"], True),
+    (["gateway", "--verifier", "nohost"], False),
+    (["gateway", "--verifier", "127.0.0.1:1", "--max-queue", "-1"], False),
+    (["drafter", "--model", "ngram"], True),
+    (["verifier", "--model", "x", "--memory-utilization", "2"], False),
+    (["serve", "--target", "x", "--draft", "ngram"], True),
+    (["up", "--target", "x", "--draft", "ngram", "--port", "0"], True),
+])
+def test_cli_check(argv, ok, capsys):
+    from specsplit.cli import main
+
+    assert (main([*argv, "--check"]) == 0) == ok

@@ -1,0 +1,58 @@
+"""verifier_svc: the target model behind a thin grpc.aio servicer.
+
+Session messages map one to one onto the Verifier protocol (add, verify, resolve, release);
+the servicer converts protos to dataclasses, calls TargetEngine, converts back. Nothing else.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from gateway import wire
+from gateway.engine_service import info_pb, log_startup, serve
+from gateway.engines import BuiltEngine, build_engine
+from gateway.sessions import PeerSession, SessionHost
+from protos.specsplit.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
+
+
+class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
+    def __init__(self, built: BuiltEngine, threads: int = 0):
+        self.built = built
+        self.host = SessionHost("verifier", built.engine, threads)
+
+    def _handle(self, session: PeerSession, req: verifier_pb2.VerifierRequest) -> verifier_pb2.VerifierResponse:
+        engine, kind = self.built.engine, req.WhichOneof("kind")
+        if kind == "add":
+            self.host.add(session, wire.seq_adds_from_pb(req.add, session.to_engine))
+            return verifier_pb2.VerifierResponse(id=req.id, ack=common_pb2.Ack())
+        if kind == "verify":
+            results = engine.verify(wire.verify_from_pb(req.verify, session.to_engine))
+            return verifier_pb2.VerifierResponse(id=req.id, results=wire.results_to_pb(results, session.from_engine))
+        if kind == "resolve":
+            results = engine.resolve(wire.rows_from_pb(req.resolve.rows, session.to_engine))
+            return verifier_pb2.VerifierResponse(id=req.id, results=wire.results_to_pb(results, session.from_engine))
+        if kind == "release":
+            self.host.release(session, [session.to_engine(s) for s in req.release.seq_ids])
+            return verifier_pb2.VerifierResponse(id=req.id, ack=common_pb2.Ack())
+        raise wire.EngineError("empty VerifierRequest: set add, verify, resolve or release")
+
+    async def Session(self, request_iterator, context):
+        async for resp in self.host.session(request_iterator, context, self._handle, verifier_pb2.VerifierResponse):
+            yield resp
+
+    async def GetInfo(self, request, context):
+        return info_pb(self.built, "verifier", self.host)
+
+
+def main(args) -> int:
+    from specsplit.factory import set_threads
+
+    set_threads(args.threads)
+    built = build_engine(args, "verifier")
+    log_startup("verifier", built)
+    servicer = VerifierServicer(built, args.threads)
+    return asyncio.run(serve("verifier", servicer, verifier_pb2_grpc.add_VerifierServicer_to_server, SERVICE_NAME, args))
