@@ -156,7 +156,8 @@ def _plan_models(target: EngineConfig, draft: EngineConfig | None, spec: SpecCon
 
         plan = _plan_budget([t, d], show_progress, joint=True, after_loads=check)
         return plan, t, d
-    t_plan = _plan_budget([t], show_progress, joint=False)
+    # Target alone on its budget; with the n-gram drafter (no memory) that budget is still the joint one.
+    t_plan = _plan_budget([t], show_progress, joint=joint and d is None and draft is not None)
     if d is None:
         plan = _with_drafter_zeros(t_plan, draft) if draft is not None else t_plan
         return plan, t, None
@@ -172,11 +173,18 @@ def plan_memory(target: EngineConfig, draft: EngineConfig | None = None, spec: S
     colocated: both models in one process, one joint budget when they share a device. Otherwise
     each service on its own budget and device, measured one after the other.
     """
-    if colocated or draft is None:
-        plan, _, _ = _plan_models(target, draft, spec, joint=True, show_progress=show_progress)
+    if colocated:  # as build_colocated: the tokenizer is in the window too
+        plan, _, _ = _plan_models(target, draft, spec, joint=True, show_progress=show_progress,
+                                  after_target=lambda loaded: load_tokenizer(loaded.hf_dir))
         return plan
-    t_plan = plan_memory(target, None, spec, colocated=True, show_progress=show_progress)
-    _, d_plan = _draft_plan(draft, spec, show_progress, allocate=False)
+    # As the separate services would start: the verifier sized for k drafts, then the drafter.
+    t = _Service(VERIFIER, target, spec.num_speculative_tokens if draft is not None else 0)
+    t_plan = _plan_budget([t], show_progress, joint=False)
+    if draft is None:
+        return t_plan
+    vocab = t.loaded.config.vocab_size
+    t.loaded = None  # a separate process would not hold the target
+    _, d_plan = _draft_plan(draft, spec, show_progress, allocate=False, vocab_size=vocab)
     return MemoryPlan.merge([t_plan, d_plan])
 
 
@@ -254,13 +262,13 @@ def build_colocated(
     spec: SpecConfig = SpecConfig(),
     show_progress: bool = True,
 ) -> Colocated:
-    """Target (+ draft) in this process. On one device the two share the target's budget flags."""
+    """Target (+ draft) in this process. On one device the two share the target's budget flags.
+
+    The tokenizer is loaded inside the measured window, so on CPU its memory is part of the
+    verifier's non-torch bytes."""
     tokenizer = []
-
-    def load_tok(loaded: LoadedModel) -> None:  # inside the measured window: its memory is counted
-        tokenizer.append(load_tokenizer(loaded.hf_dir))
-
-    plan, t, d = _plan_models(target, draft, spec, joint=True, show_progress=show_progress, after_target=load_tok)
+    plan, t, d = _plan_models(target, draft, spec, joint=True, show_progress=show_progress,
+                              after_target=lambda loaded: tokenizer.append(load_tokenizer(loaded.hf_dir)))
     plan.log()
     verifier = _allocate(t, plan.services[VERIFIER])
     drafter = None

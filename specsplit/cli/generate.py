@@ -27,6 +27,9 @@ def add_arguments(p, name: str) -> None:
     p.add_argument("--timeout", type=float, default=None, help="--server: deadline in seconds")
     add_engine_flags(p)
     add_spec_flags(p)
+    from gateway.security import add_client_security_flags
+
+    add_client_security_flags(p, "", "the --server gateway")
 
 
 def parse_ids(text: str) -> list[int]:
@@ -37,7 +40,10 @@ def parse_ids(text: str) -> list[int]:
 
 
 def validate(args) -> None:
+    from gateway.security import ClientSecurity
+
     validate_engine(args)
+    ClientSecurity.from_args(args).validate()
     if args.prompt is None and args.prompt_token_ids is None:
         raise ValueError("give a PROMPT or --prompt-token-ids")
     if args.prompt_token_ids is not None:
@@ -80,6 +86,8 @@ def run_local(args) -> int:
     from specsplit.sampling.params import SamplingParams
 
     set_threads(args.threads)
+    # One request: size the profile run and the cache for one sequence, not --max-num-seqs.
+    args.max_num_seqs = 1
     target = engine_config(args, args.target)
     draft = engine_config(args, args.draft, args.draft_device) if args.draft else None
     spec = spec_config(args, args.draft)

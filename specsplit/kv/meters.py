@@ -1,16 +1,18 @@
 """Measuring memory for the profiler: device size, live torch bytes, process memory.
 
-Nothing here estimates from shapes or configs; every number comes from the allocator or the OS.
+Nothing here estimates from shapes or configs; every number comes from the allocator, the
+tensors themselves or the OS.
 
 * CUDA: the caching allocator's statistics (`memory_allocated`, `max_memory_allocated`,
   `memory_reserved`) for torch, `mem_get_info` for the device as a whole.
-* CPU: every allocation and free the c10 CPU allocator makes is recorded (the autograd profiler's
-  memory events, recorded in C++ with no per-op Python work), and the running sum of those events
-  gives live bytes and their peak, exactly, including buffers a kernel allocates internally. When
-  a profiler is already running in this process (it cannot be nested) a TorchDispatchMode takes
-  over: it counts the storages of every op's outputs and the moment each one is freed, which sees
-  every tensor but not a kernel's internal scratch. Process memory is the resident set (RSS) and
-  its high-water mark (VmHWM, reset through /proc/self/clear_refs).
+* CPU, torch: a TorchDispatchMode sees every op, counts the storage of each new output (views and
+  in-place results share a storage and are skipped) and, through a weakref finalizer, the moment
+  that storage is freed; the running sum is live bytes, its maximum the peak. Exact for tensors,
+  cheap (no recording), so RSS can be watched during the same run. The c10 allocator's own event
+  stream (the autograd profiler's memory events) is available as method="allocator": exact to the
+  byte including kernels' internal scratch, but it holds ~10 KiB per op while it records.
+* CPU, process: the resident set (RSS) and its high-water mark (VmHWM, reset through
+  /proc/self/clear_refs); malloc_trim hands malloc's free pages back first so RSS is memory in use.
 """
 from __future__ import annotations
 
@@ -111,11 +113,29 @@ def peak_rss_bytes() -> int:
     return rss_bytes()
 
 
-def collect() -> None:
-    """Free what is only waiting for the garbage collector (and, on CUDA, cached blocks)."""
-    gc.collect()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
+def trim_host_memory() -> None:
+    """Give the C allocator's free pages back to the OS (glibc malloc_trim), so RSS is memory in
+    use. Tensors torch freed below the mmap threshold otherwise stay resident in malloc's arenas."""
+    global _libc
+    if _libc is None:
+        try:
+            import ctypes
+
+            _libc = ctypes.CDLL("libc.so.6")
+            _libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _libc = False
+    if _libc:
+        _libc.malloc_trim(0)
+
+
+_libc = None
+
+
+def collect(full: bool = False) -> None:
+    """Free what waits for the garbage collector. Young generations only unless `full`: a full
+    collection of a process that imported transformers takes most of a second."""
+    gc.collect() if full else gc.collect(1)
 
 
 # ---- live torch bytes over a window -----------------------------------------------------------
@@ -171,9 +191,14 @@ class _StorageTrace:
         class _Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
-                for t in tree_leaves(out):
-                    if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                        trace._saw(t.untyped_storage())
+                returns = func._schema.returns
+                outs = out if isinstance(out, (tuple, list)) and len(returns) > 1 else (out,)
+                for ret, value in zip(returns, outs):
+                    if ret.alias_info is not None:  # a view or an in-place result: no new memory
+                        continue
+                    for t in tree_leaves(value):
+                        if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                            trace._saw(t.untyped_storage())
                 return out
 
         self._mode = _Mode()
@@ -224,20 +249,47 @@ class _CudaStats:
         self.peak = torch.cuda.max_memory_allocated(self.device) - self._start
 
 
+_warmed = False
+
+
+def warm_up_storage_trace() -> None:
+    """Pay the dispatch-mode machinery's one-time cost (imports, ~100+ MiB of RSS the first time a
+    TorchDispatchMode runs in a process) now, before a baseline is taken: it is the instrument's
+    memory, not the service's."""
+    global _warmed
+    if not _warmed:
+        t = _StorageTrace()
+        t.start()
+        torch.empty(1) + 1
+        t.stop()
+        _warmed = True
+
+
 class TorchMeter:
     """Live torch bytes on one device over a `with` block: `net` change and `peak` above the start.
 
         with TorchMeter(device) as m:
             run()
         m.net, m.peak
+
+    method (CPU): "storages" (default) counts the storage of every op output as it is created and
+    when it is freed (a TorchDispatchMode): exact for tensors, no memory overhead, so the process's
+    RSS can be watched at the same time; it does not see a kernel's internal scratch buffers (those
+    show in RSS, so the profiler counts them as non-torch). "allocator" records the c10 CPU
+    allocator's own events: exact to the byte, scratch included, but the recorder holds ~10 KiB
+    per op until the block ends, so RSS is not meaningful meanwhile; it cannot nest, and falls
+    back to "storages" under a running profiler. CUDA always reads the allocator's statistics.
     """
 
-    def __init__(self, device: torch.device | str):
+    def __init__(self, device: torch.device | str, method: str = "storages"):
         self.device = torch.device(device)
         if self.device.type == "cuda":
             self._impl = _CudaStats(self.device)
         elif self.device.type == "cpu":
-            self._impl = _StorageTrace() if torch.autograd._profiler_enabled() else _AllocatorTrace()
+            if method not in ("storages", "allocator"):
+                raise ValueError(f"method must be 'storages' or 'allocator', got {method!r}")
+            use_allocator = method == "allocator" and not torch.autograd._profiler_enabled()
+            self._impl = _AllocatorTrace() if use_allocator else _StorageTrace()
         else:
             raise ValueError(f"the memory profiler supports cpu and cuda devices, not {self.device}")
         self.net = 0
@@ -248,12 +300,11 @@ class TorchMeter:
         return self._impl.method
 
     def __enter__(self) -> "TorchMeter":
-        collect()
         self._impl.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        collect()
+        collect()  # garbage the block made is not live memory
         self._impl.stop()
         self.net, self.peak = self._impl.net, max(self._impl.peak, self._impl.net, 0)
 
@@ -270,7 +321,6 @@ class ProcessSnapshot:
 
 
 def process_snapshot(device: torch.device) -> ProcessSnapshot:
-    collect()
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         return ProcessSnapshot(int(total - free), int(torch.cuda.memory_reserved(device)))

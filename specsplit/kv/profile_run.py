@@ -8,12 +8,12 @@ scratch cache stays a few blocks big. Allocation sizes are those of a real forwa
 context; only the values differ. Sampling runs with temperature, top-k and top-p on (the costliest
 path: a sort over the vocabulary per row), so the probability rows each step keeps are counted.
 
-Shapes (N = max_num_seqs, w = k+1, P = max_prefill_tokens), each one forward of the bound
-BoundedRunner enforces, each followed by the rest of its step:
-    decode   N sequences x w new tokens
-    mixed    N-1 sequences x w, and one prompt chunk of P tokens
-    spread   N sequences x max(w, P/N) tokens (a burst of short prompts)
-The peak is the largest live-bytes peak over them.
+The step's first forward is the largest the scheduler may form (N = max_num_seqs, w = k+1,
+P = max_prefill_tokens): N sequences of w new tokens each and one prompt chunk of P tokens.
+BoundedRunner keeps every real forward within it (at most N sequences, their prompt pieces P
+tokens together), so this one forward bounds them all: as many tokens or more, the widest
+attention group (N x max_model_len gathered), the longest chunk, the most logit rows. The rest of
+the step (sampling, the rows kept for the next call, the drafter's k-1 further forwards) follows.
 """
 from __future__ import annotations
 
@@ -34,7 +34,10 @@ PROFILE_PARAMS = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=1234)
 
 
 class ProfileRunner(BoundedRunner):
-    """Real forwards at full context over a scratch cache of a few blocks."""
+    """Real forwards at full context over a scratch cache of a few blocks, never split."""
+
+    def forward(self, items: list[ForwardItem]) -> list[torch.Tensor]:
+        return self._forward_group(list(items))
 
     def _forward_group(self, items: list[ForwardItem]) -> list[torch.Tensor]:
         bm = self.block_manager
@@ -73,13 +76,8 @@ class ProfileShape:
 def profile_shapes(bound: ForwardBound, max_model_len: int) -> list[ProfileShape]:
     n, w = bound.max_num_seqs, bound.window
     p = min(bound.max_prefill_tokens, max_model_len - 1)
-    shapes = [ProfileShape("decode", (w,) * n)]
-    if p > w:
-        shapes.append(ProfileShape("mixed", (w,) * (n - 1) + (p,)))
-        spread = max(w, p // n)
-        if n > 1 and spread > w:
-            shapes.append(ProfileShape("spread", (spread,) * n))
-    return shapes
+    chunk = (p,) if p > w else ()
+    return [ProfileShape("largest", (w,) * n + chunk)]
 
 
 def scratch_blocks(bound: ForwardBound, block_size: int, max_model_len: int) -> int:
@@ -106,7 +104,8 @@ def run_verifier_shape(engine, shape: ProfileShape, k: int, seed: int = 0) -> No
     rng = random.Random(seed)
     vocab = engine.vocab_size
     ids = [f"profile-{shape.name}-{i}" for i in range(len(shape.new_tokens))]
-    engine.add([SeqAdd(s, _ids(rng, vocab, max(1, q - k)), PROFILE_PARAMS) for s, q in zip(ids, shape.new_tokens)])
+    room = engine.runner.max_model_len - k - 1  # prompt + k drafts + 1 stay within max_model_len
+    engine.add([SeqAdd(s, _ids(rng, vocab, max(1, min(q - k, room))), PROFILE_PARAMS) for s, q in zip(ids, shape.new_tokens)])
     try:
         reqs = [VerifyRequest(s, _ids(rng, vocab, k), (0.5,) * k) for s in ids]
         results = engine.verify(reqs)
@@ -126,7 +125,8 @@ def run_drafter_shape(engine, shape: ProfileShape, k: int, seed: int = 0) -> Non
     rng = random.Random(seed)
     vocab = engine.vocab_size
     ids = [f"profile-{shape.name}-{i}" for i in range(len(shape.new_tokens))]
-    engine.add([SeqAdd(s, _ids(rng, vocab, q), PROFILE_PARAMS) for s, q in zip(ids, shape.new_tokens)])
+    room = engine.runner.max_model_len - max(k, 1) - 1  # prompt + k drafts stay within max_model_len
+    engine.add([SeqAdd(s, _ids(rng, vocab, max(1, min(q, room))), PROFILE_PARAMS) for s, q in zip(ids, shape.new_tokens)])
     try:
         engine.propose([ProposeRequest(s, (), k) for s in ids])
         engine.finish_step([RowRequest(ids[0], 0)] if k > 0 else [])

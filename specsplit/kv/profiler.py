@@ -5,7 +5,8 @@
 * budget: the device's memory x --memory-utilization (default 0.9), or --memory-budget BYTES.
   On CPU the device's memory is system RAM (within the cgroup limit, if any).
 * weights: live torch bytes the model load left behind, measured across the load (the allocator
-  statistics on CUDA, the CPU allocator's own alloc/free events on CPU; see specsplit.kv.meters).
+  statistics on CUDA; on CPU every tensor storage created during the load and still alive after
+  it; see specsplit.kv.meters).
 * activation peak: the highest live torch bytes above the start of a profile run, in which the
   real engine code runs its largest steps (specsplit.kv.profile_run): max_num_seqs sequences of
   k+1 new tokens, the same with one max_prefill_tokens prompt chunk, and a burst of short prompts,
@@ -17,9 +18,12 @@
   another process's growth on a shared device).
   CPU: the process's peak resident set during the profile run (VmHWM, reset just before it)
   above its resident set before the first load, minus the torch bytes live at that peak (the
-  weights plus the activation peak). That is what the C allocator keeps in its arenas, Python
-  objects, the tokenizer, library code paged in on first use. The interpreter and the libraries
-  imported before start-up are outside the budget (as the CUDA context before start-up is).
+  weights plus the activation peak). That is what the C allocator keeps in its arenas beyond
+  live tensors (fragmentation), Python objects, libraries imported or paged in on first use
+  during start-up, the tokenizer of a colocated server. Free pages malloc keeps are handed back
+  first (malloc_trim) at the baseline, after each load and around the profile run, so RSS counts
+  memory in use. The interpreter and the libraries imported before start-up are outside the
+  budget (as the CUDA context made before start-up is).
 
 Colocated on one device there is one budget: both models' weights, both activation peaks (the
 draft's rows live until the verifier is done with them, so they are added, not maxed) and both
@@ -43,11 +47,13 @@ import torch
 from specsplit.kv.meters import (
     ProcessSnapshot,
     TorchMeter,
-    collect,
     device_memory,
     peak_rss_bytes,
     process_snapshot,
     reset_peak_rss,
+    rss_bytes,
+    trim_host_memory,
+    warm_up_storage_trace,
 )
 from specsplit.kv.paged_cache import PagedKVCache
 
@@ -244,9 +250,11 @@ class MemoryProfiler:
     """Measures one budget's services on one device, then sizes their caches.
 
         prof = MemoryProfiler("cpu", budget_bytes=None, utilization=0.9)
-        model = prof.load("verifier", lambda: load_model(...))      # weights measured
-        prof.profile("verifier", lambda: run_profile(model))        # activation peak, non-torch
-        plan = prof.plan({"verifier": KVShape.for_model(...)}, models={"verifier": name})
+        loaded = prof.load("verifier", lambda: load_model(...))         # weights
+        prof.profile("verifier", make_scratch_engine, {"largest": run})  # activation peak, non-torch
+        plan = prof.plan({"verifier": KVShape.for_model(...)}, models={...}, dtypes={...})
+
+    (specsplit.factory wires this up for every kind of service.)
 
     Create it before anything of the service is loaded: its baseline is the process (CPU) or the
     device (CUDA) at that moment.
@@ -268,6 +276,9 @@ class MemoryProfiler:
         self.utilization = utilization
         self.budget_source = "--memory-budget" if budget_bytes is not None else f"{utilization:g} x {fmt_bytes(self.total_bytes)} {self._device_word}"
         self.budget_bytes = int(budget_bytes) if budget_bytes is not None else int(self.total_bytes * utilization)
+        if self.device.type == "cpu":
+            warm_up_storage_trace()
+        self._trim()
         self.base: ProcessSnapshot = process_snapshot(self.device)
         self._torch_live = 0  # tracked torch bytes since the baseline (CPU); CUDA reads the allocator
         self._cuda_alloc_base = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
@@ -277,6 +288,10 @@ class MemoryProfiler:
     @property
     def _device_word(self) -> str:
         return "system RAM" if self.device.type == "cpu" else f"{self.device} memory"
+
+    def _trim(self) -> None:
+        if self.device.type == "cpu":
+            trim_host_memory()
 
     def _m(self, service: str) -> _Measured:
         return self.measured.setdefault(service, _Measured())
@@ -298,6 +313,7 @@ class MemoryProfiler:
     def load(self, service: str, load: Callable[[], T]) -> T:
         """Load a model; the torch bytes it leaves live are the service's weights."""
         out, meter = self.track(load)
+        self._trim()  # the loader's freed temporaries are not the service's memory
         self._m(service).weights = max(0, meter.net)
         self._check_weights()
         return out
@@ -309,35 +325,50 @@ class MemoryProfiler:
         the run, over all shapes. Non-torch growth is measured over the same window.
         """
         m = self._m(service)
-        engine, _ = self.track(setup)
+        engine, scratch = self.track(setup)
+        peaks: dict[str, int] = {}
         try:
-            peaks = {}
+            hwm = False
             if self.device.type == "cpu":
-                reset_peak_rss()
+                trim_host_memory()
+                hwm = reset_peak_rss()
             start = self._torch_now()
             for name, run in shapes.items():
                 _, meter = self.track(lambda: run(engine))
                 peaks[name] = meter.peak + (self._torch_now() - meter.net - start)  # above the run's start
             m.shape_peaks = peaks
             m.activation_peak = max(peaks.values(), default=0)
-            m.non_torch = self._non_torch(start + m.activation_peak)
+            m.non_torch = self._non_torch(start + m.activation_peak, hwm)
         finally:
-            del engine
-            collect()
+            engine = None  # noqa: F841 - drop the scratch engine before the trim
+            self._torch_live -= scratch.net  # the scratch cache and engine are gone
+            self._trim()
             if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
                 torch.cuda.empty_cache()
         log.debug("profile run [%s]: peaks %s, non-torch %s", service, {k: fmt_bytes(v) for k, v in peaks.items()}, fmt_bytes(m.non_torch))
         return m.activation_peak
 
-    def _non_torch(self, torch_at_peak: int) -> int:
-        """Growth since the baseline not explained by torch tensors (less what earlier services took)."""
+    def _non_torch(self, torch_at_peak: int, hwm: bool) -> int:
+        """Growth since the baseline not explained by torch tensors (less what earlier services took).
+
+        hwm: the RSS high-water mark was reset at the start of the profile run; where the kernel
+        does not allow that, the RSS after the run stands in (its peak is then not seen)."""
         if self.device.type == "cuda":
             now = process_snapshot(self.device)
             growth = (now.used - self.base.used) - (now.torch_reserved - self.base.torch_reserved)
         else:
-            growth = (peak_rss_bytes() - self.base.used) - torch_at_peak
+            rss = peak_rss_bytes() if hwm else rss_bytes()
+            torch_then = torch_at_peak if hwm else self._torch_now()
+            growth = (rss - self.base.used) - torch_then
         earlier = sum(x.non_torch for x in self.measured.values())
         return max(0, int(growth) - earlier)
+
+    def record(self, service: str, weights: int = 0, activation_peak: int = 0, non_torch: int = 0) -> None:
+        """Set a service's measurements directly (numbers measured elsewhere, or tests of the sizing)."""
+        m = self._m(service)
+        m.weights, m.activation_peak, m.non_torch = int(weights), int(activation_peak), int(non_torch)
+        self._check_weights()
 
     # ---- checks and sizing ---------------------------------------------------------------
     def _weights_line(self) -> tuple[int, str]:
@@ -391,7 +422,7 @@ class MemoryProfiler:
             p.budget_bytes = p.weights_bytes + p.activation_peak_bytes + p.non_torch_bytes + p.kv_available_bytes
         first = next(iter(plans))
         plans[first].budget_bytes += self.budget_bytes - sum(p.budget_bytes for p in plans.values())
-        plan = MemoryPlan(joint=len(plans) > 1, budget_bytes=self.budget_bytes, services=plans, method=self.method)
+        plan = MemoryPlan(joint=self.joint or len(plans) > 1, budget_bytes=self.budget_bytes, services=plans, method=self.method)
         self._check_plan(plan, shapes, available)
         return plan
 

@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 from protos.specsplit.v1 import gateway_pb2_grpc
+from specsplit.cli.common import DEFAULT_K_MODEL
 from tests.services.procs import generate, health, request, server_info, service_info, wait_for
 
 INVALID = {
@@ -73,7 +74,7 @@ def test_invalid_request_is_invalid_argument_and_allocates_nothing(split_stack, 
 
 def test_server_info_reports_models_k_and_plans(split_stack, colocated_stack):
     info = server_info(split_stack.gateway)
-    assert info.mode == "split" and info.num_speculative_tokens == 3 and info.drafter_up
+    assert info.mode == "split" and info.num_speculative_tokens == DEFAULT_K_MODEL and info.drafter_up
     names = {s.name: s for s in info.services}
     assert set(names) == {"verifier", "drafter"}
     for s in names.values():
