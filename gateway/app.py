@@ -16,6 +16,7 @@ from gateway.clients import GrpcDrafter, GrpcVerifier
 from gateway.engines import plan_to_dict, static_plan
 from gateway.scheduler import Scheduler
 from gateway.service import SERVICE_NAME, GatewayServicer, Limits, Tokenizer
+from gateway.security import MAX_REQUEST_BYTES, ClientSecurity, ServerSecurity, keepalive_options
 from gateway.serving import Server, wait_until
 from protos.specsplit.v1 import gateway_pb2, gateway_pb2_grpc
 from specsplit.cli.common import DEFAULT_K_MODEL, DEFAULT_K_NGRAM
@@ -68,7 +69,8 @@ async def run(gw: Gateway, args) -> int:
         )
 
     servicer = GatewayServicer(scheduler, gw.tokenizer, gw.limits, server_info)
-    server = Server("gateway", args.host, args.port, [SERVICE_NAME])
+    server = Server("gateway", args.host, args.port, [SERVICE_NAME], ServerSecurity.from_args(args),
+                    max_receive_bytes=getattr(args, "max_request_bytes", MAX_REQUEST_BYTES))
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server.server)
     scheduler.start()
     await server.start(metrics_port=args.metrics_port)
@@ -124,7 +126,9 @@ def _wait_for_verifier(verifier: GrpcVerifier, timeout: float):
 def build_split(args) -> Gateway:
     from specsplit.models.loader import load_tokenizer
 
-    verifier = GrpcVerifier(args.verifier, timeout=args.verifier_timeout)
+    internal = ClientSecurity.from_args(args, "internal_")
+    keepalive = keepalive_options(args.keepalive_time, args.keepalive_timeout)
+    verifier = GrpcVerifier(args.verifier, timeout=args.verifier_timeout, security=internal, keepalive=keepalive)
     log.info("gateway: waiting for the verifier at %s (up to %.0fs)", args.verifier, args.connect_timeout)
     vinfo = _wait_for_verifier(verifier, args.connect_timeout)
     verifier.vocab_size = vinfo.vocab_size
@@ -137,7 +141,7 @@ def build_split(args) -> Gateway:
     drafter = None
     draft_model = ""
     if args.drafter:
-        drafter = GrpcDrafter(args.drafter, timeout=args.drafter_timeout)
+        drafter = GrpcDrafter(args.drafter, timeout=args.drafter_timeout, security=internal, keepalive=keepalive)
         try:
             dinfo = drafter.info(timeout=args.drafter_timeout, wait_for_ready=True)
             draft_model = dinfo.model

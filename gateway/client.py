@@ -40,8 +40,12 @@ def request_from_args(args) -> gateway_pb2.GenerateRequest:
     return req
 
 
-def stream(address: str, request: gateway_pb2.GenerateRequest, timeout: float | None = None) -> Iterator[gateway_pb2.GenerateResponse]:
-    with grpc.insecure_channel(address) as channel:
+def stream(address: str, request: gateway_pb2.GenerateRequest, timeout: float | None = None,
+           security=None) -> Iterator[gateway_pb2.GenerateResponse]:
+    """`security`: a gateway.security.ClientSecurity (TLS CA, client certificate, token)."""
+    from gateway.security import channel as make_channel
+
+    with make_channel(address, security) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         yield from stub.Generate(request, timeout=timeout, wait_for_ready=False)
 
@@ -66,15 +70,18 @@ def collect(responses) -> dict:
 
 
 def generate_over_grpc(args) -> int:
+    from gateway.security import ClientSecurity
+
+    security = ClientSecurity.from_args(args)
     request = request_from_args(args)
     t0 = time.perf_counter()
     first = None
     try:
         if args.json:
-            print(json.dumps(collect(stream(args.server, request, args.timeout))))
+            print(json.dumps(collect(stream(args.server, request, args.timeout, security))))
             return 0
         last = None
-        for r in stream(args.server, request, args.timeout):
+        for r in stream(args.server, request, args.timeout, security):
             if first is None:
                 first = time.perf_counter() - t0
             sys.stdout.write(r.text)

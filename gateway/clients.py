@@ -26,6 +26,7 @@ from typing import Sequence
 import grpc
 
 from gateway import wire
+from gateway import security as sec
 from gateway.serving import MAX_MESSAGE_BYTES
 from protos.specsplit.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from specsplit.protocols import Proposal, ProposeRequest, QRow, RowRequest, SeqAdd, VerifyRequest, VerifyResult
@@ -116,10 +117,11 @@ class _PeerClient:
     request_cls = None
     stub_cls = None
 
-    def __init__(self, address: str, timeout: float):
+    def __init__(self, address: str, timeout: float, security: sec.ClientSecurity | None = None, keepalive=None):
         self.address = address
         self.timeout = timeout
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        options = CHANNEL_OPTIONS + list(keepalive if keepalive is not None else sec.keepalive_options())
+        self.channel = sec.channel(address, security, options)
         self.stub = self.stub_cls(self.channel)
         self._stream: _SessionStream | None = None
         self._ids = itertools.count(1)
@@ -210,8 +212,8 @@ class GrpcDrafter(_PeerClient):
     request_cls = drafter_pb2.DrafterRequest
     stub_cls = drafter_pb2_grpc.DrafterStub
 
-    def __init__(self, address: str, timeout: float = 5.0):
-        super().__init__(address, timeout)
+    def __init__(self, address: str, timeout: float = 5.0, **kw):
+        super().__init__(address, timeout, **kw)
 
     def propose(self, reqs: Sequence[ProposeRequest]) -> list[Proposal]:
         self._check_live(r.seq_id for r in reqs)
@@ -231,8 +233,8 @@ class GrpcVerifier(_PeerClient):
     request_cls = verifier_pb2.VerifierRequest
     stub_cls = verifier_pb2_grpc.VerifierStub
 
-    def __init__(self, address: str, timeout: float = 120.0, vocab_size: int | None = None):
-        super().__init__(address, timeout)
+    def __init__(self, address: str, timeout: float = 120.0, vocab_size: int | None = None, **kw):
+        super().__init__(address, timeout, **kw)
         self.vocab_size = vocab_size
 
     def verify(self, reqs: Sequence[VerifyRequest]) -> list[VerifyResult]:

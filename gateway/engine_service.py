@@ -7,6 +7,7 @@ import logging
 
 from gateway import metrics
 from gateway.engines import BuiltEngine
+from gateway.security import ServerSecurity
 from gateway.serving import Server, wait_until
 from gateway.sessions import SessionHost, kv_stats
 from protos.specsplit.v1 import common_pb2
@@ -38,7 +39,7 @@ def log_startup(role: str, built: BuiltEngine) -> None:
 
 
 async def serve(role: str, servicer, add_to_server, service_name: str, args) -> int:
-    server = Server(role, args.host, args.port, [service_name])
+    server = Server(role, args.host, args.port, [service_name], ServerSecurity.from_args(args))
     add_to_server(servicer, server.server)
     metrics.watch_kv(role, servicer.built.engine)
     await server.start(metrics_port=args.metrics_port)

@@ -12,39 +12,39 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from gateway import security as sec
 from gateway.metrics import start_metrics_server
 
 log = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a batch of dense q rows can be large
-SERVER_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.so_reuseport", 0),  # a port in use is an error, not a second listener
-]
+MAX_MESSAGE_BYTES = sec.MAX_INTERNAL_MESSAGE_BYTES  # a batch of dense q rows can be large
 
 
 class Server:
-    """A grpc.aio server with health and reflection for `service_names` (full proto names)."""
+    """A grpc.aio server with health and (unless turned off) reflection for `service_names` (full
+    proto names); TLS, mTLS, the bearer token and keepalive as gateway.security builds them."""
 
-    def __init__(self, name: str, host: str, port: int, service_names: Iterable[str]):
+    def __init__(self, name: str, host: str, port: int, service_names: Iterable[str],
+                 security: sec.ServerSecurity | None = None, max_receive_bytes: int = MAX_MESSAGE_BYTES):
         self.name = name
         self.host = host
         self.port = port
         self.service_names = list(service_names)
-        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        self.security = security or sec.ServerSecurity()
+        self.server = sec.make_server(self.security, max_receive_bytes)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            self.service_names + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
-            self.server,
-        )
+        if self.security.reflection:
+            reflection.enable_server_reflection(
+                self.service_names + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+                self.server,
+            )
         self.draining = False
 
     async def start(self, metrics_host: str | None = None, metrics_port: int | None = None) -> int:
         address = f"{self.host}:{self.port}"
         try:
-            bound = self.server.add_insecure_port(address)
+            bound = sec.add_port(self.server, address, self.security)
         except RuntimeError as e:
             raise RuntimeError(f"{self.name}: cannot listen on {address} ({e}); is the port in use?") from None
         if not bound:
@@ -54,7 +54,7 @@ class Server:
         start_metrics_server(metrics_host or self.host, metrics_port)
         for s in ["", *self.service_names]:
             await self.health.set(s, health_pb2.HealthCheckResponse.SERVING)
-        log.info("%s listening on %s:%d (health: SERVING)", self.name, self.host, bound)
+        log.info("%s listening on %s:%d (%s; health: SERVING)", self.name, self.host, bound, self.security.describe())
         return bound
 
     async def run_until_signal(self, drain: Callable[[], Awaitable[None]]) -> int:

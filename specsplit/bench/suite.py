@@ -107,6 +107,10 @@ class Bench:
         self.ks = [int(k) for k in (args.ks or ("2,4" if self.quick else "1,2,3,4,6")).split(",")]
         self.concurrency = [int(c) for c in (args.concurrency or ("1,4" if self.quick else "1,4,16,32")).split(",")]
         self.bar = None
+        self.partial_path: Path | None = None
+        if getattr(args, "out", None):
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            self.partial_path = Path(args.out) / "bench.partial.json"
 
     def _cfg(self, model: str, dtype: str, max_num_seqs: int = 1) -> EngineConfig:
         return EngineConfig(model=model, dtype=parse_dtype(dtype), max_model_len=self.args.max_model_len,
@@ -116,6 +120,8 @@ class Bench:
         row = result.summary()
         row.update(extra)
         self.results.append(row)
+        if self.partial_path is not None:  # a long run leaves what it measured so far
+            self.partial_path.write_text(json.dumps({"costs": self.costs, "arms": self.results}, indent=2))
         return row
 
     def _tick(self):

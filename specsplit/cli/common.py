@@ -54,7 +54,7 @@ def add_engine_flags(p: argparse.ArgumentParser, device_flag: str = "--device") 
 def add_spec_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculation")
     g.add_argument("--num-speculative-tokens", type=nonneg_int, default=None,
-                   help="draft tokens per step (default: 3 for a model draft, 4 for n-gram)")
+                   help="draft tokens per step (default: 2 for a model draft, 4 for n-gram)")
     g.add_argument("--disable-by-batch-size", type=nonneg_int, default=0,
                    help="decode target-only while more than N sequences run (0 = never)")
 
@@ -64,6 +64,39 @@ def add_server_flags(p: argparse.ArgumentParser, default_port: int) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address to bind")
     g.add_argument("--port", type=port, default=default_port, help="port to bind (0 = any free port)")
     g.add_argument("--metrics-port", type=port, default=None, help="serve Prometheus metrics on this port")
+    from gateway.security import add_server_security_flags
+
+    add_server_security_flags(p)
+
+
+def add_request_size_flag(p: argparse.ArgumentParser) -> None:
+    from gateway.security import MAX_REQUEST_BYTES
+
+    p.add_argument("--max-request-bytes", type=parse_bytes, default=MAX_REQUEST_BYTES,
+                   help="largest GenerateRequest accepted; larger ones get RESOURCE_EXHAUSTED (default 4MiB)")
+
+
+def add_keepalive_flags(p: argparse.ArgumentParser) -> None:
+    from gateway.security import DEFAULT_KEEPALIVE_TIME_S, DEFAULT_KEEPALIVE_TIMEOUT_S, MIN_PING_INTERVAL_S
+
+    p.add_argument("--keepalive-time", type=float, default=DEFAULT_KEEPALIVE_TIME_S,
+                   help=f"seconds between keepalive pings to the drafter and verifier (>= {MIN_PING_INTERVAL_S:g}, "
+                        f"default {DEFAULT_KEEPALIVE_TIME_S:g})")
+    p.add_argument("--keepalive-timeout", type=float, default=DEFAULT_KEEPALIVE_TIMEOUT_S,
+                   help=f"seconds to wait for a ping's answer before the peer counts as gone (default {DEFAULT_KEEPALIVE_TIMEOUT_S:g})")
+
+
+def validate_security(args) -> None:
+    from gateway.security import MIN_PING_INTERVAL_S, ClientSecurity, ServerSecurity
+
+    ServerSecurity.from_args(args).validate()
+    if hasattr(args, "internal_tls_ca"):
+        ClientSecurity.from_args(args, "internal_").validate("--internal-")
+    if hasattr(args, "keepalive_time"):
+        if args.keepalive_time < MIN_PING_INTERVAL_S:
+            raise ValueError(f"--keepalive-time must be >= {MIN_PING_INTERVAL_S:g}s (servers refuse pings more often)")
+        if args.keepalive_timeout <= 0:
+            raise ValueError("--keepalive-timeout must be positive")
 
 
 def check_device(flag: str, dev: str | None) -> None:
@@ -89,7 +122,7 @@ def validate_engine(args) -> None:
         args.max_prefill_tokens = args.max_model_len
 
 
-DEFAULT_K_MODEL = 3
+DEFAULT_K_MODEL = 2
 DEFAULT_K_NGRAM = 4
 
 

@@ -1,7 +1,7 @@
 """`specsplit serve`: the colocated server (gateway + engines in one process, one memory budget)."""
 from __future__ import annotations
 
-from specsplit.cli.common import add_engine_flags, add_server_flags, add_spec_flags, validate_engine
+from specsplit.cli.common import add_engine_flags, add_request_size_flag, add_server_flags, add_spec_flags, validate_engine, validate_security
 
 
 def add_arguments(p, name: str) -> None:
@@ -13,10 +13,12 @@ def add_arguments(p, name: str) -> None:
                    help="on SIGTERM, seconds to let live streams finish before stopping (default 30)")
     add_engine_flags(p)
     add_spec_flags(p)
+    add_request_size_flag(p)
     add_server_flags(p, 50051)
 
 
 def validate(args) -> None:
+    validate_security(args)
     validate_engine(args)
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")

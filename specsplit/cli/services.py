@@ -1,7 +1,8 @@
 """`specsplit drafter | verifier | gateway`: one gRPC service per process."""
 from __future__ import annotations
 
-from specsplit.cli.common import add_engine_flags, add_server_flags, add_spec_flags, check_address, positive_int, validate_engine
+from specsplit.cli.common import (add_engine_flags, add_keepalive_flags, add_request_size_flag, add_server_flags, add_spec_flags,
+                                  check_address, positive_int, validate_engine, validate_security)
 
 DEFAULT_PORTS = {"drafter": 50061, "verifier": 50062, "gateway": 50051}
 
@@ -24,12 +25,18 @@ def add_arguments(p, name: str) -> None:
         p.add_argument("--connect-timeout", type=float, default=300.0,
                        help="seconds to wait at start-up for the verifier to answer (default 300)")
         add_spec_flags(p)
+        add_request_size_flag(p)
+        add_keepalive_flags(p)
+        from gateway.security import add_client_security_flags
+
+        add_client_security_flags(p, "internal_", "the drafter and the verifier")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let live streams finish before stopping (default 30)")
     add_server_flags(p, DEFAULT_PORTS[name])
 
 
 def validate(args) -> None:
+    validate_security(args)
     if args.command in ("drafter", "verifier"):
         validate_engine(args)
     else:

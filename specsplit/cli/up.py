@@ -13,7 +13,8 @@ import subprocess
 import sys
 import time
 
-from specsplit.cli.common import add_engine_flags, add_server_flags, add_spec_flags, port, spec_config, validate_engine
+from specsplit.cli.common import (add_engine_flags, add_keepalive_flags, add_request_size_flag, add_server_flags, add_spec_flags, port,
+                                  spec_config, validate_engine, validate_security)
 
 
 def add_arguments(p, name: str) -> None:
@@ -27,10 +28,18 @@ def add_arguments(p, name: str) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0)
     add_engine_flags(p)
     add_spec_flags(p)
-    add_server_flags(p, 50051)
+    add_request_size_flag(p)
+    add_keepalive_flags(p)
+    add_server_flags(p, 50051)  # with --tls-*, --auth-token-file, --no-reflection: passed to all three
+    from gateway.security import add_client_security_flags
+
+    # How the gateway (and `up`'s own health checks) reach the drafter and the verifier; the
+    # token defaults to --auth-token-file.
+    add_client_security_flags(p, "internal_", "the drafter and the verifier")
 
 
 def validate(args) -> None:
+    validate_security(args)
     validate_engine(args)
 
 
@@ -56,10 +65,37 @@ def _spec_flags(args) -> list[str]:
     return ["--disable-by-batch-size", str(args.disable_by_batch_size), "--num-speculative-tokens", str(k)]
 
 
+def _flag_values(args, names: list[str], prefix: str = "") -> list[str]:
+    out = []
+    for n in names:
+        v = getattr(args, prefix + n, None)
+        if v:
+            out += ["--" + (prefix + n).replace("_", "-"), str(v)]
+    return out
+
+
+def internal_security(args):
+    from gateway.security import ClientSecurity
+
+    sec = ClientSecurity.from_args(args, "internal_")
+    if not sec.auth_token_file and args.auth_token_file:
+        sec = ClientSecurity(sec.tls_ca, sec.tls_cert, sec.tls_key, args.auth_token_file, sec.server_name)
+    return sec
+
+
 def commands(args, drafter_port: int, verifier_port: int) -> dict[str, list[str]]:
     base = [sys.executable, "-m", "specsplit.cli", "--log-level", args.log_level]
     host = args.host
-    common = ["--host", host, "--drain-timeout", str(args.drain_timeout)]
+    common = ["--host", host, "--drain-timeout", str(args.drain_timeout),
+              *_flag_values(args, ["tls_cert", "tls_key", "tls_ca", "auth_token_file"])]
+    if args.no_reflection:
+        common.append("--no-reflection")
+    isec = internal_security(args)
+    internal = _flag_values(isec, ["tls_ca", "tls_cert", "tls_key", "auth_token_file", "server_name"])
+    internal = [f.replace("--", "--internal-", 1).replace("server-name", "tls-server-name") if f.startswith("--") else f
+                for f in internal]
+    gateway_only = ["--keepalive-time", str(args.keepalive_time), "--keepalive-timeout", str(args.keepalive_timeout),
+                    "--max-request-bytes", str(args.max_request_bytes), *internal]
 
     def metrics(offset: int) -> list[str]:
         return [] if args.metrics_port is None else ["--metrics-port", str(args.metrics_port + offset)]
@@ -71,7 +107,7 @@ def commands(args, drafter_port: int, verifier_port: int) -> dict[str, list[str]
                            *_engine_flags(args, args.draft_device or args.device), *_spec_flags(args), *metrics(2)],
         "gateway": base + ["gateway", "--verifier", f"{host}:{verifier_port}", "--drafter", f"{host}:{drafter_port}",
                            "--port", str(args.port), "--max-num-seqs", str(args.max_num_seqs),
-                           "--max-queue", str(args.max_queue), *common, *_spec_flags(args), *metrics(0)],
+                           "--max-queue", str(args.max_queue), *common, *gateway_only, *_spec_flags(args), *metrics(0)],
     }
 
 
@@ -101,6 +137,7 @@ def run(args) -> int:
     addresses = {"verifier": f"{args.host}:{verifier_port}", "drafter": f"{args.host}:{drafter_port}",
                  "gateway": f"{args.host}:{args.port}"}
     stop_requested = []
+    isec = internal_security(args)
 
     def on_signal(signum, frame):
         stop_requested.append(signum)
@@ -119,7 +156,7 @@ def run(args) -> int:
             for name in sorted(pending):
                 if procs[name].poll() is not None:
                     raise RuntimeError(f"{name} exited with code {procs[name].returncode} during start-up; see its log above")
-                if check(addresses[name], timeout=1.0) == "SERVING":
+                if check(addresses[name], timeout=1.0, security=isec) == "SERVING":
                     print(f"specsplit up: {name} is SERVING on {addresses[name]}", file=sys.stderr)
                     pending.discard(name)
             if time.monotonic() > deadline:

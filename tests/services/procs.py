@@ -31,15 +31,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def health(address: str, timeout: float = 1.0) -> str:
+def health(address: str, timeout: float = 1.0, security=None) -> str:
     from specsplit.cli.health import check
 
-    return check(address, timeout=timeout)
+    return check(address, timeout=timeout, security=security)
 
 
 class ServiceProcess:
-    def __init__(self, name: str, argv: list[str], log_dir: Path, port: int | None = None, metrics_port: int | None = None):
+    """`env`: extra environment variables; `security`: the gateway.security.ClientSecurity its
+    health is checked with (a TLS / mTLS server)."""
+
+    def __init__(self, name: str, argv: list[str], log_dir: Path, port: int | None = None, metrics_port: int | None = None,
+                 env: dict[str, str] | None = None, security=None):
         self.name = name
+        self.env = dict(env or {})
+        self.security = security
         self.metrics_port = metrics_port
         if metrics_port:
             argv = [*argv, "--metrics-port", str(metrics_port)]
@@ -51,7 +57,7 @@ class ServiceProcess:
         self.start()
 
     def start(self) -> None:
-        env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **self.env)
         log = open(self.log_path, "ab")
         log.write(f"\n==== {' '.join(self.argv)}\n".encode())
         log.flush()
@@ -76,7 +82,7 @@ class ServiceProcess:
         while time.monotonic() < end:
             if not self.alive():
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
-            if health(self.address) == "SERVING":
+            if health(self.address, security=self.security) == "SERVING":
                 return
             time.sleep(0.25)
         raise TimeoutError(f"{self.name} not SERVING after {timeout:.0f}s:\n{self.log_tail()}")
@@ -129,21 +135,24 @@ class Stack:
 
 
 def start_split(log_dir: Path, target: Path, draft: Path | str | None, max_num_seqs: int = 8, max_queue: int = 32,
-                gateway_extra: tuple[str, ...] = ()) -> Stack:
+                gateway_extra: tuple[str, ...] = (), service_extra: tuple[str, ...] = (),
+                verifier_env: dict[str, str] | None = None, security=None) -> Stack:
+    """service_extra: flags for the drafter and the verifier (e.g. --tls-cert ...); security: the
+    ClientSecurity the health checks use; verifier_env: e.g. a fault hook."""
     stack = Stack()
     vport, gport = free_port(), free_port()
     stack.procs["verifier"] = ServiceProcess(
         "verifier", ["verifier", "--model", str(target), "--port", str(vport), "--max-num-seqs", str(max_num_seqs),
-                     *TINY_ENGINE], log_dir, vport, free_port())
+                     *TINY_ENGINE, *service_extra], log_dir, vport, free_port(), env=verifier_env, security=security)
     gw = ["gateway", "--verifier", f"{HOST}:{vport}", "--port", str(gport), "--max-num-seqs", str(max_num_seqs),
           "--max-queue", str(max_queue), "--drain-timeout", "20", "--drafter-timeout", "2", *gateway_extra]
     if draft is not None:
         dport = free_port()
         stack.procs["drafter"] = ServiceProcess(
             "drafter", ["drafter", "--model", str(draft), "--port", str(dport), "--max-num-seqs", str(max_num_seqs),
-                        *TINY_ENGINE], log_dir, dport, free_port())
+                        *TINY_ENGINE, *service_extra], log_dir, dport, free_port(), security=security)
         gw += ["--drafter", f"{HOST}:{dport}"]
-    stack.procs["gateway"] = ServiceProcess("gateway", gw, log_dir, gport, free_port())
+    stack.procs["gateway"] = ServiceProcess("gateway", gw, log_dir, gport, free_port(), security=security)
     return stack
 
 
