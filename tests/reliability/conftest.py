@@ -61,28 +61,19 @@ def rel_servers(tmp_path_factory, tiny_llama, tiny_draft_close, pki):
         tls_only.stop()
 
 
-def _ready(stack):
-    try:
-        stack.wait_serving()
-    except Exception:
-        print(stack.logs())
-        raise
-    return stack
-
-
 @pytest.fixture(scope="session")
 def secure_stack(rel_servers):
-    return _ready(rel_servers[0]["secure"])
+    return rel_servers[0]["secure"].ready()
 
 
 @pytest.fixture(scope="session")
 def plain_stack(rel_servers):
-    return _ready(rel_servers[0]["plain"])
+    return rel_servers[0]["plain"].ready()
 
 
 @pytest.fixture(scope="session")
 def faulty_stack(rel_servers):
-    return _ready(rel_servers[0]["faulty"])
+    return rel_servers[0]["faulty"].ready()
 
 
 @pytest.fixture(scope="session")

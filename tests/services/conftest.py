@@ -32,28 +32,19 @@ def tiny_servers(tmp_path_factory, tiny_llama, tiny_draft_close):
             stack.stop()
 
 
-def _ready(stack):
-    try:
-        stack.wait_serving()
-    except Exception:
-        print(stack.logs())
-        raise
-    return stack
-
-
 @pytest.fixture(scope="session")
 def split_stack(tiny_servers):
-    return _ready(tiny_servers["split"])
+    return tiny_servers["split"].ready()
 
 
 @pytest.fixture(scope="session")
 def colocated_stack(tiny_servers):
-    return _ready(tiny_servers["colocated"])
+    return tiny_servers["colocated"].ready()
 
 
 @pytest.fixture(scope="session")
 def small_stack(tiny_servers):
-    return _ready(tiny_servers["small"])
+    return tiny_servers["small"].ready()
 
 
 @pytest.fixture(scope="session")

@@ -123,6 +123,15 @@ class Stack:
         for p in self.procs.values():
             p.wait_serving(timeout)
 
+    def ready(self) -> "Stack":
+        """Wait until every process is SERVING (printing their logs if one never is); returns self."""
+        try:
+            self.wait_serving()
+        except Exception:
+            print(self.logs())
+            raise
+        return self
+
     def stop(self) -> dict[str, int | None]:
         codes = {}
         for name in ("gateway", "drafter", "verifier"):
