@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import subprocess
 import sys
 import time
 
@@ -33,25 +30,23 @@ def main(argv=None) -> int:
     p.add_argument("--port", type=int, default=0, help="gateway port (0 = a free one)")
     p.add_argument("--max-model-len", type=int, default=1024)
     args = p.parse_args(argv)
+    from gateway.launch import specsplit_up
     from specsplit.cli.up import free_port
-    from specsplit.cli.health import check
 
     port = args.port or free_port()
-    address = f"127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "specsplit.cli", "--log-level", "WARNING", "up", "--target", args.target, "--draft",
-           args.draft, "--port", str(port), "--max-model-len", str(args.max_model_len), "--max-num-seqs", "4"]
     print(f"$ specsplit up --target {args.target} --draft {args.draft} --port {port}", flush=True)
-    up = subprocess.Popen(cmd, env=os.environ.copy())
     try:
-        t0 = time.monotonic()
-        while check(address, timeout=1.0) != "SERVING":
-            if up.poll() is not None:
-                print(f"demo: specsplit up exited with {up.returncode}", file=sys.stderr)
-                return 1
-            if time.monotonic() - t0 > 600:
-                print("demo: the services did not come up in 600 s", file=sys.stderr)
-                return 1
-            time.sleep(0.5)
+        with specsplit_up(args.target, args.draft, port=port, max_model_len=args.max_model_len, max_num_seqs=4) as up:
+            return _generate(up.address, args)
+    except RuntimeError as e:
+        print(f"demo: {e}", file=sys.stderr)
+        return 1
+    finally:
+        print("[services stopped]")
+
+
+def _generate(address: str, args) -> int:
+    try:
         with grpc.insecure_channel(address) as ch:
             stub = gateway_pb2_grpc.GatewayStub(ch)
             info = stub.GetServerInfo(gateway_pb2.GetServerInfoRequest(), timeout=10)
@@ -82,14 +77,6 @@ def main(argv=None) -> int:
     except grpc.RpcError as e:
         print(f"\ndemo: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
-    finally:
-        if up.poll() is None:
-            up.send_signal(signal.SIGTERM)
-            try:
-                up.wait(60)
-            except subprocess.TimeoutExpired:
-                up.kill()
-        print("[services stopped]")
 
 
 if __name__ == "__main__":

@@ -24,8 +24,9 @@ class Timing:
     tokens: int
     proposed: int = 0
     accepted: int = 0
-    steps: int = 0  # speculative steps (verified >= 1 draft)
-    per_position: list[int] = field(default_factory=list)
+    steps: int = 0  # speculative steps (verified >= 1 draft); 0 where unknown (the split arm)
+    per_position: list[int] = field(default_factory=list)  # steps that accepted draft j; [] where unknown
+    output: list[int] = field(default_factory=list)  # the generated token ids ([] where not kept)
 
 
 @dataclass
@@ -90,7 +91,8 @@ def run_specsplit(name: str, colo, prompts: list[list[int]], new_tokens: int, re
                     first[state.request.request_id] = now
         done = time.perf_counter()
         return [Timing(done - t0, first.get(st.request.request_id, done) - t0, len(st.output), st.proposed,
-                       st.accepted, st.speculative_steps, list(st.accepted_per_position)) for st in states]
+                       st.accepted, st.speculative_steps, list(st.accepted_per_position), list(st.output))
+                for st in states]
 
     # warm-up (discarded)
     one_batch(prompts[:1], "warm")

@@ -3,7 +3,9 @@
 Suites:
   target  native target-only vs transformers generate, fp32 and bf16 (the foundation's ratio)
   spec    target-only baselines, HF assisted generation, specsplit colocated with the model draft
-          and with n-gram for several K, and a concurrency sweep with and without speculation
+          and with n-gram for several K, specsplit split over gRPC (`specsplit up`: three local
+          processes, same target/draft/dtype) for --split-ks, and a concurrency sweep with and
+          without speculation
   all     both
 Output: a table on stdout, a JSON file and a PNG plot under --out.
 """
@@ -106,11 +108,21 @@ class Bench:
         self.num_prompts = args.num_prompts or (2 if self.quick else 6)
         self.ks = [int(k) for k in (args.ks or ("2,4" if self.quick else "1,2,3,4,6")).split(",")]
         self.concurrency = [int(c) for c in (args.concurrency or ("1,4" if self.quick else "1,4,16,32")).split(",")]
+        self.split_ks = [] if getattr(args, "no_split", False) else self._split_ks(args)
         self.bar = None
         self.partial_path: Path | None = None
         if getattr(args, "out", None):
             Path(args.out).mkdir(parents=True, exist_ok=True)
             self.partial_path = Path(args.out) / "bench.partial.json"
+
+    def _split_ks(self, args) -> list[int]:
+        if getattr(args, "split_ks", None):
+            return [int(k) for k in args.split_ks.split(",")]
+        if self.quick:
+            return self.ks[:1]
+        from specsplit.cli.common import DEFAULT_K_MODEL, DEFAULT_K_NGRAM
+
+        return [DEFAULT_K_NGRAM if args.draft == "ngram" else DEFAULT_K_MODEL]
 
     def _cfg(self, model: str, dtype: str, max_num_seqs: int = 1) -> EngineConfig:
         return EngineConfig(model=model, dtype=parse_dtype(dtype), max_model_len=self.args.max_model_len,
@@ -159,17 +171,19 @@ class Bench:
                                            self.repeats, progress=self._tick), dtype=dtype, suite="spec")
         base.close()
         hf_ref = None
-        for name, k_list in ((draft, self.ks), ("ngram", self.ks)):
+        for slot, (name, k_list) in enumerate(((draft, self.ks), ("ngram", self.ks))):
             if name is None:
                 continue
             colo = build_colocated(self._cfg(a.target, dtype), self._cfg(name, dtype),
                                    SpecConfig(num_speculative_tokens=max(k_list)), show_progress=False)
             if name != "ngram":
                 self.costs = measure_costs(colo, prompts[0], self.ks)
+            colocated: dict[int, tuple[ArmResult, dict]] = {}
             for k in k_list:
-                row = self._add(run_specsplit(f"specsplit colocated {name} K={k}", colo, prompts, self.new_tokens,
-                                              self.repeats, k=k, progress=self._tick),
-                                dtype=dtype, suite="spec", draft=name)
+                result = run_specsplit(f"specsplit colocated {name} K={k}", colo, prompts, self.new_tokens,
+                                       self.repeats, k=k, progress=self._tick)
+                row = self._add(result, dtype=dtype, suite="spec", draft=name)
+                colocated[k] = (result, row)
                 row["speedup_vs_target_only"] = row["tokens_per_s"] / baseline["tokens_per_s"]
                 if name != "ngram" and row["mean_accepted_length"] is not None and self.costs:
                     row["predicted_speedup"] = predicted_speedup(row["mean_accepted_length"] + 1, k, self.costs)
@@ -183,9 +197,33 @@ class Bench:
                               dtype=dtype, suite="spec", draft=name)
                 del hf, assistant
             colo.close()
+            if slot == 0 and self.split_ks:  # the model draft's slot, its engines freed first
+                self.split_arms(name, dtype, prompts, baseline, colocated)
         if hf_ref is not None:
             baseline["ratio_vs_hf_generate"] = baseline["tokens_per_s"] / hf_ref["tokens_per_s"]
         self.concurrency_sweep(draft or "ngram", dtype, prompts)
+
+    def split_arms(self, draft: str, dtype: str, prompts, baseline: dict, colocated: dict) -> None:
+        """specsplit split over gRPC: `specsplit up` (three local processes) with the colocated
+        arms' target, draft, dtype, threads and engine sizes, one stream at a time."""
+        from gateway.bench_client import run_split
+        from gateway.launch import specsplit_up
+
+        a = self.args
+        cfg = self._cfg(a.target, dtype)
+        with specsplit_up(a.target, draft, dtype=dtype, max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
+                          num_speculative_tokens=max(self.split_ks), threads=a.threads,
+                          extra=["--max-prefill-tokens", str(cfg.max_prefill_tokens)]) as up:
+            for k in self.split_ks:
+                result = run_split(f"specsplit split grpc {draft} K={k}", up.address, prompts, self.new_tokens,
+                                   self.repeats, k, progress=self._tick)
+                row = self._add(result, dtype=dtype, suite="spec", draft=draft, mode="split")
+                row["speedup_vs_target_only"] = row["tokens_per_s"] / baseline["tokens_per_s"]
+                if k in colocated:
+                    colo_result, colo_row = colocated[k]
+                    row["ratio_vs_colocated"] = row["tokens_per_s"] / colo_row["tokens_per_s"]
+                    row["same_tokens_as_colocated"] = ([t.output for t in result.timings]
+                                                       == [t.output for t in colo_result.timings])
 
     def concurrency_sweep(self, draft: str, dtype: str, prompts) -> None:
         a = self.args
@@ -207,6 +245,8 @@ class Bench:
             n += 2 * per_arm * (1 if self.args.no_hf else 2)
         if self.args.suite in ("spec", "all"):
             n += per_arm * (1 + 2 * len(self.ks) + (0 if self.args.no_hf else 3))
+            if self.args.draft is not None:
+                n += per_arm * len(self.split_ks)
             n += 2 * len(self.concurrency)
         return n
 
@@ -223,7 +263,8 @@ class Bench:
                         "torch": torch.__version__},
             "settings": {"target": self.args.target, "draft": self.args.draft, "new_tokens": self.new_tokens,
                          "repeats": self.repeats, "num_prompts": self.num_prompts, "ks": self.ks,
-                         "concurrency": self.concurrency, "quick": self.quick, "dtype": self.args.dtype},
+                         "concurrency": self.concurrency, "split_ks": self.split_ks, "quick": self.quick,
+                         "dtype": self.args.dtype},
             "costs": self.costs,
             "arms": self.results,
             "wall_s": time.time() - t0,
@@ -234,8 +275,8 @@ def format_table(report: dict) -> str:
     cols = [("arm", 40, "{}"), ("tokens_per_s", 9, "{:.1f}"), ("ttft_ms", 8, "{:.0f}"), ("tpot_ms", 8, "{:.1f}"),
             ("acceptance_rate", 6, "{:.2f}"), ("mean_accepted_length", 6, "{:.2f}"),
             ("speedup_vs_target_only", 7, "{:.2f}x"), ("predicted_speedup", 7, "{:.2f}x"),
-            ("ratio_vs_hf_generate", 7, "{:.2f}x")]
-    heads = ["arm", "tok/s", "TTFT ms", "TPOT ms", "accept", "acc/st", "speedup", "pred", "vs HF"]
+            ("ratio_vs_hf_generate", 7, "{:.2f}x"), ("ratio_vs_colocated", 7, "{:.2f}x")]
+    heads = ["arm", "tok/s", "TTFT ms", "TPOT ms", "accept", "acc/st", "speedup", "pred", "vs HF", "vs colo"]
     lines = ["  ".join(h.ljust(w) for h, (_, w, _) in zip(heads, cols))]
     for row in report["arms"]:
         cells = []
@@ -260,8 +301,13 @@ def plot(report: dict, path: Path) -> Path | None:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for draft in sorted({r.get("draft") for r in report["arms"] if r.get("speedup_vs_target_only")}):
-        rows = [r for r in report["arms"] if r.get("draft") == draft and r.get("speedup_vs_target_only")]
+        rows = [r for r in report["arms"] if r.get("draft") == draft and r.get("speedup_vs_target_only")
+                and r.get("mode") != "split"]
         axes[0].plot([r["k"] for r in rows], [r["speedup_vs_target_only"] for r in rows], marker="o", label=str(draft))
+        split = [r for r in report["arms"] if r.get("draft") == draft and r.get("mode") == "split"]
+        if split:
+            axes[0].plot([r["k"] for r in split], [r["speedup_vs_target_only"] for r in split], "s",
+                         label=f"{draft} split gRPC")
         pred = [r for r in rows if r.get("predicted_speedup")]
         if pred:
             axes[0].plot([r["k"] for r in pred], [r["predicted_speedup"] for r in pred], "--", label=f"{draft} predicted")

@@ -18,6 +18,11 @@ def add_arguments(p, name: str) -> None:
     p.add_argument("--new-tokens", type=positive_int, default=None)
     p.add_argument("--repeats", type=positive_int, default=None, help="runs per prompt; the median is kept")
     p.add_argument("--ks", default=None, help="comma-separated K values, default 1,2,3,4,6")
+    p.add_argument("--split-ks", default=None,
+                   help="comma-separated K values for the split arm (specsplit up, three local processes, talking "
+                        "gRPC on loopback), default 2 for a model draft (4 for ngram); with --quick the first --ks "
+                        "value")
+    p.add_argument("--no-split", action="store_true", help="skip the split arm (no services started)")
     p.add_argument("--concurrency", default=None, help="comma-separated, default 1,4,16,32")
     p.add_argument("--max-model-len", type=positive_int, default=1024)
     p.add_argument("--max-prompt-tokens", type=positive_int, default=384)
@@ -29,10 +34,10 @@ def add_arguments(p, name: str) -> None:
 
 
 def validate(args) -> None:
-    for name in ("ks", "concurrency"):
+    for name in ("ks", "split_ks", "concurrency"):
         v = getattr(args, name)
         if v is not None and not all(t.strip().isdigit() and int(t) > 0 for t in v.split(",")):
-            raise ValueError(f"--{name} must be comma-separated positive integers, got {v!r}")
+            raise ValueError(f"--{name.replace('_', '-')} must be comma-separated positive integers, got {v!r}")
 
 
 def run(args) -> int:

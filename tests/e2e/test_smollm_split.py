@@ -2,16 +2,11 @@
 serve`) == the target alone, greedy, one stream at a time and 3 concurrent."""
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.services.procs import REPO, ServiceProcess, free_port, generate, health, request
+from tests.services.procs import REPO, ServiceProcess, free_port, generate, request
 
 pytestmark = [pytest.mark.smollm, pytest.mark.slow]
 
@@ -26,35 +21,21 @@ ENGINE = ["--max-model-len", "256", "--max-prefill-tokens", "128", "--max-num-se
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
+    from gateway.launch import specsplit_up
+
     logs = tmp_path_factory.mktemp("smollm-logs")
-    port = free_port()
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    up_log = open(logs / "up.log", "wb")
-    up = subprocess.Popen([sys.executable, "-m", "specsplit.cli", "up", "--target", "smollm2-135m", "--draft", "ngram",
-                           "--port", str(port), *ENGINE], stdout=up_log, stderr=subprocess.STDOUT,
-                          stdin=subprocess.DEVNULL, cwd=REPO, env=env)
+    env = dict(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     cport = free_port()
+    # Started first: it loads while `specsplit up` starts.
     colocated = ServiceProcess("colocated", ["serve", "--target", "smollm2-135m", "--draft", "ngram", "--port", str(cport),
                                              *ENGINE], logs, cport)
-    split_addr = f"127.0.0.1:{port}"
     try:
-        colocated.wait_serving(300)
-        end = time.monotonic() + 300
-        while health(split_addr) != "SERVING":
-            assert up.poll() is None, open(up_log.name).read()[-3000:]
-            assert time.monotonic() < end
-            time.sleep(0.5)
-        yield split_addr, colocated.address
+        with specsplit_up("smollm2-135m", "ngram", extra=ENGINE, log=logs / "up.log", env=env, cwd=REPO,
+                          log_level="INFO", startup_timeout=300) as split:
+            colocated.wait_serving(300)
+            yield split.address, colocated.address
     finally:
         colocated.stop()
-        if up.poll() is None:
-            up.send_signal(signal.SIGTERM)
-            try:
-                up.wait(60)
-            except subprocess.TimeoutExpired:
-                up.kill()
-                up.wait(10)
-        up_log.close()
 
 
 @pytest.fixture(scope="module")

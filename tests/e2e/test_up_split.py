@@ -3,11 +3,7 @@ SERVING, `specsplit generate --server` streams the same JSON as the local mode, 
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
-import time
 
 import pytest
 
@@ -18,31 +14,13 @@ PROMPT_IDS = "5,9,13,5,9,13,5,9"
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory, tiny_llama):
-    port, dport, vport = free_port(), free_port(), free_port()
-    log = open(tmp_path_factory.mktemp("up-logs") / "up.log", "wb")
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "specsplit.cli", "up", "--target", str(tiny_llama), "--draft", "ngram", "--port", str(port),
-         "--drafter-port", str(dport), "--verifier-port", str(vport), "--max-num-seqs", "4", *TINY_ENGINE],
-        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO, env=env,
-    )
-    addresses = {n: f"127.0.0.1:{p}" for n, p in (("gateway", port), ("drafter", dport), ("verifier", vport))}
-    try:
-        end = time.monotonic() + 240
-        while not all(health(a) == "SERVING" for a in addresses.values()):
-            assert proc.poll() is None, open(log.name).read()[-3000:]
-            assert time.monotonic() < end, "specsplit up did not come up"
-            time.sleep(0.5)
-        yield proc, addresses, log.name
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-        log.close()
+    from gateway.launch import specsplit_up
+
+    log = tmp_path_factory.mktemp("up-logs") / "up.log"
+    env = dict(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    with specsplit_up(str(tiny_llama), "ngram", max_num_seqs=4, extra=TINY_ENGINE, log=log, env=env, cwd=REPO,
+                      log_level="INFO", startup_timeout=240) as stack:
+        yield stack.proc, stack.addresses, str(log)
 
 
 def _cli_json(capsys, argv) -> dict:

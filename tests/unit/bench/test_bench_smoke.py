@@ -1,4 +1,5 @@
-"""`specsplit bench --quick` on a tiny random pair: every field present, acceptance consistent."""
+"""`specsplit bench --quick` on a tiny random pair: every field present, acceptance consistent; the
+split arm (`specsplit up` on loopback, stopped by the bench itself) gives the colocated arm's tokens."""
 from __future__ import annotations
 
 import json
@@ -13,14 +14,14 @@ def test_bench_quick_json(tmp_path, tiny_llama, tiny_draft_close):
     out = tmp_path / "bench"
     rc = main(["bench", "all", "--quick", "--target", str(tiny_llama), "--draft", str(tiny_draft_close),
                "--prompt-token-ids", "5,6,7,8,5,6,7,8,9", "--max-model-len", "128", "--new-tokens", "12",
-               "--no-progress", "--out", str(out)])
+               "--threads", "1", "--no-progress", "--out", str(out)])
     assert rc == 0
     report = json.loads((out / "bench.json").read_text())
     assert (out / "bench.png").stat().st_size > 0
     arms = report["arms"]
     names = [a["arm"] for a in arms]
     for needle in ("native target-only", "transformers generate", "HF assisted constant", "HF assisted heuristic",
-                   "specsplit colocated ngram K=2", "concurrency 4 spec"):
+                   "specsplit colocated ngram K=2", "concurrency 4 spec", "specsplit split grpc"):
         assert any(needle in n for n in names), (needle, names)
     for a in arms:
         assert FIELDS <= set(a), (a["arm"], FIELDS - set(a))
@@ -28,10 +29,29 @@ def test_bench_quick_json(tmp_path, tiny_llama, tiny_draft_close):
         if a["proposed_draft_tokens"]:
             assert a["acceptance_rate"] == a["accepted_draft_tokens"] / a["proposed_draft_tokens"]
             assert 0 <= a["acceptance_rate"] <= 1
+            if a.get("mode") == "split":  # the wire does not say which steps speculated
+                assert a["per_position_acceptance"] == [] and a["mean_accepted_length"] is None
+                continue
             assert len(a["per_position_acceptance"]) >= 1
             assert all(0 <= x <= 1 for x in a["per_position_acceptance"])
-        elif a["arm"].startswith("specsplit colocated"):
+        elif a["arm"].startswith(("specsplit colocated", "specsplit split")):
             raise AssertionError(f"{a['arm']} proposed nothing")
     spec = [a for a in arms if a["arm"].startswith("specsplit colocated") and a.get("draft") != "ngram"]
     assert spec and all("speedup_vs_target_only" in a and "predicted_speedup" in a for a in spec)
     assert {"c", "v", "target_step_ms"} <= set(report["costs"])
+
+    # The split arm: K = the quick ks' first (2), same tokens as the colocated arm at that K.
+    (split,) = [a for a in arms if a["arm"].startswith("specsplit split grpc")]
+    (colo,) = [a for a in arms if a["arm"].startswith("specsplit colocated") and a.get("draft") == split["draft"]
+               and a["k"] == 2]
+    assert split["arm"] == f"specsplit split grpc {tiny_draft_close} K=2" and split["k"] == 2
+    assert split["draft"] == str(tiny_draft_close) and report["settings"]["split_ks"] == [2]
+    assert split["same_tokens_as_colocated"] is True
+    assert split["generated_tokens"] == colo["generated_tokens"] == 2 * 12
+    assert split["ratio_vs_colocated"] == split["tokens_per_s"] / colo["tokens_per_s"]
+    assert split["speedup_vs_target_only"] > 0
+    # Same drafts over the wire as in-process (greedy, same threads): the same acceptance.
+    assert (split["proposed_draft_tokens"], split["accepted_draft_tokens"]) == \
+        (colo["proposed_draft_tokens"], colo["accepted_draft_tokens"])
+    # One response per decode step, each step's tokens = its accepted drafts + 1.
+    assert split["generated_tokens"] == split["accepted_draft_tokens"] + split["decode_steps"]

@@ -1,0 +1,93 @@
+"""The split arm of `specsplit bench`: the same prompts streamed through a gateway's Generate,
+timed the way specsplit.bench.arms.run_specsplit times the colocated arms.
+
+Each prompt: `max_tokens=new_tokens`, `ignore_eos`, greedy, `top_p=1`, and
+`speculation.num_speculative_tokens=K`. A warm-up request is discarded (it also opens the
+channel, so connection set-up is never timed); at concurrency 1 each prompt runs `repeats` times
+and the median (by total time) is kept. TTFT = time to the first response that carries tokens;
+total = time to the last response; proposed / accepted come from the final `usage`.
+
+What the wire does not say: the gateway sends one response per decode step (that step's kept
+tokens), but not whether that step verified drafts (the last step, whose budget is one token,
+drafts nothing; a step whose drafts were all rejected also carries one token). So the number of
+speculative steps, and with it `mean_accepted_length` and the per-position acceptance, stays
+unknown (Timing.steps = 0, per_position = []; ArmResult.summary() reports None / []). The
+count of decode steps (responses that carried tokens) is exact and kept as `decode_steps`.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+from protos.specsplit.v1 import gateway_pb2, gateway_pb2_grpc
+from specsplit.bench.arms import ArmResult, Timing, _median_timing
+
+
+def generate_request(prompt: list[int], new_tokens: int, k: int) -> gateway_pb2.GenerateRequest:
+    req = gateway_pb2.GenerateRequest(max_tokens=new_tokens, temperature=0.0, top_p=1.0, ignore_eos=True)
+    req.prompt_token_ids.extend(int(t) for t in prompt)
+    req.speculation.num_speculative_tokens = k
+    return req
+
+
+def timed_generate(stub, prompt: list[int], new_tokens: int, k: int, timeout: float,
+                   t0: float | None = None) -> tuple[Timing, int]:
+    """One streamed generation -> (Timing, decode steps seen). `t0`: the clock start (a batch's
+    common start at concurrency > 1); default now."""
+    req = generate_request(prompt, new_tokens, k)
+    t0 = time.perf_counter() if t0 is None else t0
+    first = None
+    output: list[int] = []
+    steps = 0
+    last = None
+    for msg in stub.Generate(req, timeout=timeout):
+        if msg.token_ids:
+            if first is None:
+                first = time.perf_counter()
+            steps += 1
+            output.extend(msg.token_ids)
+        last = msg
+    done = time.perf_counter()
+    if last is None or not last.finish_reason:
+        raise RuntimeError("the gateway's stream ended without a final response (finish_reason, usage)")
+    u = last.usage
+    if u.completion_tokens != len(output):
+        raise RuntimeError(f"usage says {u.completion_tokens} completion tokens, the stream carried {len(output)}")
+    timing = Timing(done - t0, (first if first is not None else done) - t0, len(output), u.proposed_draft_tokens,
+                    u.accepted_draft_tokens, steps=0, per_position=[], output=output)
+    return timing, steps
+
+
+def run_split(name: str, address: str, prompts: list[list[int]], new_tokens: int, repeats: int, k: int,
+              concurrency: int = 1, progress: Callable[[], None] | None = None, timeout: float = 900.0,
+              security=None) -> ArmResult:
+    """Streams the prompts through the gateway at `address`; see the module docstring."""
+    from gateway.security import channel as make_channel
+
+    timings: list[Timing] = []
+    decode_steps = 0
+    with make_channel(address, security) as ch:
+        stub = gateway_pb2_grpc.GatewayStub(ch)
+        timed_generate(stub, prompts[0], new_tokens, k, timeout)  # warm-up (discarded)
+        if concurrency <= 1:
+            for p in prompts:
+                runs = [timed_generate(stub, p, new_tokens, k, timeout) for _ in range(repeats)]
+                kept = _median_timing([t for t, _ in runs])
+                decode_steps += next(s for t, s in runs if t is kept)
+                timings.append(kept)
+                if progress:
+                    progress()
+            return ArmResult(name, timings, {"concurrency": 1, "k": k, "decode_steps": decode_steps})
+        wall = 0.0
+        with ThreadPoolExecutor(concurrency) as pool:
+            for j in range(repeats):
+                batch = [prompts[(j * concurrency + i) % len(prompts)] for i in range(concurrency)]
+                t0 = time.perf_counter()
+                runs = list(pool.map(lambda p: timed_generate(stub, p, new_tokens, k, timeout, t0), batch))
+                wall += max(t.total_s for t, _ in runs)
+                timings.extend(t for t, _ in runs)
+                decode_steps += sum(s for _, s in runs)
+                if progress:
+                    progress()
+    return ArmResult(name, timings, {"concurrency": concurrency, "k": k, "wall_s": wall, "decode_steps": decode_steps})
