@@ -197,7 +197,9 @@ class _StorageTrace:
                     if ret.alias_info is not None:  # a view or an in-place result: no new memory
                         continue
                     for t in tree_leaves(value):
-                        if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                        # Opaque oneDNN tensors (prepacked weights) have no storage; the model
+                        # reports their bytes itself (LlamaForCausalLM.untracked_weight_bytes).
+                        if isinstance(t, torch.Tensor) and t.device.type == "cpu" and not t.is_mkldnn:
                             trace._saw(t.untyped_storage())
                 return out
 
@@ -328,11 +330,14 @@ def process_snapshot(device: torch.device) -> ProcessSnapshot:
 
 
 def tensor_storage_bytes(module: torch.nn.Module) -> int:
-    """Bytes of the distinct storages behind a module's parameters, buffers and tensor attributes."""
+    """Bytes of the distinct storages behind a module's parameters, buffers and tensor attributes.
+
+    Opaque oneDNN tensors (prepacked CPU weights) have no storage: a model that holds them reports
+    their bytes as `untracked_weight_bytes`, which is added here."""
     seen: dict[int, int] = {}
 
     def add(t) -> None:
-        if isinstance(t, torch.Tensor):
+        if isinstance(t, torch.Tensor) and not t.is_mkldnn:
             st = t.untyped_storage()
             seen[st.data_ptr()] = st.nbytes()
 
@@ -341,4 +346,4 @@ def tensor_storage_bytes(module: torch.nn.Module) -> int:
             add(t)
         for v in vars(m).values():
             add(v)
-    return sum(seen.values())
+    return sum(seen.values()) + int(getattr(module, "untracked_weight_bytes", 0) or 0)

@@ -314,7 +314,10 @@ class MemoryProfiler:
         """Load a model; the torch bytes it leaves live are the service's weights."""
         out, meter = self.track(load)
         self._trim()  # the loader's freed temporaries are not the service's memory
-        self._m(service).weights = max(0, meter.net)
+        # Prepacked CPU weights live in opaque tensors no storage tracker sees; the model counts them.
+        untracked = int(getattr(getattr(out, "model", None), "untracked_weight_bytes", 0) or 0)
+        self._torch_live += untracked
+        self._m(service).weights = max(0, meter.net) + untracked
         self._check_weights()
         return out
 

@@ -13,8 +13,31 @@ import torch.nn.functional as F
 from torch import nn
 
 from specsplit.config import ModelConfig
+from specsplit.models import cpu_packing
 from specsplit.kv.paged_cache import PagedKVCache
 from specsplit.models.attention import BatchMetadata, paged_attention, store_kv
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose weight can be swapped for a oneDNN-prepacked copy (CPU bf16, see
+    cpu_packing); the dense weight is then freed and `dense_weight()` rebuilds it on demand."""
+
+    packed: torch.Tensor | None = None
+
+    def pack(self) -> int:
+        """Prepack the weight; returns the bytes now held outside tracked storages."""
+        self.packed = cpu_packing.pack(self.weight)
+        shape, dtype = self.weight.shape, self.weight.dtype
+        self.weight = nn.Parameter(torch.empty(0, dtype=dtype, device=self.weight.device), requires_grad=False)
+        return cpu_packing.untracked_bytes(shape, dtype)
+
+    def dense_weight(self) -> torch.Tensor:  # [out, in]
+        return self.weight if self.packed is None else self.packed.to_dense()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        return cpu_packing.linear(x, self.packed, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -84,11 +107,11 @@ class DecoderLayer(nn.Module):
         self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
         kw = dict(dtype=dtype, device=device)
         self.input_norm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
-        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias, **kw)
-        self.o_proj = nn.Linear(self.q_size, h, bias=False, **kw)
+        self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias, **kw)
+        self.o_proj = Linear(self.q_size, h, bias=False, **kw)
         self.post_attn_norm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
-        self.gate_up_proj = nn.Linear(h, 2 * cfg.intermediate_size, bias=False, **kw)
-        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False, **kw)
+        self.gate_up_proj = Linear(h, 2 * cfg.intermediate_size, bias=False, **kw)
+        self.down_proj = Linear(cfg.intermediate_size, h, bias=False, **kw)
         self.scale = d**-0.5
 
     def forward(
@@ -125,22 +148,60 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, **kw)
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, **kw)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, **kw)
         self.rope = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings, device)
         self.vocab_subset: torch.Tensor | None = None  # [N] int64 sorted token ids
         self._subset_head: torch.Tensor | None = None  # [N, hidden]
+        self._packed_head: torch.Tensor | None = None  # the head actually used, prepacked (CPU bf16)
+        self.untracked_weight_bytes = 0  # bytes of prepacked weights (opaque to storage tracking)
         self.requires_grad_(False)
+
+    def prepack(self) -> bool:
+        """Prepack every linear layer and the head for the CPU where that applies (bf16 with
+        oneDNN); a no-op elsewhere. The tied embedding stays dense for lookups, so the head gets
+        its own packed copy. Returns whether anything was packed."""
+        if not cpu_packing.supported(self.device, self.dtype) or self._packed_head is not None:
+            return False
+        total = 0
+        for m in self.modules():
+            if isinstance(m, Linear) and m is not self.lm_head:
+                total += m.pack()
+        total += self._pack_head()
+        self.untracked_weight_bytes = total
+        return True
+
+    def _pack_head(self) -> int:
+        if self._subset_head is not None:  # a draft's FR-Spec head: only the packed copy is used
+            head = self._subset_head
+            self._packed_head = cpu_packing.pack(head)
+            self._subset_head = None
+            return cpu_packing.untracked_bytes(head.shape, head.dtype)
+        if self.lm_head is not None:  # untied: the head's own weight is packed in place
+            n = self.lm_head.pack()
+            self._packed_head = self.lm_head.packed
+            return n
+        head = self.embed_tokens.weight  # tied: stays dense for lookups, the head is a packed copy
+        self._packed_head = cpu_packing.pack(head)
+        return cpu_packing.untracked_bytes(head.shape, head.dtype)
 
     def set_vocab_subset(self, token_ids: torch.Tensor | None) -> None:
         if token_ids is None:
             self.vocab_subset = self._subset_head = None
             return
+        if self._packed_head is not None:
+            raise RuntimeError("set the vocabulary subset before prepack()")
         ids = token_ids.to(device=self.device, dtype=torch.int64)
         self.vocab_subset = ids
         self._subset_head = self.head_weight()[ids].contiguous()
 
     def head_weight(self) -> torch.Tensor:  # [V, hidden]
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.dense_weight()
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V or subset] float32
+        if self._packed_head is not None:
+            return cpu_packing.linear(x, self._packed_head, None).float()
+        head = self._subset_head if self._subset_head is not None else self.head_weight()
+        return F.linear(x, head).float()
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: BatchMetadata, kv: PagedKVCache) -> torch.Tensor:
@@ -150,9 +211,9 @@ class LlamaForCausalLM(nn.Module):
             k_cache, v_cache = kv.layer(i)
             x = layer(x, self.rope, meta, k_cache, v_cache)
         x = self.norm(x[meta.logits_index])  # [N, hidden]
-        if self._subset_head is None:
-            return F.linear(x, self.head_weight()).float()
-        sub = F.linear(x, self._subset_head).float()  # [N, subset]
+        if self.vocab_subset is None:
+            return self._head(x)
+        sub = self._head(x)  # [N, subset]
         logits = torch.full((x.shape[0], self.cfg.vocab_size), float("-inf"), device=x.device)
         logits[:, self.vocab_subset] = sub
         return logits

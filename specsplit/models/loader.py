@@ -5,6 +5,7 @@ $SPECSPLIT_CACHE (default ~/.cache/specsplit), so later start-ups read safetenso
 """
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -228,6 +229,8 @@ def load_model(
         s.close()
     if subset is not None:
         model.set_vocab_subset(subset)
+    if model.prepack():  # CPU bf16: oneDNN-prepacked weights (see models/cpu_packing.py)
+        gc.collect()
     model.eval()
     return LoadedModel(model=model, config=cfg, hf_dir=tokenizer_dir, name=name)
 
