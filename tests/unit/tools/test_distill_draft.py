@@ -133,3 +133,26 @@ def test_evaluate_counts_only_continuation_positions():
     ev = distill.evaluate(student, student.model.embed_tokens.weight.detach(), full2sub, [(seq, 5, targ)], False)
     assert ev["eval_tokens"] == 12 - 5 and ev["agreement"] == pytest.approx(1.0)
     assert ev["mean_accepted_k4"] > 0
+
+
+def test_native_generation_equals_hf_greedy_and_teacher_topk(tiny_llama):
+    """--gen-engine native: the same greedy continuations as HF generate and, at every position,
+    the same top-k the teacher-forced pass gives (fp32, tiny random Llama)."""
+    from transformers import AutoModelForCausalLM
+
+    from specsplit.models.loader import load_model
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    loaded = load_model(str(tiny_llama), show_progress=False)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (4, 9, 15)]
+    eos = 2
+    made = distill.native_generate_topk(loaded, prompts, 12, eos, k=4, prefill_batch=2)
+    ref = distill.greedy_generate(hf, prompts, 12, eos, pad=0)
+    tk = distill.teacher_topk(hf, [p + c for p, c in zip(prompts, ref)], 4)
+    for p, c, (ids, ti, tv), (rti, rtv) in zip(prompts, ref, made, tk):
+        assert ids.tolist() == p + c
+        n = len(p) + len(c) - 1  # the last position predicts nothing and is a copy
+        assert ti.shape == (n + 1, 4) and tv.dtype == torch.float16
+        assert torch.equal(ti[:n, 0], rti[:n, 0])  # the argmax, i.e. the hard label
+        torch.testing.assert_close(tv[:n].float(), rtv[:n].float(), atol=2e-3, rtol=0)
