@@ -130,11 +130,14 @@ def store_kv(
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], written in place
     v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], written in place
     slot_mapping: torch.Tensor,  # [T] int64; slot = block * block_size + offset, < 0 = skip
+    all_valid: bool = False,  # the caller knows no slot is < 0: the torch path skips masking
 ) -> None:
     from kernels import kv_store
 
     if use_triton(k_cache.device):
         kv_store.store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+    elif all_valid:
+        kv_store.store_kv_dense(key, value, k_cache, v_cache, slot_mapping)
     else:
         kv_store.store_kv_ref(key, value, k_cache, v_cache, slot_mapping)
 

@@ -40,6 +40,20 @@ def store_kv_ref(
     v_cache[blocks, offsets] = value[keep].to(v_cache.dtype)
 
 
+def store_kv_dense(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], contiguous, written in place
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], contiguous, written in place
+    slot_mapping: torch.Tensor,  # [T] int64, every slot >= 0
+) -> None:
+    """store_kv_ref when every slot is valid: two index_copy_ over the flat slot axis, no mask
+    (what the engine sends every step; the layer loop runs it 2 x num_layers times a forward)."""
+    h, d = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, h, d).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(-1, h, d).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
 def _check_shapes(key, value, k_cache, v_cache, slot_mapping) -> None:
     if key.dim() != 3 or key.shape != value.shape:
         raise ValueError(

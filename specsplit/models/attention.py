@@ -25,6 +25,7 @@ class AttentionGroup:
     q_len: int
     block_tables: torch.Tensor  # [G, max_blocks] int64
     mask: torch.Tensor | None  # [G, 1, q, max_blocks*block_size] bool, True = attend; None = all
+    covers_all: bool = False  # token_index is 0..T-1 in order (the only group): no gather/scatter
 
 
 @dataclass
@@ -35,6 +36,7 @@ class BatchMetadata:
     kv_lens: list[int]  # [B] context length after this forward
     groups: list[AttentionGroup]
     logits_index: torch.Tensor  # [N] flat token indices whose logits are wanted
+    all_slots_valid: bool = False  # no slot < 0 in slot_mapping: KV writes need no masking
 
     @classmethod
     def build(
@@ -61,6 +63,7 @@ class BatchMetadata:
         for b, q in enumerate(q_lens):
             by_q.setdefault(q, []).append(b)
         groups = []
+        single = len(by_q) == 1
         for q, members in by_q.items():
             max_blocks = max(len(block_tables[b]) for b in members)
             tables = torch.zeros((len(members), max_blocks), dtype=torch.int64)
@@ -80,6 +83,7 @@ class BatchMetadata:
                     q_len=q,
                     block_tables=tables.to(device),
                     mask=None if full else mask[:, None].to(device),
+                    covers_all=single,  # one group holds every sequence, in batch order
                 )
             )
         return cls(
@@ -89,6 +93,7 @@ class BatchMetadata:
             kv_lens=list(kv_lens),
             groups=groups,
             logits_index=torch.tensor(logits_index, dtype=torch.int64, device=device),
+            all_slots_valid=all(s >= 0 for s in slot_mapping),
         )
 
 
@@ -97,10 +102,10 @@ def store_kv(
     value: torch.Tensor,  # [T, Hkv, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    slot_mapping: torch.Tensor,  # [T]
+    meta: BatchMetadata,
 ) -> None:
     # One place decides torch vs Triton (kernels.dispatch): Triton on CUDA, torch on CPU.
-    dispatch.store_kv(key, value, k_cache, v_cache, slot_mapping)
+    dispatch.store_kv(key, value, k_cache, v_cache, meta.slot_mapping, all_valid=meta.all_slots_valid)
 
 
 def paged_attention(
@@ -112,13 +117,15 @@ def paged_attention(
 ) -> torch.Tensor:  # [T, H, D]
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
-    out = torch.empty_like(query)
+    out = None if meta.groups[0].covers_all else torch.empty_like(query)
     for g in meta.groups:
         n = g.block_tables.shape[0]
         # Gather each sequence's blocks into a contiguous context: [G, S, Hkv, D].
-        keys = k_cache[g.block_tables].reshape(n, -1, num_kv_heads, head_dim)
-        values = v_cache[g.block_tables].reshape(n, -1, num_kv_heads, head_dim)
-        q = query[g.token_index].reshape(n, g.q_len, num_heads, head_dim).transpose(1, 2)  # [G, H, q, D]
+        flat_tables = g.block_tables.reshape(-1)  # index_select: cheaper than advanced indexing on CPU
+        keys = k_cache.index_select(0, flat_tables).reshape(n, -1, num_kv_heads, head_dim)
+        values = v_cache.index_select(0, flat_tables).reshape(n, -1, num_kv_heads, head_dim)
+        q = query if g.covers_all else query[g.token_index]
+        q = q.reshape(n, g.q_len, num_heads, head_dim).transpose(1, 2)  # [G, H, q, D]
         o = F.scaled_dot_product_attention(
             q,
             keys.transpose(1, 2),  # [G, Hkv, S, D]
@@ -127,5 +134,8 @@ def paged_attention(
             scale=scale,
             enable_gqa=num_heads != num_kv_heads,
         )  # [G, H, q, D]
-        out[g.token_index] = o.transpose(1, 2).reshape(n * g.q_len, num_heads, head_dim)
+        o = o.transpose(1, 2).reshape(n * g.q_len, num_heads, head_dim)
+        if g.covers_all:
+            return o
+        out[g.token_index] = o
     return out

@@ -47,10 +47,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, dim]
-        # Normalise in fp32 like the reference implementation, then cast back.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        # Normalise in fp32 like the reference implementation (one fused op), then cast back.
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -81,6 +79,9 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE (as in HF Llama). `tables(positions)` is computed once per forward and
+    shared by every layer; `apply` then costs a handful of ops per layer for q and k together."""
+
     def __init__(self, cfg: ModelConfig, max_positions: int, device):
         super().__init__()
         inv_freq = rope_inv_freq(cfg).to(device)
@@ -89,14 +90,24 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x: [T, heads, D], rotate-half convention (as in HF Llama)
-        cos = self.cos[positions][:, None, :]  # [T, 1, D/2]
-        sin = self.sin[positions][:, None, :]
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> (cos [T, 1, D], signed sin [T, 1, D]) in fp32.
+
+        With rot(x) = cat(x2, x1) and signed sin = cat(-sin, sin), x*cos + rot(x)*sin equals HF's
+        x*cos + rotate_half(x)*sin bit for bit (negation is exact)."""
+        cos = self.cos[positions]  # [T, D/2]
+        sin = self.sin[positions]
+        return torch.cat((cos, cos), -1)[:, None, :], torch.cat((-sin, sin), -1)[:, None, :]
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [T, heads, D]; computed in fp32, returned in x's dtype
         x32 = x.float()
         x1, x2 = x32.chunk(2, dim=-1)
-        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return out.to(x.dtype)
+        return (x32 * cos + torch.cat((x2, x1), dim=-1) * sin).to(x.dtype)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.apply(x, *self.tables(positions))
 
 
 class DecoderLayer(nn.Module):
@@ -117,18 +128,20 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        rope: RotaryEmbedding,
+        rope_tables: tuple[torch.Tensor, torch.Tensor],  # RotaryEmbedding.tables(meta.positions)
         meta: BatchMetadata,
         k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(self.input_norm(x))  # [T, q + 2kv]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = rope(q.view(t, self.num_heads, self.head_dim), meta.positions)
-        k = rope(k.view(t, self.num_kv_heads, self.head_dim), meta.positions)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        # q and k heads side by side get the same rotation: one rope for both
+        qk = RotaryEmbedding.apply(
+            qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim), *rope_tables
+        )  # [T, H + Hkv, D]
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
+        store_kv(k, v, k_cache, v_cache, meta)
         attn = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, H, D]
         x = x + self.o_proj(attn.reshape(t, self.q_size))
         gate, up = self.gate_up_proj(self.post_attn_norm(x)).chunk(2, dim=-1)
@@ -207,9 +220,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, meta: BatchMetadata, kv: PagedKVCache) -> torch.Tensor:
         """input_ids [T] -> logits [N, V] float32 at meta.logits_index."""
         x = self.embed_tokens(input_ids)  # [T, hidden]
+        rope_tables = self.rope.tables(meta.positions)
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv.layer(i)
-            x = layer(x, self.rope, meta, k_cache, v_cache)
+            x = layer(x, rope_tables, meta, k_cache, v_cache)
         x = self.norm(x[meta.logits_index])  # [N, hidden]
         if self.vocab_subset is None:
             return self._head(x)

@@ -78,3 +78,21 @@ def test_shape_errors_are_clear(store_triton, device):
             cache,
             torch.zeros(3, dtype=torch.long, device=device),
         )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_path_equals_reference_when_every_slot_is_valid(dtype):
+    """store_kv_dense (the engine's CPU path when no slot is < 0) writes what the reference writes,
+    from non-contiguous key/value views as the model passes them."""
+    from kernels.kv_store import store_kv_dense
+
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(11, 4 + 2 + 2, 16, generator=g).to(dtype)
+    key, value = qkv[:, 4:6], qkv[:, 6:8]  # [T, Hkv, D] views
+    slots = torch.randperm(6 * 4, generator=g)[:11]
+    caches = [torch.randn(6, 4, 2, 16, generator=g).to(dtype) for _ in range(2)]
+    ref_k, ref_v = (c.clone() for c in caches)
+    den_k, den_v = (c.clone() for c in caches)
+    store_kv_ref(key, value, ref_k, ref_v, slots)
+    store_kv_dense(key, value, den_k, den_v, slots)
+    assert torch.equal(den_k, ref_k) and torch.equal(den_v, ref_v)
