@@ -16,13 +16,14 @@ Each returns the MemoryPlan it sized with; MemoryPlan.to_dict() is what GetServe
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, NamedTuple
 
 import torch
 
 from specsplit.config import EngineConfig, SpecConfig
 from specsplit.engine import DraftEngine, NgramDrafter, TargetEngine
+from specsplit.hybrid_drafter import HybridDrafter, split_draft_name
 from specsplit.kv.bounded import BoundedRunner, ForwardBound
 from specsplit.kv.profile_run import make_profile_runner, profile_shapes, run_drafter_shape, run_verifier_shape
 from specsplit.kv.profiler import KVShape, MemoryPlan, MemoryProfiler, ServicePlan
@@ -146,6 +147,7 @@ def _same_device(a: EngineConfig, b: EngineConfig) -> bool:
 def _plan_models(target: EngineConfig, draft: EngineConfig | None, spec: SpecConfig, joint: bool, show_progress: bool,
                  after_target: Callable[[LoadedModel], None] | None = None) -> tuple[MemoryPlan, _Service, _Service | None]:
     """Measure and size target (+ draft model): one budget on a shared device when joint, else one each."""
+    draft, _ = _without_lookup(draft)  # MODEL+ngram: prompt lookup needs no memory of its own
     has_draft = draft is not None and draft.model != NGRAM
     k = spec.num_speculative_tokens if draft is not None else 0
     t = _Service(VERIFIER, target, k, after_load=after_target)
@@ -202,7 +204,7 @@ def _allocate(s: _Service, sp: ServicePlan):
 class ServiceBuild(NamedTuple):
     """One service's engine and the memory plan it was sized with: `engine, plan = build_...(cfg)`."""
 
-    engine: TargetEngine | DraftEngine | NgramDrafter
+    engine: TargetEngine | DraftEngine | NgramDrafter | HybridDrafter
     plan: MemoryPlan
 
 
@@ -215,7 +217,16 @@ def build_target_engine(cfg: EngineConfig, spec: SpecConfig = SpecConfig(), show
     return ServiceBuild(_allocate(t, plan.services[VERIFIER]), plan)
 
 
+def _without_lookup(cfg: EngineConfig | None) -> tuple[EngineConfig | None, bool]:
+    """A draft 'MODEL+ngram' is MODEL (what gets loaded, profiled and sized) plus prompt lookup."""
+    if cfg is None:
+        return None, False
+    model, hybrid = split_draft_name(cfg.model)
+    return (replace(cfg, model=model) if hybrid else cfg), hybrid
+
+
 def _draft_plan(cfg: EngineConfig, spec: SpecConfig, show_progress: bool, allocate: bool, vocab_size: int | None = None):
+    cfg, hybrid = _without_lookup(cfg)
     if cfg.model == NGRAM:
         drafter = NgramDrafter(spec.ngram_min, spec.ngram_max, vocab_size, cfg.max_model_len) if allocate else None
         return drafter, _ngram_plan(cfg)
@@ -223,7 +234,10 @@ def _draft_plan(cfg: EngineConfig, spec: SpecConfig, show_progress: bool, alloca
     if vocab_size is not None:
         d.after_load = _vocab_check(vocab_size)
     plan = _plan_budget([d], show_progress, joint=False)
-    return (_allocate(d, plan.services[DRAFTER]) if allocate else None), plan
+    engine = _allocate(d, plan.services[DRAFTER]) if allocate else None
+    if engine is not None and hybrid:
+        engine = HybridDrafter(engine)
+    return engine, plan
 
 
 def build_draft_engine(cfg: EngineConfig, spec: SpecConfig = SpecConfig(), show_progress: bool = False,
@@ -241,7 +255,7 @@ class Colocated:
 
     decoder: SpecDecoder
     target: TargetEngine
-    drafter: DraftEngine | NgramDrafter | None
+    drafter: DraftEngine | NgramDrafter | HybridDrafter | None
     target_model: LoadedModel
     draft_model: LoadedModel | None
     tokenizer: object
@@ -267,6 +281,7 @@ def build_colocated(
     The tokenizer is loaded inside the measured window, so on CPU its memory is part of the
     verifier's non-torch bytes."""
     tokenizer = []
+    draft, hybrid = _without_lookup(draft)
     plan, t, d = _plan_models(target, draft, spec, joint=True, show_progress=show_progress,
                               after_target=lambda loaded: tokenizer.append(load_tokenizer(loaded.hf_dir)))
     plan.log()
@@ -274,6 +289,8 @@ def build_colocated(
     drafter = None
     if d is not None:
         drafter = _allocate(d, plan.services[DRAFTER])
+        if hybrid:
+            drafter = HybridDrafter(drafter)
     elif draft is not None:
         drafter = NgramDrafter(spec.ngram_min, spec.ngram_max, t.loaded.config.vocab_size, target.max_model_len)
     decoder = SpecDecoder(verifier, drafter, spec if drafter else SpecConfig(num_speculative_tokens=0), target.max_model_len)

@@ -109,6 +109,12 @@ class Bench:
         self.ks = [int(k) for k in (args.ks or ("2,4" if self.quick else "1,2,3,4,6")).split(",")]
         self.concurrency = [int(c) for c in (args.concurrency or ("1,4" if self.quick else "1,4,16,32")).split(",")]
         self.split_ks = [] if getattr(args, "no_split", False) else self._split_ks(args)
+        draft = getattr(args, "draft", None)
+        # MODEL+ngram arms beside the model draft's (unless --no-hybrid or the draft is n-gram)
+        self.hybrid_draft = (None if getattr(args, "no_hybrid", False) or draft in (None, "ngram")
+                             or draft.endswith("+ngram") else f"{draft}+ngram")
+        # the draft a server would run: the split arm and the concurrency sweep use it
+        self.served_draft = self.hybrid_draft or draft or "ngram"
         self.bar = None
         self.partial_path: Path | None = None
         if getattr(args, "out", None):
@@ -120,9 +126,9 @@ class Bench:
             return [int(k) for k in args.split_ks.split(",")]
         if self.quick:
             return self.ks[:1]
-        from specsplit.cli.common import DEFAULT_K_MODEL, DEFAULT_K_NGRAM
+        from specsplit.cli.common import default_k_for
 
-        return [DEFAULT_K_NGRAM if args.draft == "ngram" else DEFAULT_K_MODEL]
+        return [default_k_for(args.draft)]
 
     def _cfg(self, model: str, dtype: str, max_num_seqs: int = 1) -> EngineConfig:
         return EngineConfig(model=model, dtype=parse_dtype(dtype), max_model_len=self.args.max_model_len,
@@ -171,23 +177,25 @@ class Bench:
                                            self.repeats, progress=self._tick), dtype=dtype, suite="spec")
         base.close()
         hf_ref = None
-        for slot, (name, k_list) in enumerate(((draft, self.ks), ("ngram", self.ks))):
-            if name is None:
-                continue
+        drafts = [d for d in (draft, self.hybrid_draft, "ngram") if d is not None]
+        for name in dict.fromkeys(drafts):  # model draft, model + prompt lookup, n-gram alone
+            is_model = name == draft and name != "ngram"
             colo = build_colocated(self._cfg(a.target, dtype), self._cfg(name, dtype),
-                                   SpecConfig(num_speculative_tokens=max(k_list)), show_progress=False)
-            if name != "ngram":
+                                   SpecConfig(num_speculative_tokens=max(self.ks)), show_progress=False)
+            if is_model:
                 self.costs = measure_costs(colo, prompts[0], self.ks)
             colocated: dict[int, tuple[ArmResult, dict]] = {}
-            for k in k_list:
+            for k in self.ks:
                 result = run_specsplit(f"specsplit colocated {name} K={k}", colo, prompts, self.new_tokens,
                                        self.repeats, k=k, progress=self._tick)
                 row = self._add(result, dtype=dtype, suite="spec", draft=name)
                 colocated[k] = (result, row)
                 row["speedup_vs_target_only"] = row["tokens_per_s"] / baseline["tokens_per_s"]
                 if name != "ngram" and row["mean_accepted_length"] is not None and self.costs:
+                    # c of the model draft; a lookup step costs no draft forward, so for the
+                    # hybrid this is the prediction's lower bound
                     row["predicted_speedup"] = predicted_speedup(row["mean_accepted_length"] + 1, k, self.costs)
-            if name != "ngram" and not a.no_hf:
+            if is_model and not a.no_hf:
                 hf, assistant = _hf_models(colo, name, parse_dtype(dtype))
                 hf_ref = self._add(run_hf(f"transformers generate {dtype}", hf, prompts, self.new_tokens,
                                           self.repeats, progress=self._tick), dtype=dtype, suite="spec")
@@ -197,11 +205,11 @@ class Bench:
                               dtype=dtype, suite="spec", draft=name)
                 del hf, assistant
             colo.close()
-            if slot == 0 and self.split_ks:  # the model draft's slot, its engines freed first
+            if name == self.served_draft and self.split_ks:  # its colocated engines freed first
                 self.split_arms(name, dtype, prompts, baseline, colocated)
         if hf_ref is not None:
             baseline["ratio_vs_hf_generate"] = baseline["tokens_per_s"] / hf_ref["tokens_per_s"]
-        self.concurrency_sweep(draft or "ngram", dtype, prompts)
+        self.concurrency_sweep(self.served_draft, dtype, prompts)
 
     def split_arms(self, draft: str, dtype: str, prompts, baseline: dict, colocated: dict) -> None:
         """specsplit split over gRPC: `specsplit up` (three local processes) with the colocated
@@ -226,16 +234,25 @@ class Bench:
                                                        == [t.output for t in colo_result.timings])
 
     def concurrency_sweep(self, draft: str, dtype: str, prompts) -> None:
+        """Aggregate throughput at each concurrency, target-only and with speculation as a server
+        runs it by default: the served draft, its default K, the default --disable-by-batch-size."""
+        from specsplit.cli.common import DEFAULT_DISABLE_BY_BATCH_SIZE, default_k_for
+
         a = self.args
         top = max(self.concurrency)
-        k = 3 if draft != "ngram" else 4
+        k = default_k_for(draft)
+        threshold = getattr(a, "disable_by_batch_size", None)
+        threshold = DEFAULT_DISABLE_BY_BATCH_SIZE if threshold is None else threshold
         for spec_on in (False, True):
+            spec = SpecConfig(num_speculative_tokens=k, disable_by_batch_size=threshold) if spec_on else \
+                SpecConfig(num_speculative_tokens=0)
             colo = build_colocated(self._cfg(a.target, dtype, top), self._cfg(draft, dtype, top) if spec_on else None,
-                                   SpecConfig(num_speculative_tokens=k if spec_on else 0), show_progress=False)
+                                   spec, show_progress=False)
             for c in self.concurrency:
                 self._add(run_specsplit(f"concurrency {c} {'spec ' + draft if spec_on else 'target-only'}", colo,
                                         prompts, self.new_tokens, 1, k=k if spec_on else None, concurrency=c,
-                                        progress=self._tick), dtype=dtype, suite="concurrency", speculation=spec_on)
+                                        progress=self._tick), dtype=dtype, suite="concurrency", speculation=spec_on,
+                          disable_by_batch_size=threshold if spec_on else None)
             colo.close()
 
     def total_ticks(self) -> int:
@@ -244,7 +261,8 @@ class Bench:
         if self.args.suite in ("target", "all"):
             n += 2 * per_arm * (1 if self.args.no_hf else 2)
         if self.args.suite in ("spec", "all"):
-            n += per_arm * (1 + 2 * len(self.ks) + (0 if self.args.no_hf else 3))
+            n_drafts = 1 + int(self.args.draft not in (None, "ngram")) + int(self.hybrid_draft is not None)
+            n += per_arm * (1 + n_drafts * len(self.ks) + (0 if self.args.no_hf else 3))
             if self.args.draft is not None:
                 n += per_arm * len(self.split_ks)
             n += 2 * len(self.concurrency)

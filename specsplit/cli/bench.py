@@ -23,6 +23,11 @@ def add_arguments(p, name: str) -> None:
                         "gRPC on loopback), default 2 for a model draft (4 for ngram); with --quick the first --ks "
                         "value")
     p.add_argument("--no-split", action="store_true", help="skip the split arm (no services started)")
+    p.add_argument("--no-hybrid", action="store_true",
+                   help="skip the DRAFT+ngram arms (the model draft with prompt lookup in front); without this flag "
+                        "the split arm and the concurrency sweep use DRAFT+ngram")
+    p.add_argument("--disable-by-batch-size", type=int, default=None,
+                   help="threshold for the concurrency sweep's speculative arm (default: the servers' default)")
     p.add_argument("--concurrency", default=None, help="comma-separated, default 1,4,16,32")
     p.add_argument("--max-model-len", type=positive_int, default=1024)
     p.add_argument("--max-prompt-tokens", type=positive_int, default=384)

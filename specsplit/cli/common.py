@@ -54,8 +54,8 @@ def add_engine_flags(p: argparse.ArgumentParser, device_flag: str = "--device") 
 def add_spec_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculation")
     g.add_argument("--num-speculative-tokens", type=nonneg_int, default=None,
-                   help="draft tokens per step (default: 2 for a model draft, 4 for n-gram)")
-    g.add_argument("--disable-by-batch-size", type=nonneg_int, default=0,
+                   help="draft tokens per step (default: 2 for a model draft or MODEL+ngram, 4 for n-gram)")
+    g.add_argument("--disable-by-batch-size", type=nonneg_int, default=DEFAULT_DISABLE_BY_BATCH_SIZE,
                    help="decode target-only while more than N sequences run (0 = never)")
 
 
@@ -123,7 +123,18 @@ def validate_engine(args) -> None:
 
 
 DEFAULT_K_MODEL = 2
+DEFAULT_K_HYBRID = 2  # MODEL+ngram
 DEFAULT_K_NGRAM = 4
+DEFAULT_DISABLE_BY_BATCH_SIZE = 0
+
+
+def default_k_for(draft: str | None) -> int:
+    """The K a server uses for this draft when --num-speculative-tokens is not given."""
+    if draft is None:
+        return 0
+    if draft == "ngram":
+        return DEFAULT_K_NGRAM
+    return DEFAULT_K_HYBRID if draft.endswith("+ngram") else DEFAULT_K_MODEL
 
 
 def spec_config(args, draft: str | None):
@@ -131,7 +142,7 @@ def spec_config(args, draft: str | None):
 
     k = args.num_speculative_tokens
     if k is None:
-        k = 0 if draft is None else (DEFAULT_K_NGRAM if draft == "ngram" else DEFAULT_K_MODEL)
+        k = default_k_for(draft)
     return SpecConfig(num_speculative_tokens=k, disable_by_batch_size=args.disable_by_batch_size)
 
 

@@ -21,7 +21,8 @@ def test_bench_quick_json(tmp_path, tiny_llama, tiny_draft_close):
     arms = report["arms"]
     names = [a["arm"] for a in arms]
     for needle in ("native target-only", "transformers generate", "HF assisted constant", "HF assisted heuristic",
-                   "specsplit colocated ngram K=2", "concurrency 4 spec", "specsplit split grpc"):
+                   "specsplit colocated ngram K=2", "concurrency 4 spec", "specsplit split grpc",
+                   f"specsplit colocated {tiny_draft_close}+ngram K=2", f"specsplit colocated {tiny_draft_close} K=2"):
         assert any(needle in n for n in names), (needle, names)
     for a in arms:
         assert FIELDS <= set(a), (a["arm"], FIELDS - set(a))
@@ -40,12 +41,13 @@ def test_bench_quick_json(tmp_path, tiny_llama, tiny_draft_close):
     assert spec and all("speedup_vs_target_only" in a and "predicted_speedup" in a for a in spec)
     assert {"c", "v", "target_step_ms"} <= set(report["costs"])
 
-    # The split arm: K = the quick ks' first (2), same tokens as the colocated arm at that K.
+    # The split arm runs the served draft (MODEL+ngram unless --no-hybrid): K = the quick ks' first
+    # (2), same tokens as the colocated arm of that draft at that K.
     (split,) = [a for a in arms if a["arm"].startswith("specsplit split grpc")]
     (colo,) = [a for a in arms if a["arm"].startswith("specsplit colocated") and a.get("draft") == split["draft"]
                and a["k"] == 2]
-    assert split["arm"] == f"specsplit split grpc {tiny_draft_close} K=2" and split["k"] == 2
-    assert split["draft"] == str(tiny_draft_close) and report["settings"]["split_ks"] == [2]
+    assert split["arm"] == f"specsplit split grpc {tiny_draft_close}+ngram K=2" and split["k"] == 2
+    assert split["draft"] == f"{tiny_draft_close}+ngram" and report["settings"]["split_ks"] == [2]
     assert split["same_tokens_as_colocated"] is True
     assert split["generated_tokens"] == colo["generated_tokens"] == 2 * 12
     assert split["ratio_vs_colocated"] == split["tokens_per_s"] / colo["tokens_per_s"]

@@ -1,0 +1,71 @@
+"""`--draft MODEL+ngram` (specsplit/hybrid_drafter.py): greedy output is the target's token for
+token, both proposers actually draft, sampled requests stay on the model, nothing leaks."""
+from __future__ import annotations
+
+import pytest
+
+from specsplit.config import EngineConfig, SpecConfig
+from specsplit.factory import build_colocated, build_draft_engine
+from specsplit.generation import GenerationRequest, Generator
+from specsplit.hybrid_drafter import HybridDrafter, split_draft_name
+from specsplit.sampling.params import SamplingParams
+from tests.unit.test_spec_greedy_equality import MAX_LEN, _requests
+
+
+def _colo(target, draft, k, max_num_seqs=16):
+    tc = EngineConfig(model=str(target), max_model_len=MAX_LEN, max_num_seqs=max_num_seqs)
+    dc = EngineConfig(model=f"{draft}+ngram", max_model_len=MAX_LEN, max_num_seqs=max_num_seqs)
+    return build_colocated(tc, dc, SpecConfig(num_speculative_tokens=k), show_progress=False)
+
+
+def _target_only(target, requests):
+    tc = EngineConfig(model=str(target), max_model_len=MAX_LEN, max_num_seqs=16)
+    colo = build_colocated(tc, None, SpecConfig(num_speculative_tokens=0), show_progress=False)
+    return [s.output for s in Generator(colo.decoder, colo.eos_token_ids, 16).run(requests)]
+
+
+def test_split_draft_name():
+    assert split_draft_name("smollm2-135m-draft+ngram") == ("smollm2-135m-draft", True)
+    assert split_draft_name("/models/d+ngram") == ("/models/d", True)
+    assert split_draft_name("ngram") == ("ngram", False)
+    assert split_draft_name("+ngram") == ("+ngram", False)
+    assert split_draft_name("smollm2-135m-draft") == ("smollm2-135m-draft", False)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("draft", ["tiny_draft_close", "tiny_draft_far"])
+def test_hybrid_greedy_equals_target_only(request, tiny_llama, draft, k, batch):
+    requests = _requests(batch, seed=batch + 10)
+    colo = _colo(tiny_llama, request.getfixturevalue(draft), k)
+    assert isinstance(colo.drafter, HybridDrafter)
+    states = Generator(colo.decoder, colo.eos_token_ids, 16).run(requests)
+    assert [s.output for s in states] == _target_only(tiny_llama, requests)
+    # Repetitive prompts: lookup drafts some steps, the model the others.
+    assert colo.drafter.lookup_steps > 0 and colo.drafter.model_steps > 0
+    assert sum(s.proposed for s in states) > 0
+    for bm in (colo.target.block_manager, colo.drafter.block_manager):
+        assert bm.num_free_blocks == bm.num_blocks, "KV blocks leaked"
+    assert colo.drafter.tokens == {} and colo.drafter.num_running == 0
+
+
+def test_sampled_requests_use_the_model_and_stay_seeded(tiny_llama, tiny_draft_close):
+    colo = _colo(tiny_llama, tiny_draft_close, 3, max_num_seqs=8)
+    gen = Generator(colo.decoder, colo.eos_token_ids, 8)
+
+    def req(rid, seed):
+        return GenerationRequest(rid, (5, 6, 7, 8, 9, 5, 6, 7), 24, SamplingParams(0.8, 1.0, 0, seed), ignore_eos=True)
+
+    (alone,) = gen.run([req("a", 7)])
+    batch = gen.run([req("b", 1), req("a", 7)])
+    assert alone.output == batch[1].output and alone.proposed > 0
+    assert colo.drafter.lookup_steps == 0  # never prompt lookup for a sampled request
+    assert all(s.q_rows is None for s in colo.drafter.model.seqs.values())
+
+
+def test_drafter_service_engine_is_hybrid(tiny_llama):
+    cfg = EngineConfig(model=f"{tiny_llama}+ngram", max_model_len=MAX_LEN, max_num_seqs=4)
+    engine, plan = build_draft_engine(cfg, SpecConfig(num_speculative_tokens=3))
+    assert isinstance(engine, HybridDrafter)
+    assert plan.services["drafter"].model == str(tiny_llama)  # the plan is the model's: lookup needs no memory
+    assert engine.runner is engine.model.runner and engine.vocab_size == engine.model.vocab_size
