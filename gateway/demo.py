@@ -1,7 +1,7 @@
 """`make demo`: start the split services (`specsplit up`), stream one speculative generation
 through the gateway, print the tokens as they arrive and the acceptance rate, stop everything.
 
-    python -m gateway.demo [--target smollm2-135m] [--draft ngram] [--max-tokens 96] [--port 0]
+    python -m gateway.demo [--target smollm2-135m] [--draft smollm2-135m-draft+ngram] [--max-tokens 96] [--port 0]
 """
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ PROMPT = (
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="smollm2-135m")
-    p.add_argument("--draft", default="ngram")
+    p.add_argument("--draft", default="smollm2-135m-draft+ngram",
+                   help="the distilled draft with prompt lookup in front (or a model, or ngram)")
     p.add_argument("--prompt", default=PROMPT)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--port", type=int, default=0, help="gateway port (0 = a free one)")
