@@ -68,7 +68,8 @@ def static_plan(engine, cfg: EngineConfig, lookahead: int) -> dict:
 def _spec(args) -> SpecConfig:
     """The K a service is sized for: --num-speculative-tokens, else the largest default (n-gram's)."""
     k = args.num_speculative_tokens
-    return SpecConfig(num_speculative_tokens=DEFAULT_K_NGRAM if k is None else k)
+    return SpecConfig(num_speculative_tokens=DEFAULT_K_NGRAM if k is None else k,
+                      draft_model_tokens=getattr(args, "draft_model_tokens", SpecConfig.draft_model_tokens))
 
 
 def build_engine(args, role: str) -> BuiltEngine:

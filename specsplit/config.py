@@ -76,6 +76,9 @@ class SpecConfig:
     disable_by_batch_size: int = 0  # 0 = never disable
     ngram_min: int = 1
     ngram_max: int = 4
+    # MODEL+ngram: the model drafts at most this many of the K tokens (prompt lookup drafts up to
+    # K); 0 = K. A weak draft model pays off only at small K while lookup runs stay long.
+    draft_model_tokens: int = 1
 
     def enabled_for(self, num_running: int) -> bool:
         if self.num_speculative_tokens <= 0:

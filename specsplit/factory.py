@@ -236,7 +236,7 @@ def _draft_plan(cfg: EngineConfig, spec: SpecConfig, show_progress: bool, alloca
     plan = _plan_budget([d], show_progress, joint=False)
     engine = _allocate(d, plan.services[DRAFTER]) if allocate else None
     if engine is not None and hybrid:
-        engine = HybridDrafter(engine)
+        engine = HybridDrafter(engine, spec.ngram_min, spec.ngram_max, spec.draft_model_tokens)
     return engine, plan
 
 
@@ -290,7 +290,7 @@ def build_colocated(
     if d is not None:
         drafter = _allocate(d, plan.services[DRAFTER])
         if hybrid:
-            drafter = HybridDrafter(drafter)
+            drafter = HybridDrafter(drafter, spec.ngram_min, spec.ngram_max, spec.draft_model_tokens)
     elif draft is not None:
         drafter = NgramDrafter(spec.ngram_min, spec.ngram_max, t.loaded.config.vocab_size, target.max_model_len)
     decoder = SpecDecoder(verifier, drafter, spec if drafter else SpecConfig(num_speculative_tokens=0), target.max_model_len)

@@ -3,10 +3,17 @@
 Each step and each greedy sequence, prompt lookup goes first: when the context's last
 `ngram_min` (or more) tokens occurred before and k tokens followed them, those k tokens are the
 drafts and the model only ingests the step's new tokens (no draft forwards for that sequence).
-Otherwise the model drafts as usual. Measured on the target's own greedy continuations of 32
-held-out ShareGPT prompts (tools/distill_draft.py's eval set): a suffix match of >= 2 tokens
-fires at 28% of positions and is right 74% of the time there, where the distilled 2-layer draft
-is right 25% of the time; first-token agreement goes from 0.29 (model) to 0.43 (both).
+Otherwise the model drafts min(k, model_tokens) tokens: a lookup draft costs nothing and, once it
+matches, tends to run on, while a small draft model's acceptance falls with every position, so
+their best K differ.
+
+Measured on the target's own greedy continuations of 32 held-out ShareGPT prompts
+(tools/distill_draft.py's eval set) with the distilled 2-layer draft (agreement 0.30): a 1-token
+suffix match fires at 57% of positions and is right 45% of the time there (the model: 25%);
+a greedy replay of speculation over that set (exact: the accepted prefix only depends on
+teacher-forced predictions), with a draft forward at 0.1 of a target forward and flat verify
+cost (bf16 on this AMX CPU), predicts 1.17x for the model alone (best K=1), 1.26x for lookup
+alone (best K=3) and 1.43x for both (lookup K=3, model 1 token).
 
 Sampled requests always use the model: its q rows are what the rejection sampler needs, and
 mixing a one-hot lookup draft into a sampled step would change nothing about losslessness but
@@ -23,7 +30,6 @@ from specsplit.sampling.ngram import ngram_propose
 from specsplit.sampling.params import SamplingParams
 
 SUFFIX = "+ngram"
-HYBRID_NGRAM_MIN = 2  # a single repeated token predicts badly (45% right vs 74% for >= 2)
 
 
 def split_draft_name(name: str) -> tuple[str, bool]:
@@ -38,9 +44,10 @@ class HybridDrafter:
 
     side = "drafter"
 
-    def __init__(self, model: DraftEngine, ngram_min: int = HYBRID_NGRAM_MIN, ngram_max: int = 4):
+    def __init__(self, model: DraftEngine, ngram_min: int = 1, ngram_max: int = 4, model_tokens: int = 1):
         self.model = model
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
+        self.model_tokens = model_tokens  # most drafts the model makes per step (0 = k)
         self.tokens: dict[str, list[int]] = {}  # the context as the drafter knows it
         self.params: dict[str, SamplingParams] = {}
         self.lookup_steps = 0  # sequence-steps drafted by prompt lookup
@@ -82,7 +89,8 @@ class HybridDrafter:
                     lookup[r.seq_id] = tuple(drafts)
         # The model sees every sequence's new tokens (k = 0: ingest only, where lookup drafted),
         # so its KV stays in step and it can draft for that sequence next time.
-        model_reqs = [ProposeRequest(r.seq_id, r.new_token_ids, 0 if r.seq_id in lookup else r.k) for r in reqs]
+        model_reqs = [ProposeRequest(r.seq_id, r.new_token_ids, 0 if r.seq_id in lookup else self._model_k(r.k))
+                      for r in reqs]
         proposals = self.model.propose(model_reqs)
         out = []
         for r, p in zip(reqs, proposals):
@@ -94,6 +102,9 @@ class HybridDrafter:
                 self.model_steps += int(r.k > 0)
                 out.append(p)
         return out
+
+    def _model_k(self, k: int) -> int:
+        return k if self.model_tokens <= 0 else min(k, self.model_tokens)
 
     def finish_step(self, fetch: Sequence[RowRequest]) -> list[QRow]:
         return self.model.finish_step(fetch)  # only sampled (model-drafted) sequences have rows

@@ -55,6 +55,9 @@ def add_spec_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculation")
     g.add_argument("--num-speculative-tokens", type=nonneg_int, default=None,
                    help="draft tokens per step (default: 2 for a model draft or MODEL+ngram, 4 for n-gram)")
+    g.add_argument("--draft-model-tokens", type=nonneg_int, default=DEFAULT_DRAFT_MODEL_TOKENS,
+                   help="with --draft MODEL+ngram: the model drafts at most N of the K tokens, prompt lookup up "
+                        "to K (0 = K; default %(default)s)")
     g.add_argument("--disable-by-batch-size", type=nonneg_int, default=DEFAULT_DISABLE_BY_BATCH_SIZE,
                    help="decode target-only while more than N sequences run (0 = never)")
 
@@ -123,7 +126,8 @@ def validate_engine(args) -> None:
 
 
 DEFAULT_K_MODEL = 2
-DEFAULT_K_HYBRID = 2  # MODEL+ngram
+DEFAULT_K_HYBRID = 3  # MODEL+ngram: lookup drafts up to 3, the model DEFAULT_DRAFT_MODEL_TOKENS
+DEFAULT_DRAFT_MODEL_TOKENS = 1
 DEFAULT_K_NGRAM = 4
 DEFAULT_DISABLE_BY_BATCH_SIZE = 0
 
@@ -143,7 +147,8 @@ def spec_config(args, draft: str | None):
     k = args.num_speculative_tokens
     if k is None:
         k = default_k_for(draft)
-    return SpecConfig(num_speculative_tokens=k, disable_by_batch_size=args.disable_by_batch_size)
+    return SpecConfig(num_speculative_tokens=k, disable_by_batch_size=args.disable_by_batch_size,
+                      draft_model_tokens=getattr(args, "draft_model_tokens", DEFAULT_DRAFT_MODEL_TOKENS))
 
 
 def engine_config(args, model: str, device: str | None = None):

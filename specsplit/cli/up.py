@@ -62,7 +62,8 @@ def _engine_flags(args, device: str) -> list[str]:
 def _spec_flags(args) -> list[str]:
     # K decided here from the draft argument, so the gateway need not wait for the drafter to learn it.
     k = spec_config(args, args.draft).num_speculative_tokens
-    return ["--disable-by-batch-size", str(args.disable_by_batch_size), "--num-speculative-tokens", str(k)]
+    return ["--disable-by-batch-size", str(args.disable_by_batch_size), "--num-speculative-tokens", str(k),
+            "--draft-model-tokens", str(args.draft_model_tokens)]
 
 
 def _flag_values(args, names: list[str], prefix: str = "") -> list[str]:

@@ -69,3 +69,18 @@ def test_drafter_service_engine_is_hybrid(tiny_llama):
     assert isinstance(engine, HybridDrafter)
     assert plan.services["drafter"].model == str(tiny_llama)  # the plan is the model's: lookup needs no memory
     assert engine.runner is engine.model.runner and engine.vocab_size == engine.model.vocab_size
+
+
+@pytest.mark.parametrize("model_tokens,expected", [(1, 1), (2, 2), (0, 3)])
+def test_model_drafts_at_most_model_tokens_lookup_up_to_k(tiny_llama, model_tokens, expected):
+    from specsplit.protocols import ProposeRequest, SeqAdd
+
+    cfg = EngineConfig(model=f"{tiny_llama}+ngram", max_model_len=MAX_LEN, max_num_seqs=4)
+    engine, _ = build_draft_engine(cfg, SpecConfig(num_speculative_tokens=3, draft_model_tokens=model_tokens))
+    engine.add([SeqAdd("fresh", (10, 11, 12, 13)), SeqAdd("repeats", (7, 8, 9, 10, 7, 8, 9, 10, 7))])
+    fresh, repeats = engine.propose([ProposeRequest("fresh", (), 3), ProposeRequest("repeats", (), 3)])
+    assert len(fresh.token_ids) == expected  # no earlier occurrence of 13: the model drafts
+    assert repeats.token_ids == (8, 9, 10)  # '7' occurred before: lookup drafts the full K
+    assert engine.lookup_steps == 1 and engine.model_steps == 1
+    engine.release(["fresh", "repeats"])
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
