@@ -106,12 +106,7 @@ class BoundedRunner(ModelRunner):
     def _reserve(self, items) -> None:
         """Grow every item's KV to its end up front, so OutOfBlocks is raised before any forward."""
         bm: BlockManager = self.block_manager
-        for it in items:
-            if not it.token_ids:
-                raise ValueError(f"forward item for {it.seq_id!r} has no tokens")
-            end = it.start + len(it.token_ids)
-            if end > self.max_model_len:
-                raise ValueError(f"sequence {it.seq_id!r} would reach {end} tokens, max_model_len is {self.max_model_len}")
+        self.check_items(items)
         grown: list[tuple[str, int, bool]] = []
         try:
             for it in items:

@@ -46,12 +46,7 @@ class ModelRunner:
         caller can re-feed positions after a rollback without a separate truncate.
         """
         bm = self.block_manager
-        for it in items:
-            if not it.token_ids:
-                raise ValueError(f"forward item for {it.seq_id!r} has no tokens")
-            end = it.start + len(it.token_ids)
-            if end > self.max_model_len:
-                raise ValueError(f"sequence {it.seq_id!r} would reach {end} tokens, max_model_len is {self.max_model_len}")
+        self.check_items(items)
         # Grow all first: an OutOfBlocks leaves earlier items grown, which truncate undoes.
         grown: list[tuple[str, int]] = []
         try:
@@ -82,6 +77,15 @@ class ModelRunner:
         input_ids = torch.tensor([t for it in items for t in it.token_ids], dtype=torch.int64, device=self.device)
         logits = self.model(input_ids, meta, self.kv)  # [sum num_logits, V]
         return list(logits.split([it.num_logits for it in items]))
+
+    def check_items(self, items: list[ForwardItem]) -> None:
+        """Refuse (ValueError) an item with no tokens or one that would pass max_model_len."""
+        for it in items:
+            if not it.token_ids:
+                raise ValueError(f"forward item for {it.seq_id!r} has no tokens")
+            end = it.start + len(it.token_ids)
+            if end > self.max_model_len:
+                raise ValueError(f"sequence {it.seq_id!r} would reach {end} tokens, max_model_len is {self.max_model_len}")
 
     def truncate(self, seq_id: str, num_tokens: int) -> None:
         if self.block_manager.has(seq_id):
