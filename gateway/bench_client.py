@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from protos.specsplit.v1 import gateway_pb2, gateway_pb2_grpc
-from specsplit.bench.arms import ArmResult, Timing, _median_timing
+from specsplit.bench.arms import ArmResult, Timing, median_timing
 
 
 def generate_request(prompt: list[int], new_tokens: int, k: int) -> gateway_pb2.GenerateRequest:
@@ -73,7 +73,7 @@ def run_split(name: str, address: str, prompts: list[list[int]], new_tokens: int
         if concurrency <= 1:
             for p in prompts:
                 runs = [timed_generate(stub, p, new_tokens, k, timeout) for _ in range(repeats)]
-                kept = _median_timing([t for t, _ in runs])
+                kept = median_timing([t for t, _ in runs])
                 decode_steps += next(s for t, s in runs if t is kept)
                 timings.append(kept)
                 if progress:
@@ -91,3 +91,36 @@ def run_split(name: str, address: str, prompts: list[list[int]], new_tokens: int
                 if progress:
                     progress()
     return ArmResult(name, timings, {"concurrency": concurrency, "k": k, "wall_s": wall, "decode_steps": decode_steps})
+
+
+def run_split_paired(name: str, colo_name: str, address: str, colo, prompts: list[list[int]], new_tokens: int,
+                     repeats: int, k: int, progress: Callable[[], None] | None = None, timeout: float = 900.0,
+                     security=None) -> tuple[ArmResult, ArmResult]:
+    """Split and colocated, interleaved run by run (colocated, then split, same prompt, same K), so
+    both see the same machine: on shared CPUs the speed drifts by tens of percent over minutes,
+    and arms timed minutes apart cannot give a ratio to a few percent. One warm-up each
+    (discarded); per prompt the median of `repeats` runs of each. Returns (split, colocated)."""
+    from gateway.security import channel as make_channel
+    from specsplit.bench.arms import generate_timed
+
+    split_t: list[Timing] = []
+    colo_t: list[Timing] = []
+    decode_steps = 0
+    with make_channel(address, security) as ch:
+        stub = gateway_pb2_grpc.GatewayStub(ch)
+        generate_timed(colo, [prompts[0]], new_tokens, k, "warm")
+        timed_generate(stub, prompts[0], new_tokens, k, timeout)
+        for i, p in enumerate(prompts):
+            c_runs, s_runs = [], []
+            for r in range(repeats):
+                c_runs.append(generate_timed(colo, [p], new_tokens, k, f"p{i}r{r}")[0])
+                s_runs.append(timed_generate(stub, p, new_tokens, k, timeout))
+            colo_t.append(median_timing(c_runs))
+            kept = median_timing([t for t, _ in s_runs])
+            decode_steps += next(s for t, s in s_runs if t is kept)
+            split_t.append(kept)
+            if progress:
+                progress()
+    extra = {"concurrency": 1, "k": k}
+    return (ArmResult(name, split_t, {**extra, "decode_steps": decode_steps}),
+            ArmResult(colo_name, colo_t, {**extra, "interleaved_with_split": True}))

@@ -65,9 +65,30 @@ class ArmResult:
         return out
 
 
-def _median_timing(runs: list[Timing]) -> Timing:
+def median_timing(runs: list[Timing]) -> Timing:
     runs = sorted(runs, key=lambda t: t.total_s)
     return runs[len(runs) // 2]
+
+
+def generate_timed(colo, batch: list[list[int]], new_tokens: int, k: int | None, tag: str,
+                   max_num_seqs: int | None = None) -> list[Timing]:
+    """One batch of greedy generations through the colocated SpecDecoder, timed per request."""
+    gen = Generator(colo.decoder, colo.eos_token_ids, max_num_seqs or max(len(batch), 1))
+    reqs = [GenerationRequest(f"{tag}-{i}", tuple(p), new_tokens, ignore_eos=True, num_speculative_tokens=k or 0)
+            for i, p in enumerate(batch)]
+    first: dict[str, float] = {}
+    t0 = time.perf_counter()
+    states = [gen.submit(r) for r in reqs]
+    while gen.waiting or gen.running:
+        events = gen.step()
+        now = time.perf_counter()
+        for state, kept in events:
+            if kept and state.request.request_id not in first:
+                first[state.request.request_id] = now
+    done = time.perf_counter()
+    return [Timing(done - t0, first.get(st.request.request_id, done) - t0, len(st.output), st.proposed,
+                   st.accepted, st.speculative_steps, list(st.accepted_per_position), list(st.output))
+            for st in states]
 
 
 def run_specsplit(name: str, colo, prompts: list[list[int]], new_tokens: int, repeats: int,
@@ -77,29 +98,14 @@ def run_specsplit(name: str, colo, prompts: list[list[int]], new_tokens: int, re
     timings: list[Timing] = []
 
     def one_batch(batch: list[list[int]], tag: str) -> list[Timing]:
-        gen = Generator(colo.decoder, colo.eos_token_ids, max_num_seqs)
-        reqs = [GenerationRequest(f"{tag}-{i}", tuple(p), new_tokens, ignore_eos=True, num_speculative_tokens=k or 0)
-                for i, p in enumerate(batch)]
-        first: dict[str, float] = {}
-        t0 = time.perf_counter()
-        states = [gen.submit(r) for r in reqs]
-        while gen.waiting or gen.running:
-            events = gen.step()
-            now = time.perf_counter()
-            for state, kept in events:
-                if kept and state.request.request_id not in first:
-                    first[state.request.request_id] = now
-        done = time.perf_counter()
-        return [Timing(done - t0, first.get(st.request.request_id, done) - t0, len(st.output), st.proposed,
-                       st.accepted, st.speculative_steps, list(st.accepted_per_position), list(st.output))
-                for st in states]
+        return generate_timed(colo, batch, new_tokens, k, tag, max_num_seqs)
 
     # warm-up (discarded)
     one_batch(prompts[:1], "warm")
     if concurrency <= 1:
         for i, p in enumerate(prompts):
             runs = [one_batch([p], f"p{i}r{j}")[0] for j in range(repeats)]
-            timings.append(_median_timing(runs))
+            timings.append(median_timing(runs))
             if progress:
                 progress()
         return ArmResult(name, timings, {"concurrency": 1, "k": k or 0})
@@ -151,7 +157,7 @@ def run_hf(name: str, model, prompts: list[list[int]], new_tokens: int, repeats:
     once(prompts[0])  # warm-up
     timings = []
     for p in prompts:
-        timings.append(_median_timing([once(p) for _ in range(repeats)]))
+        timings.append(median_timing([once(p) for _ in range(repeats)]))
         if progress:
             progress()
     return ArmResult(name, timings, {"concurrency": 1, "k": k or 0})

@@ -213,25 +213,38 @@ class Bench:
 
     def split_arms(self, draft: str, dtype: str, prompts, baseline: dict, colocated: dict) -> None:
         """specsplit split over gRPC: `specsplit up` (three local processes) with the colocated
-        arms' target, draft, dtype, threads and engine sizes, one stream at a time."""
-        from gateway.bench_client import run_split
+        arms' target, draft, dtype, threads and engine sizes, one stream at a time, interleaved
+        run by run with a colocated engine of the same configuration (ratio_vs_colocated)."""
+        from gateway.bench_client import run_split_paired
         from gateway.launch import specsplit_up
 
         a = self.args
         cfg = self._cfg(a.target, dtype)
-        with specsplit_up(a.target, draft, dtype=dtype, max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
-                          num_speculative_tokens=max(self.split_ks), threads=a.threads,
-                          extra=["--max-prefill-tokens", str(cfg.max_prefill_tokens)]) as up:
-            for k in self.split_ks:
-                result = run_split(f"specsplit split grpc {draft} K={k}", up.address, prompts, self.new_tokens,
-                                   self.repeats, k, progress=self._tick)
-                row = self._add(result, dtype=dtype, suite="spec", draft=draft, mode="split")
-                row["speedup_vs_target_only"] = row["tokens_per_s"] / baseline["tokens_per_s"]
-                if k in colocated:
-                    colo_result, colo_row = colocated[k]
-                    row["ratio_vs_colocated"] = row["tokens_per_s"] / colo_row["tokens_per_s"]
-                    row["same_tokens_as_colocated"] = ([t.output for t in result.timings]
-                                                       == [t.output for t in colo_result.timings])
+        colo = build_colocated(cfg, self._cfg(draft, dtype), SpecConfig(num_speculative_tokens=max(self.split_ks)),
+                               show_progress=False)
+        try:
+            with specsplit_up(a.target, draft, dtype=dtype, max_model_len=cfg.max_model_len,
+                              max_num_seqs=cfg.max_num_seqs, num_speculative_tokens=max(self.split_ks),
+                              threads=a.threads, extra=["--max-prefill-tokens", str(cfg.max_prefill_tokens)]) as up:
+                for k in self.split_ks:
+                    split, paired = run_split_paired(
+                        f"specsplit split grpc {draft} K={k}", f"specsplit colocated {draft} K={k} (paired with split)",
+                        up.address, colo, prompts, self.new_tokens, self.repeats, k, progress=self._tick)
+                    pair_row = self._add(paired, dtype=dtype, suite="spec", draft=draft, mode="colocated-paired")
+                    row = self._add(split, dtype=dtype, suite="spec", draft=draft, mode="split")
+                    for r in (pair_row, row):
+                        r["speedup_vs_target_only"] = r["tokens_per_s"] / baseline["tokens_per_s"]
+                    if pair_row["mean_accepted_length"] is not None and self.costs:
+                        pair_row["predicted_speedup"] = predicted_speedup(pair_row["mean_accepted_length"] + 1, k,
+                                                                          self.costs)
+                    row["ratio_vs_colocated"] = row["tokens_per_s"] / pair_row["tokens_per_s"]
+                    row["same_tokens_as_colocated"] = ([t.output for t in split.timings]
+                                                       == [t.output for t in paired.timings])
+                    if k in colocated:  # and the colocated arm of the K sweep, minutes earlier
+                        row["same_tokens_as_colocated"] &= ([t.output for t in split.timings]
+                                                            == [t.output for t in colocated[k][0].timings])
+        finally:
+            colo.close()
 
     def concurrency_sweep(self, draft: str, dtype: str, prompts) -> None:
         """Aggregate throughput at each concurrency, target-only and with speculation as a server

@@ -44,8 +44,9 @@ def test_bench_quick_json(tmp_path, tiny_llama, tiny_draft_close):
     # The split arm runs the served draft (MODEL+ngram unless --no-hybrid): K = the quick ks' first
     # (2), same tokens as the colocated arm of that draft at that K.
     (split,) = [a for a in arms if a["arm"].startswith("specsplit split grpc")]
-    (colo,) = [a for a in arms if a["arm"].startswith("specsplit colocated") and a.get("draft") == split["draft"]
-               and a["k"] == 2]
+    (colo,) = [a for a in arms if a.get("mode") == "colocated-paired"]  # interleaved run by run with split
+    assert colo["arm"] == f"specsplit colocated {tiny_draft_close}+ngram K=2 (paired with split)"
+    assert colo["draft"] == split["draft"] and colo["k"] == 2 and colo["interleaved_with_split"] is True
     assert split["arm"] == f"specsplit split grpc {tiny_draft_close}+ngram K=2" and split["k"] == 2
     assert split["draft"] == f"{tiny_draft_close}+ngram" and report["settings"]["split_ks"] == [2]
     assert split["same_tokens_as_colocated"] is True
