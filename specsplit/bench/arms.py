@@ -4,6 +4,11 @@ Every arm generates exactly `new_tokens` per prompt (EOS ignored, so all arms do
 greedy, batch 1 unless a concurrency is given. A warm-up generation is discarded; each prompt runs
 `repeats` times and the median is kept. TTFT = time to the first generated token, TPOT = the rest
 divided by (new_tokens - 1).
+
+Batch-1 arms that are compared with each other run interleaved (`run_interleaved`): for each
+prompt and repeat, every arm runs once in turn, so all of them see the same machine state. On the
+shared 2-core VM this was built on, the speed of one and the same forward drifts by tens of
+percent over minutes; arms timed one after the other would carry that drift into their ratios.
 """
 from __future__ import annotations
 
@@ -91,6 +96,41 @@ def generate_timed(colo, batch: list[list[int]], new_tokens: int, k: int | None,
             for st in states]
 
 
+@dataclass
+class Arm:
+    """One batch-1 arm for run_interleaved: `once(prompt, tag)` generates and times one request."""
+
+    name: str
+    once: Callable[[list[int], str], Timing]
+    k: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def colocated_arm(name: str, colo, new_tokens: int, k: int | None = None, **extra) -> Arm:
+    """specsplit in-process (target-only when colo has no drafter), through the server's SpecDecoder."""
+    return Arm(name, lambda p, tag: generate_timed(colo, [p], new_tokens, k, tag)[0], k or 0, extra)
+
+
+def run_interleaved(arms: list[Arm], prompts: list[list[int]], repeats: int,
+                    progress: Callable[[], None] | None = None) -> list[ArmResult]:
+    """Every arm warms up once (discarded); then per prompt and repeat each arm runs once, in
+    turn; per prompt the median run of each arm is kept."""
+    for arm in arms:
+        arm.once(prompts[0], "warm")
+    kept: dict[str, list[Timing]] = {a.name: [] for a in arms}
+    for i, p in enumerate(prompts):
+        runs: dict[str, list[Timing]] = {a.name: [] for a in arms}
+        for r in range(repeats):
+            for arm in arms:
+                runs[arm.name].append(arm.once(p, f"p{i}r{r}"))
+        for arm in arms:
+            kept[arm.name].append(median_timing(runs[arm.name]))
+            if progress:
+                progress()
+    return [ArmResult(a.name, kept[a.name], {"concurrency": 1, "k": a.k, "interleaved": len(arms), **a.extra})
+            for a in arms]
+
+
 def run_specsplit(name: str, colo, prompts: list[list[int]], new_tokens: int, repeats: int,
                   k: int | None = None, concurrency: int = 1, progress: Callable[[], None] | None = None) -> ArmResult:
     """specsplit (target-only or speculative, colocated) over the same SpecDecoder the server uses."""
@@ -120,8 +160,8 @@ def run_specsplit(name: str, colo, prompts: list[list[int]], new_tokens: int, re
     return ArmResult(name, timings, {"concurrency": concurrency, "k": k or 0, "wall_s": wall})
 
 
-def run_hf(name: str, model, prompts: list[list[int]], new_tokens: int, repeats: int, assistant=None,
-           assistant_mode: str | None = None, k: int | None = None, progress=None) -> ArmResult:
+def hf_arm(name: str, model, new_tokens: int, assistant=None, assistant_mode: str | None = None,
+           k: int | None = None, **extra) -> Arm:
     """transformers generate (optionally assisted generation with `assistant`)."""
     from transformers.generation.streamers import BaseStreamer
 
@@ -138,7 +178,7 @@ def run_hf(name: str, model, prompts: list[list[int]], new_tokens: int, repeats:
         def end(self):
             pass
 
-    def once(p: list[int]) -> Timing:
+    def once(p: list[int], tag: str) -> Timing:
         ids = torch.tensor([p])
         kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
         if assistant is not None:
@@ -152,12 +192,6 @@ def run_hf(name: str, model, prompts: list[list[int]], new_tokens: int, repeats:
             out = model.generate(ids, streamer=streamer, **kwargs)
         total = time.perf_counter() - t0
         n = out.shape[1] - ids.shape[1]
-        return Timing(total, (streamer.first or t0 + total) - t0, n)
+        return Timing(total, (streamer.first or t0 + total) - t0, n, output=out[0, ids.shape[1]:].tolist())
 
-    once(prompts[0])  # warm-up
-    timings = []
-    for p in prompts:
-        timings.append(median_timing([once(p) for _ in range(repeats)]))
-        if progress:
-            progress()
-    return ArmResult(name, timings, {"concurrency": 1, "k": k or 0})
+    return Arm(name, once, k or 0, extra)

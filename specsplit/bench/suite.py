@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specsplit.bench.arms import ArmResult, run_hf, run_specsplit
+from specsplit.bench.arms import ArmResult, colocated_arm, hf_arm, run_interleaved, run_specsplit
 from specsplit.bench.costs import measure_costs, predicted_speedup
 from specsplit.config import EngineConfig, SpecConfig, parse_dtype
 from specsplit.factory import build_colocated
@@ -101,6 +101,7 @@ class Bench:
     def __init__(self, args):
         self.args = args
         self.results: list[dict] = []
+        self._outputs: dict[str, list[list[int]]] = {}  # arm -> each prompt's generated ids
         self.costs: dict = {}
         self.quick = args.quick
         self.new_tokens = args.new_tokens or (24 if self.quick else 96)
@@ -135,6 +136,7 @@ class Bench:
                             max_num_seqs=max_num_seqs, max_prefill_tokens=min(512, self.args.max_model_len // 2))
 
     def _add(self, result: ArmResult, **extra) -> dict:
+        self._outputs[result.name] = [t.output for t in result.timings]
         row = result.summary()
         row.update(extra)
         self.results.append(row)
@@ -153,62 +155,82 @@ class Bench:
 
     # ---- suites ------------------------------------------------------------------------------
     def target_suite(self, dtypes=("fp32", "bf16")) -> None:
+        """Native target-only vs transformers generate, interleaved run by run, per dtype."""
         for dtype in dtypes:
             colo = build_colocated(self._cfg(self.args.target, dtype), None, SpecConfig(num_speculative_tokens=0),
                                    show_progress=False)
             prompts = self._prompts(colo)
-            native = self._add(run_specsplit(f"native target-only {dtype}", colo, prompts, self.new_tokens,
-                                             self.repeats, progress=self._tick), dtype=dtype, suite="target")
+            arms = [colocated_arm(f"native target-only {dtype}", colo, self.new_tokens)]
+            hf = None
             if not self.args.no_hf:
                 hf, _ = _hf_models(colo, None, parse_dtype(dtype))
-                ref = self._add(run_hf(f"transformers generate {dtype}", hf, prompts, self.new_tokens, self.repeats,
-                                       progress=self._tick), dtype=dtype, suite="target")
-                native["ratio_vs_hf_generate"] = native["tokens_per_s"] / ref["tokens_per_s"]
-                del hf
+                arms.append(hf_arm(f"transformers generate {dtype}", hf, self.new_tokens))
+            rows = [self._add(r, dtype=dtype, suite="target") for r in run_interleaved(arms, prompts, self.repeats,
+                                                                                      self._tick)]
+            if hf is not None:
+                rows[0]["ratio_vs_hf_generate"] = rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"]
+                rows[0]["same_tokens_as_hf"] = self._same_tokens(rows[0], rows[1])
+            del hf
             colo.close()
 
+    def _same_tokens(self, a: dict, b: dict) -> bool:
+        return self._outputs.get(a["arm"]) == self._outputs.get(b["arm"])
+
     def spec_suite(self) -> None:
+        """Batch 1, interleaved run by run: target-only, each draft at each K, transformers generate
+        and assisted generation with the same model draft. Then the split arm (paired with a
+        colocated engine) and the concurrency sweep."""
         a = self.args
         dtype = a.dtype
         draft = a.draft
         base = build_colocated(self._cfg(a.target, dtype), None, SpecConfig(num_speculative_tokens=0), show_progress=False)
         prompts = self._prompts(base)
-        baseline = self._add(run_specsplit(f"native target-only {dtype}", base, prompts, self.new_tokens,
-                                           self.repeats, progress=self._tick), dtype=dtype, suite="spec")
-        base.close()
-        hf_ref = None
-        drafts = [d for d in (draft, self.hybrid_draft, "ngram") if d is not None]
-        for name in dict.fromkeys(drafts):  # model draft, model + prompt lookup, n-gram alone
-            is_model = name == draft and name != "ngram"
-            colo = build_colocated(self._cfg(a.target, dtype), self._cfg(name, dtype),
-                                   SpecConfig(num_speculative_tokens=max(self.ks)), show_progress=False)
-            if is_model:
-                self.costs = measure_costs(colo, prompts[0], self.ks)
-            colocated: dict[int, tuple[ArmResult, dict]] = {}
-            for k in self.ks:
-                result = run_specsplit(f"specsplit colocated {name} K={k}", colo, prompts, self.new_tokens,
-                                       self.repeats, k=k, progress=self._tick)
-                row = self._add(result, dtype=dtype, suite="spec", draft=name)
-                colocated[k] = (result, row)
+        drafts = list(dict.fromkeys(d for d in (draft, self.hybrid_draft, "ngram") if d is not None))
+        colos = {name: build_colocated(self._cfg(a.target, dtype), self._cfg(name, dtype),
+                                       SpecConfig(num_speculative_tokens=max(self.ks)), show_progress=False)
+                 for name in drafts}
+        model_draft = draft if draft not in (None, "ngram") else None
+        if model_draft is not None:
+            self.costs = measure_costs(colos[model_draft], prompts[0], self.ks)
+        arms = [colocated_arm(f"native target-only {dtype}", base, self.new_tokens, role="baseline")]
+        for name in drafts:
+            arms += [colocated_arm(f"specsplit colocated {name} K={k}", colos[name], self.new_tokens, k, draft=name)
+                     for k in self.ks]
+        hf = assistant = None
+        if model_draft is not None and not a.no_hf:
+            hf, assistant = _hf_models(colos[model_draft], model_draft, parse_dtype(dtype))
+            arms.append(hf_arm(f"transformers generate {dtype}", hf, self.new_tokens, role="hf_generate"))
+            arms += [hf_arm(f"HF assisted {mode} K={k}", hf, self.new_tokens, assistant=assistant, assistant_mode=mode,
+                            k=k, draft=model_draft) for mode, k in (("constant", 3), ("heuristic", 5))]
+        results = run_interleaved(arms, prompts, self.repeats, self._tick)
+        rows = [self._add(r, dtype=dtype, suite="spec") for r in results]
+        baseline = rows[0]
+        hf_ref = next((r for r in rows if r.get("role") == "hf_generate"), None)
+        by_k: dict[str, dict[int, tuple[ArmResult, dict]]] = {}
+        for result, row in zip(results, rows):
+            name = row.get("draft")
+            if row["arm"].startswith("specsplit colocated"):
+                by_k.setdefault(name, {})[row["k"]] = (result, row)
                 row["speedup_vs_target_only"] = row["tokens_per_s"] / baseline["tokens_per_s"]
+                row["same_tokens_as_target_only"] = self._same_tokens(row, baseline)
                 if name != "ngram" and row["mean_accepted_length"] is not None and self.costs:
                     # c of the model draft; a lookup step costs no draft forward, so for the
                     # hybrid this is the prediction's lower bound
-                    row["predicted_speedup"] = predicted_speedup(row["mean_accepted_length"] + 1, k, self.costs)
-            if is_model and not a.no_hf:
-                hf, assistant = _hf_models(colo, name, parse_dtype(dtype))
-                hf_ref = self._add(run_hf(f"transformers generate {dtype}", hf, prompts, self.new_tokens,
-                                          self.repeats, progress=self._tick), dtype=dtype, suite="spec")
-                for mode, k in (("constant", 3), ("heuristic", 5)):
-                    self._add(run_hf(f"HF assisted {mode} K={k}", hf, prompts, self.new_tokens, self.repeats,
-                                     assistant=assistant, assistant_mode=mode, k=k, progress=self._tick),
-                              dtype=dtype, suite="spec", draft=name)
-                del hf, assistant
-            colo.close()
-            if name == self.served_draft and self.split_ks:  # its colocated engines freed first
-                self.split_arms(name, dtype, prompts, baseline, colocated)
+                    row["predicted_speedup"] = predicted_speedup(row["mean_accepted_length"] + 1, row["k"], self.costs)
+            elif row["arm"].startswith("HF assisted"):
+                row["speedup_vs_target_only"] = row["tokens_per_s"] / baseline["tokens_per_s"]
         if hf_ref is not None:
             baseline["ratio_vs_hf_generate"] = baseline["tokens_per_s"] / hf_ref["tokens_per_s"]
+            best_hf = max((r for r in rows if r["arm"].startswith("HF assisted")), key=lambda r: r["tokens_per_s"])
+            for row in rows:
+                if row["arm"].startswith("specsplit colocated") and row.get("draft") == model_draft:
+                    row["ratio_vs_best_hf_assisted"] = row["tokens_per_s"] / best_hf["tokens_per_s"]
+        del hf, assistant
+        for colo in (base, *colos.values()):
+            colo.close()
+        del base, colos
+        if self.split_ks:
+            self.split_arms(self.served_draft, dtype, prompts, baseline, by_k.get(self.served_draft, {}))
         self.concurrency_sweep(self.served_draft, dtype, prompts)
 
     def split_arms(self, draft: str, dtype: str, prompts, baseline: dict, colocated: dict) -> None:
@@ -272,12 +294,12 @@ class Bench:
         per_arm = self.num_prompts
         n = 0
         if self.args.suite in ("target", "all"):
-            n += 2 * per_arm * (1 if self.args.no_hf else 2)
+            n += (1 if self.quick else 2) * per_arm * (1 if self.args.no_hf else 2)
         if self.args.suite in ("spec", "all"):
-            n_drafts = 1 + int(self.args.draft not in (None, "ngram")) + int(self.hybrid_draft is not None)
-            n += per_arm * (1 + n_drafts * len(self.ks) + (0 if self.args.no_hf else 3))
-            if self.args.draft is not None:
-                n += per_arm * len(self.split_ks)
+            has_model = self.args.draft not in (None, "ngram")
+            n_drafts = 1 + int(has_model) + int(self.hybrid_draft is not None)
+            n += per_arm * (1 + n_drafts * len(self.ks) + (3 if has_model and not self.args.no_hf else 0))
+            n += per_arm * len(self.split_ks)
             n += 2 * len(self.concurrency)
         return n
 
@@ -303,11 +325,12 @@ class Bench:
 
 
 def format_table(report: dict) -> str:
-    cols = [("arm", 40, "{}"), ("tokens_per_s", 9, "{:.1f}"), ("ttft_ms", 8, "{:.0f}"), ("tpot_ms", 8, "{:.1f}"),
+    cols = [("arm", 56, "{}"), ("tokens_per_s", 9, "{:.1f}"), ("ttft_ms", 8, "{:.0f}"), ("tpot_ms", 8, "{:.1f}"),
             ("acceptance_rate", 6, "{:.2f}"), ("mean_accepted_length", 6, "{:.2f}"),
             ("speedup_vs_target_only", 7, "{:.2f}x"), ("predicted_speedup", 7, "{:.2f}x"),
-            ("ratio_vs_hf_generate", 7, "{:.2f}x"), ("ratio_vs_colocated", 7, "{:.2f}x")]
-    heads = ["arm", "tok/s", "TTFT ms", "TPOT ms", "accept", "acc/st", "speedup", "pred", "vs HF", "vs colo"]
+            ("ratio_vs_hf_generate", 7, "{:.2f}x"), ("ratio_vs_best_hf_assisted", 7, "{:.2f}x"),
+            ("ratio_vs_colocated", 7, "{:.2f}x")]
+    heads = ["arm", "tok/s", "TTFT ms", "TPOT ms", "accept", "acc/st", "speedup", "pred", "vs HF", "vs HFa", "vs colo"]
     lines = ["  ".join(h.ljust(w) for h, (_, w, _) in zip(heads, cols))]
     for row in report["arms"]:
         cells = []

@@ -37,6 +37,12 @@ def test_bench_quick_json(tmp_path, tiny_llama, tiny_draft_close):
             assert all(0 <= x <= 1 for x in a["per_position_acceptance"])
         elif a["arm"].startswith(("specsplit colocated", "specsplit split")):
             raise AssertionError(f"{a['arm']} proposed nothing")
+    # Batch-1 arms run interleaved; greedy spec output is the target's in every arm (fp32), and the
+    # native target-only output is transformers' (the bench checks it on every run).
+    assert all(a["interleaved"] >= 2 for a in arms if a["suite"] in ("target", "spec") and a.get("mode") is None)
+    assert all(a["same_tokens_as_target_only"] is True for a in arms
+               if a["arm"].startswith("specsplit colocated") and a.get("mode") is None)
+    assert all(a["same_tokens_as_hf"] is True for a in arms if a["suite"] == "target" and "native" in a["arm"])
     spec = [a for a in arms if a["arm"].startswith("specsplit colocated") and a.get("draft") != "ngram"]
     assert spec and all("speedup_vs_target_only" in a and "predicted_speedup" in a for a in spec)
     assert {"c", "v", "target_step_ms"} <= set(report["costs"])
