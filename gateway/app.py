@@ -19,7 +19,7 @@ from gateway.service import SERVICE_NAME, GatewayServicer, Limits, Tokenizer
 from gateway.security import MAX_REQUEST_BYTES, ClientSecurity, ServerSecurity, keepalive_options
 from gateway.serving import Server, wait_until
 from protos.specsplit.v1 import gateway_pb2, gateway_pb2_grpc
-from specsplit.cli.common import default_k_for
+from specsplit.cli.common import default_k_for, disable_by_batch_size
 from specsplit.config import SpecConfig
 from specsplit.spec import SpecDecoder
 
@@ -157,7 +157,7 @@ def build_split(args) -> Gateway:
     k = args.num_speculative_tokens
     if k is None:
         k = 0 if drafter is None else default_k_for(draft_model)
-    spec = SpecConfig(num_speculative_tokens=k, disable_by_batch_size=args.disable_by_batch_size)
+    spec = SpecConfig(num_speculative_tokens=k, disable_by_batch_size=disable_by_batch_size(args, vinfo.device))
     decoder = SpecDecoder(verifier, drafter if k > 0 else None, spec, max_model_len=vinfo.max_model_len)
     max_num_seqs = args.max_num_seqs
     if vinfo.max_num_seqs and max_num_seqs > vinfo.max_num_seqs:

@@ -271,13 +271,12 @@ class Bench:
     def concurrency_sweep(self, draft: str, dtype: str, prompts) -> None:
         """Aggregate throughput at each concurrency, target-only and with speculation as a server
         runs it by default: the served draft, its default K, the default --disable-by-batch-size."""
-        from specsplit.cli.common import DEFAULT_DISABLE_BY_BATCH_SIZE, default_k_for
+        from specsplit.cli.common import default_k_for, disable_by_batch_size
 
         a = self.args
         top = max(self.concurrency)
         k = default_k_for(draft)
-        threshold = getattr(a, "disable_by_batch_size", None)
-        threshold = DEFAULT_DISABLE_BY_BATCH_SIZE if threshold is None else threshold
+        threshold = disable_by_batch_size(a, self._cfg(a.target, dtype).device)
         for spec_on in (False, True):
             spec = SpecConfig(num_speculative_tokens=k, disable_by_batch_size=threshold) if spec_on else \
                 SpecConfig(num_speculative_tokens=0)

@@ -58,8 +58,10 @@ def add_spec_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-model-tokens", type=nonneg_int, default=DEFAULT_DRAFT_MODEL_TOKENS,
                    help="with --draft MODEL+ngram: the model drafts at most N of the K tokens, prompt lookup up "
                         "to K (0 = K; default %(default)s)")
-    g.add_argument("--disable-by-batch-size", type=nonneg_int, default=DEFAULT_DISABLE_BY_BATCH_SIZE,
-                   help="decode target-only while more than N sequences run (0 = never)")
+    g.add_argument("--disable-by-batch-size", type=nonneg_int, default=None,
+                   help="decode target-only while more than N sequences run (0 = never); default: 1 when the "
+                        "target runs on a CPU (there speculation stopped paying from 2 concurrent sequences, see "
+                        "README 'Benchmarks'), else 0")
 
 
 def add_server_flags(p: argparse.ArgumentParser, default_port: int) -> None:
@@ -129,7 +131,18 @@ DEFAULT_K_MODEL = 2
 DEFAULT_K_HYBRID = 3  # MODEL+ngram: lookup drafts up to 3, the model DEFAULT_DRAFT_MODEL_TOKENS
 DEFAULT_DRAFT_MODEL_TOKENS = 1
 DEFAULT_K_NGRAM = 4
-DEFAULT_DISABLE_BY_BATCH_SIZE = 0
+DISABLE_BY_BATCH_SIZE_CPU = 1  # measured: `specsplit bench` concurrency sweep (README)
+DISABLE_BY_BATCH_SIZE_OTHER = 0  # never: on a GPU the verify pass stays memory-bound far longer
+
+
+def default_disable_by_batch_size(target_device: str | None) -> int:
+    """The threshold a server uses when --disable-by-batch-size is not given."""
+    return DISABLE_BY_BATCH_SIZE_CPU if (target_device or "cpu").startswith("cpu") else DISABLE_BY_BATCH_SIZE_OTHER
+
+
+def disable_by_batch_size(args, target_device: str | None) -> int:
+    value = getattr(args, "disable_by_batch_size", None)
+    return default_disable_by_batch_size(target_device) if value is None else value
 
 
 def default_k_for(draft: str | None) -> int:
@@ -147,7 +160,7 @@ def spec_config(args, draft: str | None):
     k = args.num_speculative_tokens
     if k is None:
         k = default_k_for(draft)
-    return SpecConfig(num_speculative_tokens=k, disable_by_batch_size=args.disable_by_batch_size,
+    return SpecConfig(num_speculative_tokens=k, disable_by_batch_size=disable_by_batch_size(args, getattr(args, "device", None)),
                       draft_model_tokens=getattr(args, "draft_model_tokens", DEFAULT_DRAFT_MODEL_TOKENS))
 
 

@@ -16,7 +16,8 @@ PROMPTS = [
     "Here is a list of the planets in the solar system: Mercury, Venus,",
 ]
 NEW = 32
-ENGINE = ["--max-model-len", "256", "--max-prefill-tokens", "128", "--max-num-seqs", "4", "--threads", "1"]
+ENGINE = ["--max-model-len", "256", "--max-prefill-tokens", "128", "--max-num-seqs", "4", "--threads", "1",
+          "--disable-by-batch-size", "0"]  # speculate at 3 concurrent streams too (the CPU default would not)
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,10 @@ HOST = "127.0.0.1"
 # Small engines: one thread each (2 cores shared), short sequences. --max-prefill-tokens below
 # --max-model-len keeps the start-up profile's drafter shape inside max_model_len.
 TINY_ENGINE = ["--max-model-len", "256", "--max-prefill-tokens", "128", "--threads", "1"]
+# The stacks test speculation at every batch size: the CPU default (speculate only for a lone
+# sequence) would switch it off as soon as two requests overlap. A fixture's own value comes later
+# on the command line and wins.
+SPECULATE_ALWAYS = ["--disable-by-batch-size", "0"]
 
 
 def free_port() -> int:
@@ -154,7 +158,8 @@ def start_split(log_dir: Path, target: Path, draft: Path | str | None, max_num_s
         "verifier", ["verifier", "--model", str(target), "--port", str(vport), "--max-num-seqs", str(max_num_seqs),
                      *TINY_ENGINE, *service_extra], log_dir, vport, free_port(), env=verifier_env, security=security)
     gw = ["gateway", "--verifier", f"{HOST}:{vport}", "--port", str(gport), "--max-num-seqs", str(max_num_seqs),
-          "--max-queue", str(max_queue), "--drain-timeout", "20", "--drafter-timeout", "2", *gateway_extra]
+          "--max-queue", str(max_queue), "--drain-timeout", "20", "--drafter-timeout", "2", *SPECULATE_ALWAYS,
+          *gateway_extra]
     if draft is not None:
         dport = free_port()
         stack.procs["drafter"] = ServiceProcess(
@@ -167,7 +172,8 @@ def start_split(log_dir: Path, target: Path, draft: Path | str | None, max_num_s
 
 def start_colocated(log_dir: Path, target: Path, draft: Path | str | None, max_num_seqs: int = 8) -> Stack:
     port = free_port()
-    argv = ["serve", "--target", str(target), "--port", str(port), "--max-num-seqs", str(max_num_seqs), *TINY_ENGINE]
+    argv = ["serve", "--target", str(target), "--port", str(port), "--max-num-seqs", str(max_num_seqs), *TINY_ENGINE,
+            *SPECULATE_ALWAYS]
     if draft is not None:
         argv += ["--draft", str(draft)]
     return Stack({"gateway": ServiceProcess("colocated", argv, log_dir, port)})
