@@ -722,10 +722,16 @@ def make_readme(args, trained: dict) -> str:
   target's top-{args.topk} logits at every position are cached once (`--out/data/`) and reused
   ~{args.reuse}x. Reply positions weigh 1, prompt positions {args.prompt_weight}."""
     else:
+        engine = ("specsplit's own batched engine, which keeps the top-k while it generates"
+                  if args.gen_engine == "native" else "HF generate, then a teacher-forced pass")
         data_line = f"""- Data: the target's own greedy continuations ({prec}, up to {args.max_new} new tokens) of
   chat-templated first human turns of ShareGPT V3 (user text capped at {args.max_user_tokens}
-  tokens), with the target's top-{args.topk} logits at every position cached once, reused
-  ~{args.reuse}x. Continuation positions weigh 1, prompt positions {args.prompt_weight}."""
+  tokens), with the target's top-{args.topk} logits at every position ({engine}), cached once,
+  reused ~{args.reuse}x. Continuation positions weigh 1, prompt positions {args.prompt_weight}."""
+    if args.init_from is not None:
+        data_line += f"""
+- Warm start: from the draft exported in `{args.init_from}` (its weights and vocabulary subset;
+  see git history of this directory for how that one was trained)."""
     return f"""# smollm2-135m-draft
 
 A {len(trained['layers_from_target'])}-layer Llama draft for SmolLM2-135M-Instruct, distilled by
