@@ -93,6 +93,21 @@ def run_split(name: str, address: str, prompts: list[list[int]], new_tokens: int
     return ArmResult(name, timings, {"concurrency": concurrency, "k": k, "wall_s": wall, "decode_steps": decode_steps})
 
 
+def split_arm(name: str, stub, new_tokens: int, k: int, timeout: float = 900.0):
+    """The split arm as a specsplit.bench.arms.Arm (for run_interleaved) over an open Gateway stub.
+    Returns (arm, steps): `steps` maps each Timing the arm produced (by id) to its decode steps."""
+    from specsplit.bench.arms import Arm
+
+    steps: dict[int, int] = {}
+
+    def once(p: list[int], tag: str) -> Timing:
+        timing, n = timed_generate(stub, p, new_tokens, k, timeout)
+        steps[id(timing)] = n
+        return timing
+
+    return Arm(name, once, k), steps
+
+
 def run_split_paired(name: str, colo_name: str, address: str, colo, prompts: list[list[int]], new_tokens: int,
                      repeats: int, k: int, progress: Callable[[], None] | None = None, timeout: float = 900.0,
                      security=None) -> tuple[ArmResult, ArmResult]:
@@ -101,26 +116,12 @@ def run_split_paired(name: str, colo_name: str, address: str, colo, prompts: lis
     and arms timed minutes apart cannot give a ratio to a few percent. One warm-up each
     (discarded); per prompt the median of `repeats` runs of each. Returns (split, colocated)."""
     from gateway.security import channel as make_channel
-    from specsplit.bench.arms import generate_timed
+    from specsplit.bench.arms import colocated_arm, run_interleaved
 
-    split_t: list[Timing] = []
-    colo_t: list[Timing] = []
-    decode_steps = 0
     with make_channel(address, security) as ch:
-        stub = gateway_pb2_grpc.GatewayStub(ch)
-        generate_timed(colo, [prompts[0]], new_tokens, k, "warm")
-        timed_generate(stub, prompts[0], new_tokens, k, timeout)
-        for i, p in enumerate(prompts):
-            c_runs, s_runs = [], []
-            for r in range(repeats):
-                c_runs.append(generate_timed(colo, [p], new_tokens, k, f"p{i}r{r}")[0])
-                s_runs.append(timed_generate(stub, p, new_tokens, k, timeout))
-            colo_t.append(median_timing(c_runs))
-            kept = median_timing([t for t, _ in s_runs])
-            decode_steps += next(s for t, s in s_runs if t is kept)
-            split_t.append(kept)
-            if progress:
-                progress()
-    extra = {"concurrency": 1, "k": k}
-    return (ArmResult(name, split_t, {**extra, "decode_steps": decode_steps}),
-            ArmResult(colo_name, colo_t, {**extra, "interleaved_with_split": True}))
+        split, steps = split_arm(name, gateway_pb2_grpc.GatewayStub(ch), new_tokens, k, timeout)
+        paired = colocated_arm(colo_name, colo, new_tokens, k, interleaved_with_split=True)
+        colo_result, split_result = run_interleaved([paired, split], prompts, repeats, progress)
+    split_result.extra["decode_steps"] = sum(steps[id(t)] for t in split_result.timings)
+    return split_result, colo_result
+

@@ -225,6 +225,10 @@ def _without_lookup(cfg: EngineConfig | None) -> tuple[EngineConfig | None, bool
     return (replace(cfg, model=model) if hybrid else cfg), hybrid
 
 
+def _with_lookup(engine: DraftEngine, hybrid: bool, spec: SpecConfig) -> DraftEngine | HybridDrafter:
+    return HybridDrafter(engine, spec.ngram_min, spec.ngram_max, spec.draft_model_tokens) if hybrid else engine
+
+
 def _draft_plan(cfg: EngineConfig, spec: SpecConfig, show_progress: bool, allocate: bool, vocab_size: int | None = None):
     cfg, hybrid = _without_lookup(cfg)
     if cfg.model == NGRAM:
@@ -234,9 +238,7 @@ def _draft_plan(cfg: EngineConfig, spec: SpecConfig, show_progress: bool, alloca
     if vocab_size is not None:
         d.after_load = _vocab_check(vocab_size)
     plan = _plan_budget([d], show_progress, joint=False)
-    engine = _allocate(d, plan.services[DRAFTER]) if allocate else None
-    if engine is not None and hybrid:
-        engine = HybridDrafter(engine, spec.ngram_min, spec.ngram_max, spec.draft_model_tokens)
+    engine = _with_lookup(_allocate(d, plan.services[DRAFTER]), hybrid, spec) if allocate else None
     return engine, plan
 
 
@@ -288,9 +290,7 @@ def build_colocated(
     verifier = _allocate(t, plan.services[VERIFIER])
     drafter = None
     if d is not None:
-        drafter = _allocate(d, plan.services[DRAFTER])
-        if hybrid:
-            drafter = HybridDrafter(drafter, spec.ngram_min, spec.ngram_max, spec.draft_model_tokens)
+        drafter = _with_lookup(_allocate(d, plan.services[DRAFTER]), hybrid, spec)
     elif draft is not None:
         drafter = NgramDrafter(spec.ngram_min, spec.ngram_max, t.loaded.config.vocab_size, target.max_model_len)
     decoder = SpecDecoder(verifier, drafter, spec if drafter else SpecConfig(num_speculative_tokens=0), target.max_model_len)

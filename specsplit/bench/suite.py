@@ -298,7 +298,7 @@ class Bench:
             has_model = self.args.draft not in (None, "ngram")
             n_drafts = 1 + int(has_model) + int(self.hybrid_draft is not None)
             n += per_arm * (1 + n_drafts * len(self.ks) + (3 if has_model and not self.args.no_hf else 0))
-            n += per_arm * len(self.split_ks)
+            n += 2 * per_arm * len(self.split_ks)  # split and its paired colocated arm
             n += 2 * len(self.concurrency)
         return n
 
