@@ -57,7 +57,7 @@ def _generate(address: str, args) -> int:
                 kv = f"{s.kv.free_blocks}/{s.kv.num_blocks} KV blocks free" if s.kv.paged else "no KV cache"
                 print(f"  {s.name:8s} {s.address:21s} {s.model} on {s.device or '-'}: {kv}")
             print(f"\nprompt: {json.dumps(args.prompt)}\n" + "-" * 72)
-            req = gateway_pb2.GenerateRequest(prompt=args.prompt, max_tokens=args.max_tokens, top_p=1.0)
+            req = gateway_pb2.GenerateRequest(prompt=args.prompt, max_tokens=args.max_tokens)
             t1 = time.perf_counter()
             first = None
             last = None

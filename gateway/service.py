@@ -69,11 +69,13 @@ def build_request(msg: gateway_pb2.GenerateRequest, tokenizer: Tokenizer, limits
         raise _invalid("the prompt is empty: set prompt (text) or prompt_token_ids")
     if msg.max_tokens < 1:
         raise _invalid("max_tokens must be >= 1")
-    t, p, k = msg.temperature, msg.top_p, msg.top_k
+    # top_p is optional: unset (or 0, what a proto3 client without `optional` sends) means 1.0
+    t, k = msg.temperature, msg.top_k
+    p = msg.top_p if msg.HasField("top_p") and msg.top_p != 0.0 else 1.0
     if math.isnan(t) or t < 0:
         raise _invalid(f"temperature must be >= 0 (0 = greedy), got {t:g}")
     if math.isnan(p) or not 0.0 < p <= 1.0:
-        raise _invalid(f"top_p must be in (0, 1], got {p:g} (it has no default: send 1 for no nucleus filtering)")
+        raise _invalid(f"top_p must be in (0, 1], got {p:g} (leave it unset for no nucleus filtering)")
     if k < 0:
         raise _invalid(f"top_k must be >= 0 (0 = off), got {k}")
     spec = msg.speculation

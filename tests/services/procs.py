@@ -181,7 +181,6 @@ def start_colocated(log_dir: Path, target: Path, draft: Path | str | None, max_n
 
 # ---- talking to the services ------------------------------------------------------------------
 def request(ids=None, prompt: str = "", max_tokens: int = 16, **kw) -> gateway_pb2.GenerateRequest:
-    kw.setdefault("top_p", 1.0)
     spec = kw.pop("speculation", None)
     req = gateway_pb2.GenerateRequest(prompt=prompt, prompt_token_ids=ids or [], max_tokens=max_tokens, **kw)
     if spec is not None:

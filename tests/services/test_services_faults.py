@@ -20,7 +20,7 @@ INVALID = {
     "empty prompt": dict(prompt="", max_tokens=4),
     "too long": dict(ids=[5] * 250, max_tokens=10),
     "negative temperature": dict(ids=[5, 6], max_tokens=4, temperature=-0.5),
-    "top_p zero": dict(ids=[5, 6], max_tokens=4, top_p=0.0),
+    "top_p negative": dict(ids=[5, 6], max_tokens=4, top_p=-0.1),
     "top_p above one": dict(ids=[5, 6], max_tokens=4, top_p=1.5),
     "id past vocab": dict(ids=[5, 256], max_tokens=4),
     "negative id": dict(ids=[5, -1], max_tokens=4),

@@ -120,7 +120,7 @@ class _Tok:
     (dict(prompt_token_ids=[1] * 60, max_tokens=5, top_p=1), "exceeds max_model_len 64"),
     (dict(prompt=" ", max_tokens=5, top_p=1), "tokenizes to no tokens"),
     (dict(prompt="w1", max_tokens=4, temperature=-1, top_p=1), "temperature"),
-    (dict(prompt="w1", max_tokens=4, top_p=0), "top_p"),
+    (dict(prompt="w1", max_tokens=4, top_p=-0.5), "top_p"),
     (dict(prompt="w1", max_tokens=4, top_p=1.01), "top_p"),
     (dict(prompt_token_ids=[1, 100], max_tokens=4, top_p=1), "outside the vocabulary"),
     (dict(prompt="w1", max_tokens=0, top_p=1), "max_tokens"),
@@ -130,6 +130,12 @@ def test_validation_messages(kw, message):
     with pytest.raises(wire.ServiceError) as err:
         build_request(gateway_pb2.GenerateRequest(**kw), _Tok(), LIMITS)
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.message
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(top_p=0.0)], ids=["top_p unset", "top_p 0 (proto3 default)"])
+def test_top_p_defaults_to_one(kw):
+    req, _ = build_request(gateway_pb2.GenerateRequest(prompt="w5", max_tokens=4, **kw), _Tok(), LIMITS)
+    assert req.params == SamplingParams(0.0, 1.0, 0, None)
 
 
 def test_valid_request():

@@ -83,7 +83,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServiceInfo(_message.Message):
-    __slots__ = ("role", "model", "device", "dtype", "vocab_size", "max_model_len", "max_num_seqs", "eos_token_ids", "tokenizer_dir", "kv", "num_running", "num_sessions", "memory_plan_json", "serving", "num_speculative_tokens")
+    __slots__ = ("role", "model", "device", "dtype", "vocab_size", "max_model_len", "max_num_seqs", "eos_token_ids", "tokenizer_dir", "kv", "num_running", "num_sessions", "memory_plan_json", "serving", "num_speculative_tokens", "step_costs")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,7 @@ class ServiceInfo(_message.Message):
     MEMORY_PLAN_JSON_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEP_COSTS_FIELD_NUMBER: _ClassVar[int]
     role: str
     model: str
     device: str
@@ -114,4 +115,15 @@ class ServiceInfo(_message.Message):
     memory_plan_json: str
     serving: bool
     num_speculative_tokens: int
-    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_dir: _Optional[str] = ..., kv: _Optional[_Union[KvStats, _Mapping]] = ..., num_running: _Optional[int] = ..., num_sessions: _Optional[int] = ..., memory_plan_json: _Optional[str] = ..., serving: _Optional[bool] = ..., num_speculative_tokens: _Optional[int] = ...) -> None: ...
+    step_costs: _containers.RepeatedCompositeFieldContainer[StepCost]
+    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_dir: _Optional[str] = ..., kv: _Optional[_Union[KvStats, _Mapping]] = ..., num_running: _Optional[int] = ..., num_sessions: _Optional[int] = ..., memory_plan_json: _Optional[str] = ..., serving: _Optional[bool] = ..., num_speculative_tokens: _Optional[int] = ..., step_costs: _Optional[_Iterable[_Union[StepCost, _Mapping]]] = ...) -> None: ...
+
+class StepCost(_message.Message):
+    __slots__ = ("batch", "rows", "seconds")
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    batch: int
+    rows: int
+    seconds: float
+    def __init__(self, batch: _Optional[int] = ..., rows: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...

@@ -1,3 +1,4 @@
+from protos.specsplit.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -107,7 +108,7 @@ class ServiceStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., reachable: _Optional[bool] = ..., error: _Optional[str] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., num_running: _Optional[int] = ..., kv: _Optional[_Union[KvBlocks, _Mapping]] = ..., memory_plan_json: _Optional[str] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("mode", "target_model", "draft_model", "num_speculative_tokens", "disable_by_batch_size", "max_model_len", "max_num_seqs", "max_queue", "vocab_size", "eos_token_ids", "drafter_up", "num_running", "num_waiting", "services")
+    __slots__ = ("mode", "target_model", "draft_model", "num_speculative_tokens", "disable_by_batch_size", "max_model_len", "max_num_seqs", "max_queue", "vocab_size", "eos_token_ids", "drafter_up", "num_running", "num_waiting", "services", "verify_costs", "draft_costs", "network_s")
     MODE_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +123,9 @@ class ServerInfo(_message.Message):
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     SERVICES_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_COSTS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_COSTS_FIELD_NUMBER: _ClassVar[int]
+    NETWORK_S_FIELD_NUMBER: _ClassVar[int]
     mode: str
     target_model: str
     draft_model: str
@@ -136,4 +140,7 @@ class ServerInfo(_message.Message):
     num_running: int
     num_waiting: int
     services: _containers.RepeatedCompositeFieldContainer[ServiceStatus]
-    def __init__(self, mode: _Optional[str] = ..., target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., disable_by_batch_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_queue: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., drafter_up: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., services: _Optional[_Iterable[_Union[ServiceStatus, _Mapping]]] = ...) -> None: ...
+    verify_costs: _containers.RepeatedCompositeFieldContainer[_common_pb2.StepCost]
+    draft_costs: _containers.RepeatedCompositeFieldContainer[_common_pb2.StepCost]
+    network_s: float
+    def __init__(self, mode: _Optional[str] = ..., target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., disable_by_batch_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_queue: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., drafter_up: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., services: _Optional[_Iterable[_Union[ServiceStatus, _Mapping]]] = ..., verify_costs: _Optional[_Iterable[_Union[_common_pb2.StepCost, _Mapping]]] = ..., draft_costs: _Optional[_Iterable[_Union[_common_pb2.StepCost, _Mapping]]] = ..., network_s: _Optional[float] = ...) -> None: ...
