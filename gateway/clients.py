@@ -25,9 +25,9 @@ from typing import Sequence
 
 import grpc
 
-from gateway import wire
-from gateway import security as sec
-from gateway.serving import MAX_MESSAGE_BYTES
+from rpc import wire
+from rpc import security as sec
+from rpc.serving import MAX_MESSAGE_BYTES
 from protos.specsplit.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from specsplit.protocols import Proposal, ProposeRequest, QRow, RowRequest, SeqAdd, VerifyRequest, VerifyResult
 

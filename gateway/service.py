@@ -21,7 +21,7 @@ import grpc
 import numpy as np
 
 from gateway.scheduler import Event, Scheduler
-from gateway.wire import ServiceError
+from rpc.wire import ServiceError
 from protos.specsplit.v1 import gateway_pb2, gateway_pb2_grpc
 from specsplit.generation import GenerationRequest
 from specsplit.sampling.params import SamplingParams

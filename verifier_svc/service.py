@@ -12,10 +12,10 @@ import time
 
 import grpc
 
-from gateway import wire
-from gateway.engine_service import info_pb, log_startup, serve
-from gateway.engines import BuiltEngine, build_engine
-from gateway.sessions import PeerSession, SessionHost
+from rpc import wire
+from rpc.engine_service import info_pb, log_startup, serve
+from rpc.engines import BuiltEngine, build_engine
+from rpc.sessions import PeerSession, SessionHost
 from protos.specsplit.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
 log = logging.getLogger(__name__)

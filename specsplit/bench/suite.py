@@ -127,7 +127,7 @@ class Bench:
             return [int(k) for k in args.split_ks.split(",")]
         if self.quick:
             return self.ks[:1]
-        from specsplit.cli.common import default_k_for
+        from specsplit.defaults import default_k_for
 
         return [default_k_for(args.draft)]
 
@@ -271,7 +271,7 @@ class Bench:
     def concurrency_sweep(self, draft: str, dtype: str, prompts) -> None:
         """Aggregate throughput at each concurrency, target-only and with speculation as a server
         runs it by default: the served draft, its default K, the default --disable-by-batch-size."""
-        from specsplit.cli.common import default_k_for, disable_by_batch_size
+        from specsplit.defaults import default_k_for, disable_by_batch_size
 
         a = self.args
         top = max(self.concurrency)

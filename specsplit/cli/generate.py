@@ -6,6 +6,7 @@ import json
 import sys
 import time
 
+from gateway.client import parse_ids
 from specsplit.cli.common import add_engine_flags, add_spec_flags, engine_config, nonneg_int, positive_int, spec_config, validate_engine
 
 
@@ -27,20 +28,13 @@ def add_arguments(p, name: str) -> None:
     p.add_argument("--timeout", type=float, default=None, help="--server: deadline in seconds")
     add_engine_flags(p)
     add_spec_flags(p)
-    from gateway.security import add_client_security_flags
+    from rpc.security import add_client_security_flags
 
     add_client_security_flags(p, "", "the --server gateway")
 
 
-def parse_ids(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.replace(" ", "").split(",") if t != ""]
-    except ValueError:
-        raise ValueError(f"--prompt-token-ids must be comma-separated integers, got {text!r}") from None
-
-
 def validate(args) -> None:
-    from gateway.security import ClientSecurity
+    from rpc.security import ClientSecurity
 
     validate_engine(args)
     ClientSecurity.from_args(args).validate()

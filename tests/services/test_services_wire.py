@@ -6,7 +6,7 @@ import grpc
 import pytest
 import torch
 
-from gateway import wire
+from rpc import wire
 from gateway.service import Limits, build_request
 from gateway.text import TextStream
 from protos.specsplit.v1 import gateway_pb2

@@ -18,8 +18,8 @@ from typing import AsyncIterator, Callable
 
 import grpc
 
-from gateway import metrics
-from gateway.wire import ServiceError, status_pb
+from rpc import metrics
+from rpc.wire import ServiceError, status_pb
 
 log = logging.getLogger(__name__)
 
