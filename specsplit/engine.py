@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 
@@ -345,14 +345,20 @@ class DraftEngine(_EngineBase):
             rows[i].append(row)
         return tokens
 
-    def finish_step(self, fetch: Sequence[RowRequest]) -> list[QRow]:
+    def finish_step(self, fetch: Sequence[RowRequest], scope: Iterable[str] | None = None) -> list[QRow]:
+        """The requested q rows; then drop the q rows of every sequence in `scope` (None: all).
+
+        A service shares one engine between sessions (several gateways on one drafter), each
+        stepping on its own clock: it passes the session's own sequences as `scope`, so one
+        session's finish_step never drops the rows another session's step still needs."""
         out = []
         for r in fetch:
             s = self._get(r.seq_id)
             if s.q_rows is None or not 0 <= r.position < s.q_rows.shape[0]:
                 raise EngineError(f"sequence {r.seq_id!r} has no q row at draft position {r.position}")
             out.append(QRow(r.seq_id, s.q_rows[r.position].clone()))
-        for s in self.seqs.values():
+        targets = self.seqs.values() if scope is None else [self.seqs[i] for i in scope if i in self.seqs]
+        for s in targets:
             s.q_rows = None
         return out
 
@@ -394,7 +400,7 @@ class NgramDrafter:
             out.append(Proposal(r.seq_id, tuple(drafts), tuple(1.0 for _ in drafts)))
         return out
 
-    def finish_step(self, fetch: Sequence[RowRequest]) -> list[QRow]:
+    def finish_step(self, fetch: Sequence[RowRequest], scope: Iterable[str] | None = None) -> list[QRow]:
         if fetch:
             raise EngineError("the n-gram drafter's q rows are one-hot; the verifier resolves them itself")
         return []

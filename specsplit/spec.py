@@ -73,6 +73,7 @@ class SpecDecoder:
         self._clock = clock
         self._drafter_down_since: float | None = None
         self._next_drafter_try = 0.0
+        self._drafter_stale: set[str] = set()  # may still be on the drafter since it failed
         self.tracks: dict[str, _Track] = {}
 
     # ---- lifecycle -----------------------------------------------------------------------
@@ -208,6 +209,11 @@ class SpecDecoder:
             self._drafter_down_since = self._clock()
         self._next_drafter_try = self._clock() + self.drafter_retry_s
         for t in self.tracks.values():
+            if t.on_drafter:
+                # A failed call may have failed only for us (a timeout, one bad reply): the drafter
+                # may still hold the sequence. Remember it, so it is released there on re-sync even
+                # if it finishes while the drafter is down.
+                self._drafter_stale.add(t.add.seq_id)
             t.on_drafter = False
             t.unsent = []
 
@@ -216,8 +222,12 @@ class SpecDecoder:
         if self.drafter is None or self._drafter_down_since is None or self._clock() < self._next_drafter_try:
             return
         want = [t for t in self.tracks.values() if t.k > 0]
+        # Release what it may still hold: the sequences to re-add, and those that finished while it
+        # was down (their release was never sent).
+        stale = sorted(self._drafter_stale | {t.add.seq_id for t in want})
         try:
-            self.drafter.release([t.add.seq_id for t in want])
+            self.drafter.release(stale)
+            self._drafter_stale.clear()
             self.drafter.add([SeqAdd(t.add.seq_id, tuple(t.tokens), t.add.params) for t in want])
         except Exception as e:
             self._next_drafter_try = self._clock() + self.drafter_retry_s

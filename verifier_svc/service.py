@@ -70,7 +70,7 @@ class VerifyFault:
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def __init__(self, built: BuiltEngine, threads: int = 0):
         self.built = built
-        self.host = SessionHost("verifier", built.engine, threads)
+        self.host = SessionHost("verifier", built.engine, threads, max_seqs_per_session=built.cfg.max_num_seqs)
         self.fault = VerifyFault.from_env()
 
     def _handle(self, session: PeerSession, req: verifier_pb2.VerifierRequest) -> verifier_pb2.VerifierResponse:
