@@ -129,14 +129,17 @@ class _EngineBase:
         chunk = self.max_prefill_tokens
         items = list(items)
         while True:
-            long = [i for i, it in enumerate(items) if len(it.token_ids) > chunk]
+            # The last piece keeps every wanted logit (a resumed or long prompt plus k drafts).
+            cut = {i: min(chunk, len(it.token_ids) - it.num_logits) for i, it in enumerate(items)
+                   if len(it.token_ids) > chunk}
+            long = [i for i, c in cut.items() if c > 0]
             if not long:
                 break
-            head = [ForwardItem(items[i].seq_id, items[i].start, items[i].token_ids[:chunk], 1) for i in long]
+            head = [ForwardItem(items[i].seq_id, items[i].start, items[i].token_ids[:cut[i]], 1) for i in long]
             self.runner.forward(head)
             for i in long:
-                it = items[i]
-                items[i] = ForwardItem(it.seq_id, it.start + chunk, it.token_ids[chunk:], it.num_logits)
+                it, c = items[i], cut[i]
+                items[i] = ForwardItem(it.seq_id, it.start + c, it.token_ids[c:], it.num_logits)
         return self.runner.forward(items)
 
 

@@ -8,7 +8,7 @@ import torch
 
 from rpc import wire
 from gateway.service import Limits, build_request
-from gateway.text import TextStream
+from specsplit.detokenizer import TextStream
 from protos.specsplit.v1 import gateway_pb2
 from specsplit.engine import EngineError
 from specsplit.kv.block_manager import OutOfBlocks

@@ -1,0 +1,245 @@
+"""One Request per generation, from the API boundary to the stream.
+
+`GenerationRequest` is what a caller asks for (prompt ids, sampling parameters, stop rules,
+speculation); `validate` is the one place it is checked. `Request` is the live object the
+scheduler runs: the request, its output, the detokenizer with its stop strings, usage and
+acceptance (counted once, per position too), and the sink its stream events go to.
+
+Errors are plain exceptions with a kind (`RequestError.kind`, named like the gRPC status codes
+so the gateway maps them one to one); the engine library never imports grpc.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from specsplit.detokenizer import TextStream
+from specsplit.protocols import SeqAdd
+from specsplit.sampling.params import SamplingParams
+
+MAX_REQUEST_ID_BYTES = 128
+MAX_SPECULATIVE_TOKENS = 32
+MAX_STOP_STRINGS = 16
+
+
+class RequestError(Exception):
+    """A request that cannot run, or stopped running. kind: invalid_argument | resource_exhausted |
+    unavailable | internal | (any other gRPC status name, lower case, from a peer's error)."""
+
+    INVALID = "invalid_argument"
+    EXHAUSTED = "resource_exhausted"
+    UNAVAILABLE = "unavailable"
+    INTERNAL = "internal"
+
+    def __init__(self, kind: str, message: str, cause: BaseException | None = None, broken: bool = False):
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+        self.cause = cause
+        self.broken = broken  # the verifier is gone: every request, queued ones too, ends
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def invalid(message: str) -> RequestError:
+    return RequestError(RequestError.INVALID, message)
+
+
+def error_from_exception(e: BaseException) -> RequestError:
+    """The library's default classification of an engine/decoder exception."""
+    from specsplit.engine import EngineError
+    from specsplit.kv.block_manager import OutOfBlocks
+
+    if isinstance(e, RequestError):
+        return e
+    broken = bool(getattr(e, "broken", False))
+    if isinstance(e, OutOfBlocks):
+        return RequestError(RequestError.EXHAUSTED, str(e), e, broken)
+    if isinstance(e, (EngineError, ValueError)):
+        return RequestError(RequestError.INVALID, str(e), e, broken)
+    return RequestError(RequestError.INTERNAL, f"internal error: {type(e).__name__}: {e}", e, broken)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What a caller asks for. request_id is the caller's (bounded); engines see a short internal id."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int
+    params: SamplingParams = SamplingParams()
+    ignore_eos: bool = False
+    num_speculative_tokens: int = 0  # 0 = the server's default
+    disable_speculation: bool = False
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Limits:
+    vocab_size: int
+    max_model_len: int
+
+
+def validate(req: GenerationRequest, limits: Limits | None) -> None:
+    """Every check a request gets before anything is allocated; RequestError(invalid_argument)."""
+    if len(req.request_id.encode("utf-8", "surrogatepass")) > MAX_REQUEST_ID_BYTES:
+        raise invalid(f"request_id is {len(req.request_id.encode('utf-8', 'surrogatepass'))} bytes; "
+                      f"at most {MAX_REQUEST_ID_BYTES} are allowed")
+    if req.max_tokens < 1:
+        raise invalid(f"max_tokens must be >= 1, got {req.max_tokens}")
+    if not req.prompt_token_ids:
+        raise invalid("the prompt is empty (or tokenizes to no tokens)")
+    try:
+        req.params.validate()
+    except ValueError as e:
+        raise invalid(str(e)) from None
+    k = req.num_speculative_tokens
+    if not 0 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise invalid(f"speculation.num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], got {k}")
+    if len(req.stop) > MAX_STOP_STRINGS or any(not s for s in req.stop):
+        raise invalid(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings")
+    if limits is None:
+        return
+    bad = [i for i in req.prompt_token_ids if not 0 <= i < limits.vocab_size]
+    if bad:
+        raise invalid(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {limits.vocab_size})")
+    n = len(req.prompt_token_ids)
+    if n + req.max_tokens > limits.max_model_len:
+        raise invalid(
+            f"prompt ({n} tokens) + max_tokens ({req.max_tokens}) = {n + req.max_tokens} "
+            f"exceeds max_model_len {limits.max_model_len}; shorten the prompt or lower max_tokens"
+        )
+
+
+@dataclass
+class Event:
+    """What one request's stream gets: new tokens, the end (finish_reason + usage), or an error."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    usage: dict | None = None
+    error: RequestError | None = None
+
+
+class Request:
+    """The live request. The scheduler's step thread feeds it; `finish` may come from any thread
+    (a client cancel) and is idempotent: the first finish wins, later events are dropped."""
+
+    def __init__(self, request: GenerationRequest, seq_id: str, arrival: int,
+                 decode: Callable[[list[int]], str] | None = None, sink: Callable[[Event], None] | None = None):
+        self.request = request  # kept under this name: the bench and tests read state.request
+        self.seq_id = seq_id  # the short id the engines see (a new one after each preemption)
+        self.arrival = arrival
+        self.sink = sink
+        self.text = TextStream(decode, request.stop) if decode is not None else None
+        self.output: list[int] = []
+        self.finish_reason: str | None = None  # "length" | "stop" | "abort"
+        self.error: RequestError | None = None
+        self.proposed = 0
+        self.accepted = 0
+        self.accepted_per_position: list[int] = []  # steps that accepted draft j
+        self.speculative_steps = 0  # steps that verified at least one draft token
+        self.preemptions = 0
+        self.closed = False
+        self._lock = threading.Lock()
+
+    # ---- what the request is -----------------------------------------------------------
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt_token_ids(self) -> tuple[int, ...]:
+        return self.request.prompt_token_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+    @property
+    def budget(self) -> int:
+        return self.request.max_tokens - len(self.output)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + output: what the engines hold (or recompute on resume)."""
+        return len(self.request.prompt_token_ids) + len(self.output)
+
+    def seq_add(self) -> SeqAdd:
+        """The engines' view: on resume after a preemption, the prompt is prompt + output."""
+        return SeqAdd(self.seq_id, tuple(self.request.prompt_token_ids) + tuple(self.output), self.request.params)
+
+    def usage(self) -> dict:
+        return {
+            "prompt_tokens": len(self.request.prompt_token_ids),
+            "completion_tokens": len(self.output),
+            "proposed_draft_tokens": self.proposed,
+            "accepted_draft_tokens": self.accepted,
+            "accepted_per_position": list(self.accepted_per_position),
+        }
+
+    # ---- the step thread ----------------------------------------------------------------
+    def take(self, tokens: Iterable[int], eos_ids: Iterable[int]) -> list[int]:
+        """Append a step's tokens up to max_tokens, EOS or a stop string; returns those kept."""
+        eos = set() if self.request.ignore_eos else set(eos_ids)
+        kept: list[int] = []
+        for t in tokens:
+            if self.budget <= 0 or self.finished:
+                break
+            kept.append(t)
+            self.output.append(t)
+            if self.text is not None:
+                self.text.add(t)
+                if self.text.stopped:
+                    self.finish_reason = "stop"
+                    break
+            if t in eos:
+                self.finish_reason = "stop"
+                break
+        if self.finish_reason is None and self.budget <= 0:
+            self.finish_reason = "length"
+        return kept
+
+    def count_drafts(self, proposed: int, accepted: int) -> None:
+        self.proposed += proposed
+        self.accepted += accepted
+        if proposed:
+            self.speculative_steps += 1
+            per_pos = self.accepted_per_position
+            per_pos.extend([0] * (proposed - len(per_pos)))
+            for j in range(accepted):
+                per_pos[j] += 1
+
+    def emit(self, kept: list[int]) -> None:
+        """Stream this step's kept tokens (nothing once the request is closed)."""
+        with self._lock:
+            if self.closed or self.sink is None:
+                return
+            self.sink(Event(list(kept), self.text.take() if self.text is not None else ""))
+
+    # ---- any thread ---------------------------------------------------------------------
+    def finish(self, reason: str | None = None, tokens: list[int] | None = None,
+               error: RequestError | None = None) -> bool:
+        """End the stream: the final event (tokens, text, reason, usage) or the error. Returns
+        whether this call ended it (False: it had already ended)."""
+        with self._lock:
+            if self.closed:
+                return False
+            self.closed = True
+            if error is not None:
+                self.error = error
+                ev = Event(error=error)
+            else:
+                self.finish_reason = self.finish_reason or reason
+                text = self.text.take(final=True) if self.text is not None else ""
+                ev = Event(list(tokens or []), text, self.finish_reason, self.usage())
+            if self.sink is not None:
+                self.sink(ev)
+            return True
+
+
+# Old name: the live request used to be `RequestState`.
+RequestState = Request

@@ -1,0 +1,377 @@
+"""The one scheduler: continuous batching over a SpecDecoder, with KV-aware admission and
+preemption. `specsplit generate`, `specsplit bench` and the gateway all run it.
+
+    submit -> waiting -> (admit when both caches hold it) -> running -> step ... -> finished
+                              ^                                    |
+                              +---- preempted (newest first) <-----+   when blocks run out
+
+Each step every running sequence may grow by its tokens plus the k lookahead drafts the verifier
+scores (the drafter needs one slot fewer). Before a step the scheduler checks, per KV cache (the
+verifier's and the drafter's, each with its own block size and block count), that the running
+sequences fit; if not it preempts the newest ones: releases them on both engines and puts them back
+at the front of the queue with their output kept. On resume the engines get prompt + output as
+the prompt and recompute its KV; the stream goes on where it stopped (no token lost or repeated,
+greedy output unchanged). A request is admitted only when it fits next to the running ones with a
+block of headroom each (so it is not preempted at once); a request that could not fit even alone
+(prompt + max_tokens beyond a whole cache) is refused at submit.
+
+Threads: `step` runs on one thread (the step thread); `submit`, `abort` and `abort_all` may be
+called from any thread. An abort ends the stream at once, even while the step thread waits on an
+engine; the step thread releases the sequence on the engines after that step.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+from specsplit.request import (
+    Event,
+    GenerationRequest,
+    Limits,
+    Request,
+    RequestError,
+    error_from_exception,
+    validate,
+)
+from specsplit.spec import SpecDecoder
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KvBudget:
+    """One engine's paged KV cache, as the scheduler accounts for it."""
+
+    name: str  # "verifier" | "drafter"
+    num_blocks: int
+    block_size: int
+
+    def blocks(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+def kv_budgets_of(decoder: SpecDecoder) -> list[KvBudget]:
+    """The paged caches of in-process engines (gRPC clients have none: pass their ServiceInfo's)."""
+    out = []
+    for name, engine in (("verifier", decoder.verifier), ("drafter", decoder.drafter)):
+        bm = getattr(engine, "block_manager", None) if engine is not None else None
+        if bm is not None:
+            out.append(KvBudget(name, bm.num_blocks, bm.block_size))
+    return out
+
+
+class Observer:
+    """Hooks for metrics (the gateway counts with Prometheus). May be called from any thread."""
+
+    def on_admit(self, request: Request, resumed: bool) -> None: ...
+
+    def on_step(self, out, seconds: float) -> None: ...
+
+    def on_tokens(self, request: Request, kept: list[int]) -> None: ...
+
+    def on_preempt(self, request: Request) -> None: ...
+
+    def on_finish(self, request: Request, outcome: str) -> None: ...
+
+
+class Scheduler:
+    def __init__(
+        self,
+        decoder: SpecDecoder,
+        eos_token_ids: Iterable[int],
+        max_num_seqs: int = 32,
+        max_queue: int | None = None,
+        kv: Sequence[KvBudget] | None = None,
+        limits: Limits | None = None,
+        decode: Callable[[list[int]], str] | None = None,
+        observer: Observer | None = None,
+        classify: Callable[[BaseException], RequestError] = error_from_exception,
+    ):
+        self.decoder = decoder
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.max_num_seqs = max_num_seqs
+        self.max_queue = max_queue  # None: unbounded (the CLI and the bench)
+        self.kv = list(kv_budgets_of(decoder) if kv is None else kv)
+        if limits is None:
+            vocab = getattr(decoder.verifier, "vocab_size", None)
+            limits = Limits(vocab, decoder.max_model_len) if vocab else None
+        self.limits = limits
+        self.decode = decode
+        self.observer = observer or Observer()
+        self.classify = classify
+        self.waiting: deque[Request] = deque()
+        self.running: dict[str, Request] = {}  # seq_id -> request, in admission order
+        self.steps = 0
+        self.speculative_steps = 0
+        self.preemptions = 0
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()  # waiting, _live
+        self._live: dict[str, Request] = {}  # seq ids of unfinished requests (any thread reads)
+        self._work = threading.Event()
+
+    # ---- any thread ----------------------------------------------------------------------
+    @property
+    def inflight(self) -> int:
+        with self._lock:
+            return len(self._live)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def submit(self, request: GenerationRequest, sink: Callable[[Event], None] | None = None) -> Request:
+        """Validate and queue; RequestError(invalid_argument | resource_exhausted) otherwise."""
+        validate(request, self.limits)
+        self._check_fits(request)
+        with self._lock:
+            if self.max_queue is not None and len(self._live) >= self.max_num_seqs + self.max_queue:
+                raise RequestError(
+                    RequestError.EXHAUSTED,
+                    f"the server is full: {len(self._live)} requests running or queued "
+                    f"(max_num_seqs {self.max_num_seqs} + max_queue {self.max_queue}); retry later",
+                )
+            n = next(self._ids)
+            req = Request(request, f"r{n}", n, self.decode, sink)
+            self._live[req.seq_id] = req
+            self.waiting.append(req)
+        self._work.set()
+        return req
+
+    def abort(self, request: Request, reason: str = "cancelled", error: RequestError | None = None) -> None:
+        """End a request now (client cancel, deadline, drain); the step thread frees its KV."""
+        self._finish(request, "abort", outcome=reason, error=error)
+        self._work.set()
+
+    def abort_all(self, reason: str = "abort", error: RequestError | None = None) -> int:
+        with self._lock:
+            live = list(self._live.values())
+        for req in live:
+            self.abort(req, reason, error)
+        return len(live)
+
+    def wait_for_work(self, timeout: float) -> None:
+        """Block the step thread until something is submitted or aborted (or timeout)."""
+        if not self.has_work:
+            self._work.wait(timeout)
+        self._work.clear()
+
+    def _check_fits(self, request: GenerationRequest) -> None:
+        need = len(request.prompt_token_ids) + request.max_tokens
+        for b in self.kv:
+            if b.blocks(need) > b.num_blocks:
+                raise RequestError(
+                    RequestError.INVALID,
+                    f"prompt ({len(request.prompt_token_ids)} tokens) + max_tokens ({request.max_tokens}) = {need} "
+                    f"tokens can never fit: the {b.name}'s whole KV cache holds {b.num_tokens} tokens "
+                    f"({b.num_blocks} blocks of {b.block_size}); shorten the prompt or lower max_tokens",
+                )
+
+    def _finish(self, req: Request, reason: str | None = None, tokens: list[int] | None = None,
+                error: RequestError | None = None, outcome: str | None = None) -> None:
+        if req.finish(reason, tokens, error):
+            with self._lock:
+                self._live.pop(req.seq_id, None)
+            self.observer.on_finish(req, error.kind if error is not None else (outcome or req.finish_reason or "abort"))
+
+    # ---- the step thread -----------------------------------------------------------------
+    def step(self) -> list[tuple[Request, list[int]]]:
+        """Admit, preempt, run one step; returns (request, tokens kept) for every running one."""
+        self._sweep()
+        self._make_room()
+        self._admit()
+        if not self.running:
+            return []
+        budgets = {sid: req.budget for sid, req in self.running.items()}
+        t0 = time.perf_counter()
+        try:
+            out = self.decoder.step(budgets)
+        except Exception as e:
+            self._step_failed(e)
+            return []
+        self.steps += 1
+        self.speculative_steps += int(out.speculated)
+        self.observer.on_step(out, time.perf_counter() - t0)
+        events = []
+        done = []
+        for sid, tokens in out.tokens.items():
+            req = self.running[sid]
+            proposed, accepted = out.drafts.get(sid, (0, 0))
+            req.count_drafts(proposed, accepted)
+            if req.closed:  # aborted while the step ran
+                done.append(sid)
+                continue
+            kept = req.take(tokens, self.eos_token_ids)
+            self.observer.on_tokens(req, kept)
+            events.append((req, kept))
+            if req.finished:
+                done.append(sid)
+                self._finish(req, req.finish_reason, kept)
+            elif kept:
+                req.emit(kept)
+        if done:
+            for sid in done:
+                del self.running[sid]
+            self._release(done)
+        return events
+
+    def run(self, requests: Iterable[GenerationRequest],
+            on_tokens: Callable[[Request, list[int]], None] | None = None) -> list[Request]:
+        """Run requests to completion on this thread (the CLI, the bench, tests)."""
+        reqs = [self.submit(r) for r in requests]
+        while self.has_work:
+            for req, kept in self.step():
+                if on_tokens is not None and kept:
+                    on_tokens(req, kept)
+        failed = [r.error for r in reqs if r.error is not None]
+        if failed:
+            raise failed[0]
+        return reqs
+
+    def _sweep(self) -> None:
+        """Drop requests that were aborted from another thread; free those that were running."""
+        with self._lock:
+            if any(r.closed for r in self.waiting):
+                self.waiting = deque(r for r in self.waiting if not r.closed)
+        gone = [sid for sid, req in self.running.items() if req.closed]
+        for sid in gone:
+            req = self.running.pop(sid)
+            log.info("request %s (%s) aborted after %d tokens; released", req.request_id, sid, len(req.output))
+        if gone:
+            self._release(gone)
+
+    # ---- KV accounting -------------------------------------------------------------------
+    def _lookahead(self, req: Request) -> int:
+        """Draft tokens this request may verify next step: its K, capped as the decoder caps it."""
+        if self.decoder.drafter is None or req.request.disable_speculation:
+            return 0
+        k = req.request.num_speculative_tokens or self.decoder.spec.num_speculative_tokens
+        track = self.decoder.tracks.get(req.seq_id)
+        if track is not None:
+            k = max(k, track.k)
+        return max(0, min(k, req.budget - 1, self.decoder.max_model_len - req.num_tokens - 1))
+
+    def _blocks(self, budget: KvBudget, req: Request) -> int:
+        """Blocks the request holds at the end of the next step's forward on this engine."""
+        return budget.blocks(req.num_tokens + self._lookahead(req))
+
+    def _fits(self, reqs: Iterable[Request], headroom: int = 0) -> KvBudget | None:
+        """The first cache the requests do not fit in (None: they fit in all)."""
+        reqs = list(reqs)
+        for b in self.kv:
+            if sum(self._blocks(b, r) for r in reqs) + headroom > b.num_blocks:
+                return b
+        return None
+
+    def _make_room(self) -> None:
+        """Preempt the newest running requests until the rest fit for the next step."""
+        while len(self.running) > 1:
+            short = self._fits(self.running.values())
+            if short is None:
+                return
+            newest = max(self.running.values(), key=lambda r: r.arrival)
+            self._preempt(newest, short)
+
+    def _preempt(self, req: Request, short: KvBudget) -> None:
+        need = sum(self._blocks(short, r) for r in self.running.values())
+        del self.running[req.seq_id]
+        self._release([req.seq_id])
+        self.preemptions += 1
+        req.preemptions += 1
+        old = req.seq_id
+        with self._lock:
+            self._live.pop(old, None)
+            req.seq_id = f"{old.split('.')[0]}.{req.preemptions}"
+            if not req.closed:
+                self._live[req.seq_id] = req
+                self.waiting.appendleft(req)
+        log.info("preempted request %s (%s) after %d tokens: the %s's KV cache needs %d of %d blocks for the "
+                 "next step; requeued, its %d tokens are recomputed on resume", req.request_id, old, len(req.output),
+                 short.name, need, short.num_blocks, req.num_tokens)
+        self.observer.on_preempt(req)
+
+    def _admit(self) -> None:
+        while len(self.running) < self.max_num_seqs:
+            with self._lock:
+                if not self.waiting:
+                    return
+                req = self.waiting[0]
+            running = list(self.running.values())
+            if running and self._fits(running + [req], headroom=len(running) + 1) is not None:
+                return  # waits until blocks come back
+            with self._lock:
+                if not self.waiting or self.waiting[0] is not req:
+                    continue
+                self.waiting.popleft()
+            if req.closed:
+                continue
+            r = req.request
+            try:
+                self.decoder.add(req.seq_add(), r.num_speculative_tokens or None, r.disable_speculation)
+            except Exception as e:
+                err = self.classify(e)
+                if err.kind == RequestError.EXHAUSTED and running:
+                    # The engines are fuller than this scheduler knows (another gateway shares them):
+                    # wait for blocks to come back instead of failing the request.
+                    with self._lock:
+                        self.waiting.appendleft(req)
+                    return
+                self._finish(req, error=err)
+                if err.broken:
+                    self._fail_all(err)
+                    return
+                continue
+            self.running[req.seq_id] = req
+            self.observer.on_admit(req, resumed=req.preemptions > 0)
+
+    # ---- failures ------------------------------------------------------------------------
+    def _step_failed(self, e: BaseException) -> None:
+        err = self.classify(e)
+        if err.kind == RequestError.EXHAUSTED and not err.broken and len(self.running) > 1:
+            # An engine ran out of blocks this scheduler did not account for: make room and retry.
+            newest = max(self.running.values(), key=lambda r: r.arrival)
+            log.warning("step over %d sequences ran out of KV blocks (%s); preempting %s", len(self.running), err,
+                        newest.request_id)
+            self._preempt(newest, self.kv[0] if self.kv else KvBudget("engine", 0, 1))
+            return
+        log.error("step over %d sequences failed: %s", len(self.running), err)
+        self._fail_all(err)
+
+    def _release(self, seq_ids: list[str]) -> None:
+        try:
+            self.decoder.release(seq_ids)
+        except Exception as e:
+            err = self.classify(e)
+            log.error("releasing %d sequences failed: %s", len(seq_ids), err)
+            if err.broken:
+                self._fail_all(err)
+
+    def fail_all(self, error: BaseException) -> None:
+        self._fail_all(self.classify(error))
+
+    def _fail_all(self, err: RequestError) -> None:
+        """End every running request (and, when the verifier is gone, every queued one)."""
+        victims = list(self.running.values())
+        if err.broken:
+            with self._lock:
+                victims += list(self.waiting)
+                self.waiting.clear()
+        ids = list(self.running)
+        self.running.clear()
+        for req in victims:
+            self._finish(req, error=err)
+        if ids:
+            try:
+                self.decoder.release(ids)
+            except Exception as e:  # the service is gone: it freed them with the stream
+                log.debug("release after failure: %s", e)
+        if victims:
+            log.warning("ended %d requests with %s: %s", len(victims), err.kind, err.message)
