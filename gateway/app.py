@@ -14,11 +14,14 @@ from typing import Awaitable, Callable
 from rpc import metrics
 from gateway.clients import GrpcDrafter, GrpcVerifier
 from rpc.engines import plan_to_dict, static_plan
-from gateway.scheduler import Scheduler
+from gateway.scheduler import GatewayScheduler
 from gateway.service import SERVICE_NAME, GatewayServicer, Limits, Tokenizer
 from rpc.security import MAX_REQUEST_BYTES, ClientSecurity, ServerSecurity, keepalive_options
 from rpc.serving import Server, wait_until
+from grpc_health.v1 import health_pb2
 from protos.specsplit.v1 import gateway_pb2, gateway_pb2_grpc
+from specsplit.request import RequestError
+from specsplit.scheduler import KvBudget
 from specsplit.defaults import default_k_for, disable_by_batch_size
 from specsplit.config import SpecConfig
 from specsplit.spec import SpecDecoder
@@ -41,6 +44,31 @@ class Gateway:
     draft_model: str
     services: Callable[[], Awaitable[list[gateway_pb2.ServiceStatus]]]
     timing_sources: list = field(default_factory=list)
+    kv: list[KvBudget] | None = None  # None: read from the in-process engines
+    # Whether the verifier answers (blocking; run off the event loop); None: always (colocated).
+    verifier_reachable: Callable[[], bool] | None = None
+
+
+HEALTH_PROBE_S = 1.0
+
+
+async def _watch_verifier(gw: Gateway, server: Server) -> None:
+    """Health follows the verifier: NOT_SERVING while it does not answer (until the drain, which
+    sets NOT_SERVING for good)."""
+    loop = asyncio.get_running_loop()
+    serving = True
+    while not server.draining:
+        up = await loop.run_in_executor(None, gw.verifier_reachable)
+        if server.draining:
+            return
+        if up != serving:
+            serving = up
+            status = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
+            for name in ("", SERVICE_NAME):
+                await server.health.set(name, status)
+            log.warning("gateway: the verifier %s; health %s", "answers again" if up else "does not answer",
+                        "SERVING" if up else "NOT_SERVING")
+        await asyncio.sleep(HEALTH_PROBE_S)
 
 
 def _kv_pb(kv) -> gateway_pb2.KvBlocks:
@@ -48,8 +76,8 @@ def _kv_pb(kv) -> gateway_pb2.KvBlocks:
 
 
 async def run(gw: Gateway, args) -> int:
-    scheduler = Scheduler(gw.decoder, gw.tokenizer.decode, gw.eos_token_ids, gw.max_num_seqs, gw.max_queue,
-                          timing_sources=gw.timing_sources)
+    scheduler = GatewayScheduler(gw.decoder, gw.tokenizer.decode, gw.eos_token_ids, gw.max_num_seqs, gw.max_queue,
+                                 kv=gw.kv, limits=gw.limits, timing_sources=gw.timing_sources)
     spec = gw.decoder.spec
 
     async def server_info() -> gateway_pb2.ServerInfo:
@@ -78,15 +106,23 @@ async def run(gw: Gateway, args) -> int:
              "max_model_len %d", gw.mode, gw.target_model, gw.draft_model or "none",
              spec.num_speculative_tokens if gw.decoder.drafter is not None else 0, spec.disable_by_batch_size,
              gw.max_num_seqs, gw.max_queue, gw.limits.max_model_len)
+    for b in scheduler.core.kv:
+        log.info("gateway: KV-aware admission over the %s's cache: %d blocks x %d tokens", b.name, b.num_blocks,
+                 b.block_size)
+    watcher = asyncio.ensure_future(_watch_verifier(gw, server)) if gw.verifier_reachable else None
 
     async def drain():
         servicer.draining = True
         if not await wait_until(lambda: scheduler.inflight == 0, args.drain_timeout):
-            log.warning("gateway: %d requests still live after %.0fs; aborting them", scheduler.inflight, args.drain_timeout)
-            scheduler.abort_all("abort")
+            n = scheduler.abort_all(RequestError(
+                RequestError.UNAVAILABLE,
+                f"the server shut down before this request finished (drain timeout {args.drain_timeout:.0f}s); retry it"))
+            log.warning("gateway: %d requests still live after %.0fs; ended them with UNAVAILABLE", n, args.drain_timeout)
             await wait_until(lambda: scheduler.inflight == 0, 2.0)
 
     rc = await server.run_until_signal(drain)
+    if watcher is not None:
+        watcher.cancel()
     scheduler.stop()
     return rc
 
@@ -138,6 +174,9 @@ def build_split(args) -> Gateway:
     log.info("gateway: tokenizer from %s%s", tok_dir, "" if args.tokenizer else " (reported by the verifier)")
     tokenizer = Tokenizer(load_tokenizer(tok_dir))
 
+    kv = []
+    if vinfo.kv.paged and vinfo.kv.num_blocks:
+        kv.append(KvBudget("verifier", vinfo.kv.num_blocks, vinfo.kv.block_size))
     drafter = None
     draft_model = ""
     if args.drafter:
@@ -149,6 +188,8 @@ def build_split(args) -> Gateway:
                 raise ValueError(f"the drafter's vocabulary ({dinfo.vocab_size}) differs from the verifier's "
                                  f"({vinfo.vocab_size}); they must share a tokenizer")
             log.info("gateway: drafter at %s serves %s", args.drafter, dinfo.model)
+            if dinfo.kv.paged and dinfo.kv.num_blocks:
+                kv.append(KvBudget("drafter", dinfo.kv.num_blocks, dinfo.kv.block_size))
         except ValueError:
             raise
         except Exception as e:
@@ -159,11 +200,20 @@ def build_split(args) -> Gateway:
         k = 0 if drafter is None else default_k_for(draft_model)
     spec = SpecConfig(num_speculative_tokens=k, disable_by_batch_size=disable_by_batch_size(args, vinfo.device))
     decoder = SpecDecoder(verifier, drafter if k > 0 else None, spec, max_model_len=vinfo.max_model_len)
+    if decoder.drafter is None:
+        kv = [b for b in kv if b.name != "drafter"]
     max_num_seqs = args.max_num_seqs
     if vinfo.max_num_seqs and max_num_seqs > vinfo.max_num_seqs:
         log.warning("gateway: --max-num-seqs %d exceeds the verifier's %d (its KV cache is sized for that); using %d",
                     max_num_seqs, vinfo.max_num_seqs, vinfo.max_num_seqs)
         max_num_seqs = vinfo.max_num_seqs
+
+    def verifier_reachable() -> bool:
+        try:
+            verifier.info(timeout=HEALTH_PROBE_S)
+            return True
+        except Exception:
+            return False
 
     async def services():
         out = [await _peer_status(verifier, "verifier")]
@@ -176,6 +226,7 @@ def build_split(args) -> Gateway:
         limits=Limits(vinfo.vocab_size, vinfo.max_model_len), max_num_seqs=max_num_seqs, max_queue=args.max_queue,
         mode="split", target_model=vinfo.model, draft_model=draft_model or (UNKNOWN if args.drafter else ""),
         services=services, timing_sources=[c for c in (verifier, drafter) if c is not None],
+        kv=kv, verifier_reachable=verifier_reachable,
     )
 
 

@@ -70,6 +70,7 @@ def collect(responses) -> dict:
                 "completion_tokens": r.usage.completion_tokens,
                 "proposed_draft_tokens": r.usage.proposed_draft_tokens,
                 "accepted_draft_tokens": r.usage.accepted_draft_tokens,
+                "accepted_per_position": list(r.usage.accepted_per_position),
             }
     return {"token_ids": ids, "text": "".join(text), "finish_reason": finish, "usage": usage}
 

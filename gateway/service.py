@@ -1,42 +1,40 @@
-"""The public Gateway service: validate and tokenize, hand the request to the scheduler, stream
-its events back as GenerateResponse messages.
+"""The public Gateway service: parse and tokenize, hand the request to the scheduler, stream its
+events back as GenerateResponse messages.
 
-A request is checked completely before anything is allocated: an empty prompt, prompt +
-max_tokens past max_model_len, temperature < 0, top_p outside (0, 1], top_k < 0 and token ids
-outside the vocabulary get INVALID_ARGUMENT; a full server RESOURCE_EXHAUSTED; a draining one
-UNAVAILABLE. A client that cancels, or whose deadline passes, has its sequence released on
-both services between steps.
+Nothing here blocks the event loop: a prompt is size-checked first (request_id at most 128 bytes,
+the text no longer than max_model_len tokens could be) and then tokenized on a worker thread with
+its own copy of the tokenizer (the step thread decodes with another, so neither waits for the
+other). Validation is the Scheduler's (specsplit.request.validate, one place for every caller);
+its RequestError kinds map to status codes here: INVALID_ARGUMENT, RESOURCE_EXHAUSTED (running +
+queued full), UNAVAILABLE (verifier down, draining). A client that cancels, or whose deadline
+passes, has its stream ended at once and its sequence released on both services after the step.
 """
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
-import math
 import threading
-import uuid
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
 from typing import Awaitable, Callable
 
 import grpc
 import numpy as np
 
-from gateway.scheduler import Event, Scheduler
-from rpc.wire import ServiceError
+from gateway.scheduler import Event, GatewayScheduler, status_of
 from protos.specsplit.v1 import gateway_pb2, gateway_pb2_grpc
-from specsplit.generation import GenerationRequest
+from rpc.wire import ServiceError
+from specsplit.request import MAX_REQUEST_ID_BYTES, GenerationRequest, Limits, RequestError, validate
 from specsplit.sampling.params import SamplingParams
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
-MAX_SPECULATIVE_TOKENS = 32
-MAX_STOP_STRINGS = 16
+# A prompt longer than this many characters per token of max_model_len is refused before it is
+# tokenized (no tokenizer in use here makes tokens that long; the gRPC limit caps bytes anyway).
+MAX_PROMPT_CHARS_PER_TOKEN = 64
 
-
-@dataclass(frozen=True)
-class Limits:
-    vocab_size: int
-    max_model_len: int
+__all__ = ["Limits", "SERVICE_NAME", "GatewayServicer", "Tokenizer", "build_request", "request_from_pb", "response_pb"]
 
 
 def _invalid(message: str) -> ServiceError:
@@ -44,18 +42,27 @@ def _invalid(message: str) -> ServiceError:
 
 
 class Tokenizer:
-    """The target's tokenizer behind a lock (the step thread decodes while handlers encode)."""
+    """The target's tokenizer, one copy for encoding (request handlers, on a worker thread) and one
+    for decoding (the step thread): a long encode never stalls streaming."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self._lock = threading.Lock()
+        try:
+            self._encoder = copy.deepcopy(tokenizer)
+            self._decode_lock = threading.Lock()
+        except Exception:  # not copyable: share it, behind one lock
+            self._encoder = tokenizer
+            self._decode_lock = None
+        self._encode_lock = threading.Lock()
+        if self._decode_lock is None:
+            self._decode_lock = self._encode_lock
 
     def encode(self, text: str) -> list[int]:
-        with self._lock:
-            return list(self.tokenizer(text).input_ids)
+        with self._encode_lock:
+            return list(self._encoder(text).input_ids)
 
     def decode(self, ids: list[int]) -> str:
-        with self._lock:
+        with self._decode_lock:
             return self.tokenizer.decode(ids)
 
 
@@ -63,52 +70,58 @@ def _decimal(x: float) -> float:
     return float(str(np.float32(x)))
 
 
-def build_request(msg: gateway_pb2.GenerateRequest, tokenizer: Tokenizer, limits: Limits) -> tuple[GenerationRequest, list[str]]:
-    """GenerateRequest -> (GenerationRequest, stop strings), or INVALID_ARGUMENT."""
+def check_before_tokenizing(msg: gateway_pb2.GenerateRequest, limits: Limits) -> None:
+    """The cheap checks that must come before any work: INVALID_ARGUMENT."""
+    rid = len(msg.request_id.encode("utf-8", "surrogatepass"))
+    if rid > MAX_REQUEST_ID_BYTES:
+        raise _invalid(f"request_id is {rid} bytes; at most {MAX_REQUEST_ID_BYTES} are allowed")
     if not msg.prompt_token_ids and not msg.prompt:
         raise _invalid("the prompt is empty: set prompt (text) or prompt_token_ids")
     if msg.max_tokens < 1:
         raise _invalid("max_tokens must be >= 1")
+    limit = limits.max_model_len * MAX_PROMPT_CHARS_PER_TOKEN
+    if not msg.prompt_token_ids and len(msg.prompt) > limit:
+        raise _invalid(f"the prompt is {len(msg.prompt)} characters; max_model_len {limits.max_model_len} "
+                       f"cannot hold it (refused above {limit} characters without tokenizing)")
+    if len(msg.prompt_token_ids) + msg.max_tokens > limits.max_model_len:
+        raise _invalid(
+            f"prompt ({len(msg.prompt_token_ids)} tokens) + max_tokens ({msg.max_tokens}) = "
+            f"{len(msg.prompt_token_ids) + msg.max_tokens} exceeds max_model_len {limits.max_model_len}; "
+            f"shorten the prompt or lower max_tokens"
+        )
+
+
+def build_request(msg: gateway_pb2.GenerateRequest, ids: list[int]) -> GenerationRequest:
+    """GenerateRequest + its prompt ids -> GenerationRequest (the Scheduler validates it)."""
     # top_p is optional: unset (or 0, what a proto3 client without `optional` sends) means 1.0
     t, k = msg.temperature, msg.top_k
     p = msg.top_p if msg.HasField("top_p") and msg.top_p != 0.0 else 1.0
-    if math.isnan(t) or t < 0:
-        raise _invalid(f"temperature must be >= 0 (0 = greedy), got {t:g}")
-    if math.isnan(p) or not 0.0 < p <= 1.0:
-        raise _invalid(f"top_p must be in (0, 1], got {p:g} (leave it unset for no nucleus filtering)")
-    if k < 0:
-        raise _invalid(f"top_k must be >= 0 (0 = off), got {k}")
-    spec = msg.speculation
-    if spec.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
-        raise _invalid(f"speculation.num_speculative_tokens must be <= {MAX_SPECULATIVE_TOKENS}, got {spec.num_speculative_tokens}")
-    stop = list(msg.stop)
-    if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
-        raise _invalid(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings")
-    ids = list(msg.prompt_token_ids) if msg.prompt_token_ids else tokenizer.encode(msg.prompt)
-    if not ids:
-        raise _invalid("the prompt tokenizes to no tokens")
-    bad = [i for i in ids if not 0 <= i < limits.vocab_size]
-    if bad:
-        raise _invalid(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {limits.vocab_size})")
-    if len(ids) + msg.max_tokens > limits.max_model_len:
-        raise _invalid(
-            f"prompt ({len(ids)} tokens) + max_tokens ({msg.max_tokens}) = {len(ids) + msg.max_tokens} "
-            f"exceeds max_model_len {limits.max_model_len}; shorten the prompt or lower max_tokens"
-        )
     # The API's floats are float32: take the shortest decimal they stand for (0.7, not 0.69999999),
     # the value `specsplit generate` uses locally, so seeded samples match the local mode.
     params = SamplingParams(_decimal(t), _decimal(p), int(k), int(msg.seed) if msg.HasField("seed") else None)
-    seq_id = f"{msg.request_id or 'req'}-{uuid.uuid4().hex[:12]}"
-    req = GenerationRequest(
-        request_id=seq_id,
+    return GenerationRequest(
+        request_id=msg.request_id,
         prompt_token_ids=tuple(ids),
         max_tokens=int(msg.max_tokens),
         params=params,
         ignore_eos=msg.ignore_eos,
-        num_speculative_tokens=int(spec.num_speculative_tokens),
-        disable_speculation=spec.disable,
+        num_speculative_tokens=int(msg.speculation.num_speculative_tokens),
+        disable_speculation=msg.speculation.disable,
+        stop=tuple(msg.stop),
     )
-    return req, stop
+
+
+def request_from_pb(msg: gateway_pb2.GenerateRequest, encode: Callable[[str], list[int]], limits: Limits) -> GenerationRequest:
+    """The whole path a GenerateRequest takes before the scheduler, on one thread (tests, tools):
+    the cheap checks, tokenization, conversion, validation. ServiceError(INVALID_ARGUMENT)."""
+    check_before_tokenizing(msg, limits)
+    ids = list(msg.prompt_token_ids) if msg.prompt_token_ids else encode(msg.prompt)
+    req = build_request(msg, ids)
+    try:
+        validate(req, limits)
+    except RequestError as e:
+        raise status_of(e) from None
+    return req
 
 
 def response_pb(ev: Event) -> gateway_pb2.GenerateResponse:
@@ -119,21 +132,24 @@ def response_pb(ev: Event) -> gateway_pb2.GenerateResponse:
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer, limits: Limits,
+    def __init__(self, scheduler: GatewayScheduler, tokenizer: Tokenizer, limits: Limits,
                  server_info: Callable[[], Awaitable[gateway_pb2.ServerInfo]]):
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.limits = limits
         self.server_info = server_info
         self.draining = False
+        self._tokenize = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+
+    async def _prompt_ids(self, msg) -> list[int]:
+        if msg.prompt_token_ids:
+            return list(msg.prompt_token_ids)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenize, self.tokenizer.encode, msg.prompt)
 
     async def Generate(self, request, context):
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; send the request to another one")
-        try:
-            req, stop = build_request(request, self.tokenizer, self.limits)
-        except ServiceError as e:
-            await context.abort(e.code, e.message)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
 
@@ -144,7 +160,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 pass
 
         try:
-            self.scheduler.submit(req, stop, sink)
+            check_before_tokenizing(request, self.limits)
+            ids = await self._prompt_ids(request)
+            live = self.scheduler.submit(build_request(request, ids), sink)
         except ServiceError as e:
             await context.abort(e.code, e.message)
         finished = False
@@ -153,7 +171,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 ev = await events.get()
                 if ev.error is not None:
                     finished = True
-                    await context.abort(ev.error.code, ev.error.message)
+                    err = status_of(ev.error)
+                    await context.abort(err.code, err.message)
                 if ev.finish_reason is not None:
                     finished = True
                 yield response_pb(ev)
@@ -161,7 +180,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     return
         finally:
             if not finished:  # cancelled, deadline, or the client went away
-                self.scheduler.abort(req.request_id)
+                self.scheduler.abort(live)
 
     async def GetServerInfo(self, request, context):
         return await self.server_info()

@@ -4,6 +4,7 @@ Served over HTTP by `start_metrics_server` when a service gets --metrics-port. N
 
   specsplit_requests_total{outcome}                 gateway: length, stop, abort, cancelled, or a status code
   specsplit_prompt_tokens_total, specsplit_generation_tokens_total
+  specsplit_preemptions_total                       gateway: sequences preempted for KV (requeued, recomputed)
   specsplit_draft_tokens_proposed_total, specsplit_draft_tokens_accepted_total
   specsplit_draft_position_proposed_total{position}, specsplit_draft_position_accepted_total{position}
                                                     acceptance per draft position = accepted / proposed
@@ -27,6 +28,7 @@ _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2
 
 REQUESTS = Counter("specsplit_requests", "Generate requests by outcome", ["outcome"])
 PROMPT_TOKENS = Counter("specsplit_prompt_tokens", "Prompt tokens of admitted requests")
+PREEMPTIONS = Counter("specsplit_preemptions", "Sequences preempted when the KV caches ran out (requeued, recomputed)")
 GENERATION_TOKENS = Counter("specsplit_generation_tokens", "Tokens streamed to clients")
 DRAFT_PROPOSED = Counter("specsplit_draft_tokens_proposed", "Draft tokens sent to the verifier")
 DRAFT_ACCEPTED = Counter("specsplit_draft_tokens_accepted", "Draft tokens the verifier accepted")

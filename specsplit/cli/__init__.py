@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    from specsplit.request import RequestError
+
     mod = importlib.import_module(args._module)
     validate = getattr(mod, "validate", None)
     try:
@@ -63,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(mod.run(args) or 0)
     except KeyboardInterrupt:
         return 130
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
+    except (ValueError, FileNotFoundError, RuntimeError, RequestError) as e:
         print(f"specsplit {args.command}: {e}", file=sys.stderr)
         return 1
 

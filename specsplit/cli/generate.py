@@ -76,7 +76,8 @@ def run(args) -> int:
 
 def run_local(args) -> int:
     from specsplit.factory import build_colocated, set_threads
-    from specsplit.generation import GenerationRequest, Generator
+    from specsplit.request import GenerationRequest
+    from specsplit.scheduler import Scheduler
     from specsplit.sampling.params import SamplingParams
 
     set_threads(args.threads)
@@ -89,15 +90,11 @@ def run_local(args) -> int:
     colo = build_colocated(target, draft, spec, show_progress=not args.json)
     load_s = time.perf_counter() - t0
     ids = _prompt_ids(args, colo.tokenizer)
-    vocab = colo.target_model.config.vocab_size
-    bad = [t for t in ids if not 0 <= t < vocab]
-    if bad:
-        raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-    if len(ids) + args.max_tokens > args.max_model_len:
-        raise ValueError(f"prompt ({len(ids)} tokens) + --max-tokens {args.max_tokens} exceeds --max-model-len {args.max_model_len}")
     params = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     request = GenerationRequest("cli", tuple(ids), args.max_tokens, params, args.ignore_eos)
-    gen = Generator(colo.decoder, colo.eos_token_ids, max_num_seqs=1)
+    # The same Scheduler as the gateway's: it validates the request (vocabulary, max_model_len, the
+    # KV cache) and runs it.
+    gen = Scheduler(colo.decoder, colo.eos_token_ids, max_num_seqs=1)
 
     def stream(state, kept):
         if not args.json:
@@ -111,12 +108,7 @@ def run_local(args) -> int:
         "token_ids": state.output,
         "text": colo.tokenizer.decode(state.output),
         "finish_reason": state.finish_reason,
-        "usage": {
-            "prompt_tokens": len(ids),
-            "completion_tokens": len(state.output),
-            "proposed_draft_tokens": state.proposed,
-            "accepted_draft_tokens": state.accepted,
-        },
+        "usage": state.usage(),  # the same dict the gateway streams as Usage
     }
     if args.json:
         print(json.dumps(result))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rpc import wire
-from gateway.service import Limits, build_request
+from gateway.service import Limits, request_from_pb
 from specsplit.detokenizer import TextStream
 from protos.specsplit.v1 import gateway_pb2
 from specsplit.engine import EngineError
@@ -125,25 +125,29 @@ class _Tok:
     (dict(prompt_token_ids=[1, 100], max_tokens=4, top_p=1), "outside the vocabulary"),
     (dict(prompt="w1", max_tokens=0, top_p=1), "max_tokens"),
     (dict(prompt="w1", max_tokens=4, top_p=1, stop=[""]), "stop"),
+    (dict(prompt="w1", max_tokens=4, request_id="x" * 129), "request_id is 129 bytes; at most 128"),
+    (dict(prompt="w1 " * 2000, max_tokens=4), "refused above 4096 characters without tokenizing"),
 ])
 def test_validation_messages(kw, message):
     with pytest.raises(wire.ServiceError) as err:
-        build_request(gateway_pb2.GenerateRequest(**kw), _Tok(), LIMITS)
+        request_from_pb(gateway_pb2.GenerateRequest(**kw), _Tok().encode, LIMITS)
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.message
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(top_p=0.0)], ids=["top_p unset", "top_p 0 (proto3 default)"])
 def test_top_p_defaults_to_one(kw):
-    req, _ = build_request(gateway_pb2.GenerateRequest(prompt="w5", max_tokens=4, **kw), _Tok(), LIMITS)
+    req = request_from_pb(gateway_pb2.GenerateRequest(prompt="w5", max_tokens=4, **kw), _Tok().encode, LIMITS)
     assert req.params == SamplingParams(0.0, 1.0, 0, None)
 
 
 def test_valid_request():
     msg = gateway_pb2.GenerateRequest(prompt="w5 w6", max_tokens=4, top_p=1, temperature=0.5, seed=9, stop=["x"],
                                       request_id="r1", speculation=gateway_pb2.Speculation(num_speculative_tokens=2))
-    req, stop = build_request(msg, _Tok(), LIMITS)
+    req = request_from_pb(msg, _Tok().encode, LIMITS)
     assert req.prompt_token_ids == (5, 6) and req.params == SamplingParams(0.5, 1.0, 0, 9)
-    assert req.request_id.startswith("r1-") and req.num_speculative_tokens == 2 and stop == ["x"]
+    assert req.request_id == "r1" and req.num_speculative_tokens == 2 and req.stop == ("x",)
+    req = request_from_pb(gateway_pb2.GenerateRequest(prompt="w5", max_tokens=4, request_id="é" * 64), _Tok().encode, LIMITS)
+    assert len(req.request_id.encode()) == 128
 
 
 @pytest.mark.parametrize("argv, ok", [
