@@ -53,13 +53,14 @@ RUN if [ "${TORCH_VARIANT}" != "cpu" ]; then \
     fi
 
 RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin specsplit \
-    && mkdir -p /models \
-    && chown specsplit:specsplit /models
+    && mkdir -p /models /run/specsplit \
+    && chown specsplit:specsplit /models /run/specsplit
 
 COPY --from=build /opt/specsplit /opt/specsplit
 
 # /models is where compose mounts the named model volume; a new volume takes this directory's
-# owner, so the non-root user can write the GGUF conversion cache there.
+# owner, so the non-root user can write the GGUF conversion cache there. The same for
+# /run/specsplit, where compose's internal-token service writes the internal bearer token.
 ENV PATH=/opt/specsplit/bin:$PATH \
     SPECSPLIT_CACHE=/models \
     HF_HUB_OFFLINE=1 \

@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "verifier": ("specsplit.cli.services", "serve a target model over gRPC"),
     "gateway": ("specsplit.cli.services", "public Generate API in front of a drafter and a verifier"),
     "up": ("specsplit.cli.up", "start drafter, verifier and gateway locally; stop them all on Ctrl-C"),
+    "token": ("specsplit.cli.token", "create the internal bearer token file once (compose runs it before the services)"),
     "health": ("specsplit.cli.health", "query a service's gRPC health (exit 0 when SERVING)"),
     "profile": ("specsplit.cli.profile", "print the memory plan (weights, activations, KV blocks) without serving"),
     "bench": ("specsplit.cli.bench", "benchmarks: target-only and speculative arms side by side"),

@@ -191,10 +191,31 @@ def run_cli(argv: list[str]) -> CliResult:
     return CliResult(int(code or 0), buf.getvalue())
 
 
+# The internal bearer token lives in a volume that exists only in the containers; --check reads
+# token files, so command lines naming it are checked against a real temporary token instead.
+INTERNAL_TOKEN = "/run/specsplit/internal-token"
+_local_token: str | None = None
+
+
+def local_token_path() -> str:
+    global _local_token
+    if _local_token is None:
+        import tempfile
+
+        d = tempfile.mkdtemp(prefix="specsplit-token-")
+        _local_token = str(Path(d) / "internal-token")
+        Path(_local_token).write_text("0123456789abcdef" * 4 + "\n")
+    return _local_token
+
+
+def with_local_token(argv: list[str]) -> list[str]:
+    return [a.replace(INTERNAL_TOKEN, local_token_path()) for a in argv]
+
+
 def specsplit_check(argv: list[str]) -> CliResult:
     """Run a `specsplit ...` argv (argv[0] == 'specsplit') with --check appended."""
     assert argv and argv[0] == "specsplit", f"not a specsplit command line: {argv}"
-    return run_cli(argv[1:] + ["--check"])
+    return run_cli(with_local_token(argv[1:]) + ["--check"])
 
 
 def parse_cli(argv: list[str]):

@@ -15,6 +15,7 @@ from tests.deploy import compose_support as cs
 
 SPLIT = ("drafter", "verifier", "gateway")
 COLOCATED = "colocated"
+TOKEN = "internal-token"  # one-shot: writes the internal bearer token, then exits
 MODEL_SERVICES = ("drafter", "verifier", COLOCATED)  # the ones that load weights
 SCENARIOS = list(cs.SCENARIOS)
 
@@ -35,8 +36,8 @@ def _pairs():
 
 def test_services_are_the_split_trio_plus_colocated():
     services = _services(SCENARIOS[0])
-    assert set(services) == {*SPLIT, COLOCATED}
-    for name in SPLIT:
+    assert set(services) == {*SPLIT, COLOCATED, TOKEN}
+    for name in (*SPLIT, TOKEN):
         assert "profiles" not in services[name], f"{name} must start with a plain `docker compose up`"
     assert services[COLOCATED]["profiles"] == ["colocated"]
 
@@ -98,6 +99,8 @@ def test_gateway_points_at_the_drafter_and_verifier_services(scenario):
 def test_servers_bind_all_interfaces(scenario):
     """127.0.0.1 (the CLI default) inside a container is unreachable from the other containers."""
     for name, service in _services(scenario).items():
+        if name == TOKEN:
+            continue  # serves nothing
         assert _args(service).host == "0.0.0.0", f"{name} must bind 0.0.0.0 inside its container"
 
 
@@ -190,13 +193,14 @@ def test_services_sharing_a_gpu_fit_in_it(scenario):
 def test_gateway_waits_for_healthy_backends():
     services = _services(SCENARIOS[0])
     depends = services["gateway"]["depends_on"]
-    assert depends == {"drafter": {"condition": "service_healthy"}, "verifier": {"condition": "service_healthy"}}
+    assert depends == {"drafter": {"condition": "service_healthy"}, "verifier": {"condition": "service_healthy"},
+                       TOKEN: {"condition": "service_completed_successfully"}}
 
 
 def test_drafter_starts_after_the_verifier():
     """One GGUF conversion and one memory profile at a time (see the comment in compose.yaml)."""
     depends = _services(SCENARIOS[0])["drafter"]["depends_on"]
-    assert depends == {"verifier": {"condition": "service_healthy"}}
+    assert depends == {"verifier": {"condition": "service_healthy"}, TOKEN: {"condition": "service_completed_successfully"}}
 
 
 def test_dependencies_have_healthchecks_and_no_cycle():
@@ -205,6 +209,9 @@ def test_dependencies_have_healthchecks_and_no_cycle():
     for name, deps in graph.items():
         for dep in deps:
             assert dep in services, f"{name} depends on unknown service {dep}"
+            if services[name]["depends_on"][dep]["condition"] == "service_completed_successfully":
+                assert services[dep].get("restart") == "no", f"{dep} is one-shot: it must not be restarted"
+                continue
             assert "healthcheck" in services[dep], f"{name} waits for {dep} to be healthy, {dep} has no healthcheck"
     done: set[str] = set()
     while len(done) < len(graph):
@@ -233,6 +240,8 @@ def test_stop_grace_period_outlasts_the_drain(scenario):
 def test_healthcheck_budget_covers_a_cold_start():
     """The health probe starts a Python that imports the CLI; model services may convert a GGUF."""
     for name, service in _services(SCENARIOS[0]).items():
+        if name == TOKEN:
+            continue  # one-shot, no server to probe
         hc = service["healthcheck"]
         assert _seconds(hc["timeout"]) >= 10, f"{name}: the probe itself takes seconds"
         if name in MODEL_SERVICES:
