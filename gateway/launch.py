@@ -11,10 +11,8 @@ after `stop_timeout`; this happens on every exit from the block, an exception in
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,17 +57,9 @@ def up_command(target: str, draft: str, *, port: int, drafter_port: int, verifie
 
 def stop(proc: subprocess.Popen, timeout: float = 60.0) -> int | None:
     """SIGTERM, wait up to `timeout`, then kill. Returns the exit code (None if it would not die)."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                return None
-    return proc.returncode
+    from rpc.health import stop_process
+
+    return stop_process(proc, timeout)
 
 
 @contextmanager
@@ -85,8 +75,7 @@ def specsplit_up(target: str, draft: str, *, dtype: str | None = None, max_model
     `port` 0 picks free ports. `log`: a file for the children's output (None: this process's
     stdout/stderr). `env`: variables added to this process's environment.
     Raises RuntimeError when `up` exits, or is not ready within `startup_timeout` seconds."""
-    from rpc.health import check
-    from rpc.health import free_port
+    from rpc.health import free_port, wait_serving
 
     port = port or free_port(host)
     dport, vport = free_port(host), free_port(host)
@@ -103,18 +92,15 @@ def specsplit_up(target: str, draft: str, *, dtype: str | None = None, max_model
         raise
     up = RunningUp(f"{host}:{port}", f"{host}:{dport}", f"{host}:{vport}", proc, Path(log) if log is not None else None)
     try:
-        deadline = time.monotonic() + startup_timeout
-        pending = ["verifier", "drafter", "gateway"]
-        while pending:
-            if proc.poll() is not None:
-                raise RuntimeError(f"specsplit up exited with code {proc.returncode} during start-up"
-                                   + (f"; its log ({up.log_path}) ends:\n{up.log_tail()}" if up.log_path else ""))
-            pending = [n for n in pending if check(up.addresses[n], timeout=1.0) != "SERVING"]
-            if pending and time.monotonic() > deadline:
-                raise RuntimeError(f"specsplit up: {', '.join(pending)} not SERVING after {startup_timeout:.0f}s"
-                                   + (f"; its log ({up.log_path}) ends:\n{up.log_tail()}" if up.log_path else ""))
-            if pending:
-                time.sleep(0.25)
+        def tail() -> str:
+            return f"; its log ({up.log_path}) ends:\n{up.log_tail()}" if up.log_path else ""
+
+        # All three are children of `up`'s process: it is the one this process sees exit.
+        try:
+            wait_serving({name: (proc, address) for name, address in up.addresses.items()}, startup_timeout,
+                         describe=tail)
+        except RuntimeError as e:
+            raise RuntimeError(f"specsplit up: {e}") from None
         yield up
     finally:
         stop(proc, stop_timeout)

@@ -1,8 +1,13 @@
-"""Asking a specsplit server whether it serves (gRPC health), and picking a free local port:
-what `specsplit health`, `specsplit up`, the gateway's launcher and the tests share."""
+"""Asking a specsplit server whether it serves (gRPC health), picking a free local port, waiting
+for service processes to serve and stopping them: what `specsplit health`, `specsplit up`, the
+gateway's launcher (gateway/launch.py) and the tests (tests/services/procs.py) share."""
 from __future__ import annotations
 
+import signal
 import socket
+import subprocess
+import time
+from typing import Callable, Mapping
 
 
 def check(address: str, service: str = "", timeout: float = 3.0, security=None) -> str:
@@ -25,3 +30,50 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def wait_serving(procs: Mapping[str, tuple[subprocess.Popen, str]], timeout: float, security=None,
+                 stop_requested: Callable[[], bool] = lambda: False,
+                 on_serving: Callable[[str], None] = lambda name: None, describe: Callable[[], str] = lambda: "") -> None:
+    """Wait until every process (name -> (process, HOST:PORT)) reports SERVING; RuntimeError when
+    one exits first or `timeout` seconds pass (with `describe()`, e.g. a log tail, appended).
+    Returns early, without error, when `stop_requested()`."""
+    deadline = time.monotonic() + timeout
+    pending = dict(procs)
+    while pending and not stop_requested():
+        for name, (proc, address) in list(pending.items()):
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with code {proc.returncode} during start-up{describe()}")
+            if check(address, timeout=1.0, security=security) == "SERVING":
+                del pending[name]
+                on_serving(name)
+        if pending and time.monotonic() > deadline:
+            raise RuntimeError(f"{', '.join(sorted(pending))} not SERVING after {timeout:.0f}s{describe()}")
+        if pending:
+            time.sleep(0.25)
+
+
+def stop_processes(procs: Mapping[str, subprocess.Popen], timeout: float,
+                   on_kill: Callable[[str], None] = lambda name: None) -> dict[str, int | None]:
+    """SIGTERM them all (they drain), wait up to `timeout` seconds together, then SIGKILL the rest.
+    Returns each exit code (None for one that would not die even then)."""
+    live = {n: p for n, p in procs.items() if p.poll() is None}
+    for p in live.values():
+        p.send_signal(signal.SIGTERM)
+    end = time.monotonic() + timeout
+    for name, p in live.items():
+        try:
+            p.wait(max(0.1, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            on_kill(name)
+            p.kill()
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+    return {n: p.poll() for n, p in procs.items()}
+
+
+def stop_process(proc: subprocess.Popen, timeout: float) -> int | None:
+    """SIGTERM, wait up to `timeout`, then kill. Returns the exit code (None if it would not die)."""
+    return stop_processes({"": proc}, timeout)[""]

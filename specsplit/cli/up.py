@@ -111,22 +111,17 @@ def commands(args, drafter_port: int, verifier_port: int) -> dict[str, list[str]
 def stop_all(procs: dict[str, subprocess.Popen], timeout: float) -> None:
     """SIGTERM the gateway first (it drains while the engines are still up), then the drafter and
     the verifier together; kill whatever has not exited after `timeout`."""
+    from rpc.health import stop_processes
+
+    def killing(name: str) -> None:
+        print(f"specsplit up: {name} did not stop in {timeout:.0f}s; killing it", file=sys.stderr)
+
     for group in (("gateway",), ("drafter", "verifier")):
-        live = {n: procs[n] for n in group if n in procs and procs[n].poll() is None}
-        for p in live.values():
-            p.send_signal(signal.SIGTERM)
-        end = time.monotonic() + timeout
-        for name, p in live.items():
-            try:
-                p.wait(max(0.1, end - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                print(f"specsplit up: {name} did not stop in {timeout:.0f}s; killing it", file=sys.stderr)
-                p.kill()
-                p.wait(5)
+        stop_processes({n: procs[n] for n in group if n in procs}, timeout, on_kill=killing)
 
 
 def run(args) -> int:
-    from specsplit.cli.health import check
+    from rpc.health import wait_serving
 
     drafter_port = args.drafter_port or free_port(args.host)
     verifier_port = args.verifier_port or free_port(args.host)
@@ -147,18 +142,11 @@ def run(args) -> int:
             # Children ignore the terminal's Ctrl-C (own process group): this process forwards it.
             procs[name] = subprocess.Popen(cmds[name], start_new_session=True, env=os.environ.copy())
             print(f"specsplit up: started {name} (pid {procs[name].pid}) on {addresses[name]}", file=sys.stderr)
-        deadline = time.monotonic() + args.startup_timeout
-        pending = set(procs)
-        while pending and not stop_requested:
-            for name in sorted(pending):
-                if procs[name].poll() is not None:
-                    raise RuntimeError(f"{name} exited with code {procs[name].returncode} during start-up; see its log above")
-                if check(addresses[name], timeout=1.0, security=isec) == "SERVING":
-                    print(f"specsplit up: {name} is SERVING on {addresses[name]}", file=sys.stderr)
-                    pending.discard(name)
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{', '.join(sorted(pending))} not SERVING after {args.startup_timeout:.0f}s")
-            time.sleep(0.25)
+        wait_serving({name: (procs[name], addresses[name]) for name in procs}, args.startup_timeout, security=isec,
+                     stop_requested=lambda: bool(stop_requested),
+                     on_serving=lambda name: print(f"specsplit up: {name} is SERVING on {addresses[name]}",
+                                                   file=sys.stderr),
+                     describe=lambda: "; see its log above")
         if not stop_requested:
             print(f"specsplit up: ready; Generate on {addresses['gateway']} (Ctrl-C stops all three)", file=sys.stderr, flush=True)
         while not stop_requested:

@@ -6,7 +6,6 @@ SIGTERM, waits, and kills on timeout, so a failing test never leaves a process b
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -82,27 +81,16 @@ class ServiceProcess:
         return "\n".join(lines[-n:])
 
     def wait_serving(self, timeout: float = 180.0) -> None:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if not self.alive():
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
-            if health(self.address, security=self.security) == "SERVING":
-                return
-            time.sleep(0.25)
-        raise TimeoutError(f"{self.name} not SERVING after {timeout:.0f}s:\n{self.log_tail()}")
+        from rpc.health import wait_serving
+
+        wait_serving({self.name: (self.proc, self.address)}, timeout, security=self.security,
+                     describe=lambda: ":\n" + self.log_tail())
 
     def stop(self, timeout: float = 20.0) -> int | None:
         """SIGTERM, wait, then SIGKILL. Returns the exit code."""
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        return self.proc.returncode
+        from rpc.health import stop_process
+
+        return None if self.proc is None else stop_process(self.proc, timeout)
 
     def kill9(self) -> None:
         if self.alive():
