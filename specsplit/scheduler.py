@@ -43,6 +43,11 @@ from specsplit.spec import SpecDecoder
 log = logging.getLogger(__name__)
 
 
+def _label(req: Request, seq_id: str) -> str:
+    """How logs name a request: the caller's id (if any) and the engines' id."""
+    return f"{req.request_id!r} ({seq_id})" if req.request_id else seq_id
+
+
 @dataclass(frozen=True)
 class KvBudget:
     """One engine's paged KV cache, as the scheduler accounts for it."""
@@ -244,7 +249,7 @@ class Scheduler:
         gone = [sid for sid, req in self.running.items() if req.closed]
         for sid in gone:
             req = self.running.pop(sid)
-            log.info("request %s (%s) aborted after %d tokens; released", req.request_id, sid, len(req.output))
+            log.info("request %s aborted after %d tokens; released", _label(req, sid), len(req.output))
         if gone:
             self._release(gone)
 
@@ -293,8 +298,8 @@ class Scheduler:
             if not req.closed:
                 self._live[req.seq_id] = req
                 self.waiting.appendleft(req)
-        log.info("preempted request %s (%s) after %d tokens: the %s's KV cache needs %d of %d blocks for the "
-                 "next step; requeued, its %d tokens are recomputed on resume", req.request_id, old, len(req.output),
+        log.info("preempted request %s after %d tokens: the %s's KV cache needs %d of %d blocks for the "
+                 "next step; requeued, its %d tokens are recomputed on resume", _label(req, old), len(req.output),
                  short.name, need, short.num_blocks, req.num_tokens)
         self.observer.on_preempt(req)
 
@@ -339,7 +344,7 @@ class Scheduler:
             # An engine ran out of blocks this scheduler did not account for: make room and retry.
             newest = max(self.running.values(), key=lambda r: r.arrival)
             log.warning("step over %d sequences ran out of KV blocks (%s); preempting %s", len(self.running), err,
-                        newest.request_id)
+                        _label(newest, newest.seq_id))
             self._preempt(newest, self.kv[0] if self.kv else KvBudget("engine", 0, 1))
             return
         log.error("step over %d sequences failed: %s", len(self.running), err)
