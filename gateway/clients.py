@@ -250,3 +250,9 @@ class GrpcVerifier(_PeerClient):
         self._check_live(r.seq_id for r in rows)
         resp = self._request(resolve=verifier_pb2.ResolveBatch(rows=wire.rows_to_pb(rows)))
         return wire.results_from_pb(resp.results)
+
+    def abandon(self, seq_ids: Sequence[str]) -> None:
+        if not seq_ids:
+            return
+        self._check_live(seq_ids)
+        self._request(abandon=verifier_pb2.AbandonStep(seq_ids=list(seq_ids)))

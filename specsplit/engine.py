@@ -2,7 +2,7 @@
 
 Both implement the protocols in specsplit.protocols in-process; the gRPC servicers are thin
 wrappers over them. Per sequence they keep only its tokens, how many are in the KV cache and its
-random stream; the q rows of a sampled proposal and the p row of a pending rejection live only
+random numbers (keyed by position: specsplit.sampling.rng); the q rows of a sampled proposal and the p row of a pending rejection live only
 until the step that made them finishes. Nothing else survives a step.
 """
 from __future__ import annotations
@@ -50,6 +50,7 @@ class _Seq:
     pending_accepted: int = 0  # verifier, pending: accepted drafts awaiting the recovered token
     pending_drafts: list[int] = field(default_factory=list)  # verifier, pending: those drafts
     pending_u: float = 0.0  # verifier, pending: the step's final uniform
+    undo: tuple[int, int] | None = None  # verifier: (len(tokens), num_computed) before the last verify
 
 
 def _probs(logits: list[torch.Tensor], params: Sequence[SamplingParams]) -> list[torch.Tensor]:
@@ -174,6 +175,8 @@ class TargetEngine(_EngineBase):
             for r, s in zip(reqs, seqs)
         ]
         logits = self._forward(items)  # per seq [k+1, V]
+        for s in seqs:
+            s.undo = (len(s.tokens), s.num_computed)
 
         results: list[VerifyResult | None] = [None] * len(reqs)
         greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
@@ -218,10 +221,11 @@ class TargetEngine(_EngineBase):
             target[row, : k + 1] = probs[row]
             if k:
                 q_x[row, :k] = torch.tensor(reqs[i].draft_probs, dtype=torch.float32)
-            draws = seqs[i].rng.uniforms(k + 1)  # k accept draws, then one final draw
-            u_accept[row, :k] = draws[:k]
-            u_final[row] = draws[k]
+            # Keyed by position (specsplit.sampling.rng): the draft j lands at len(tokens) + j.
+            u_accept[row, :k] = seqs[i].rng.uniforms(len(seqs[i].tokens), k, "accept")
         num_accepted = self.sampler.accept(drafts, q_x.to(target.device), num_draft, target, u_accept)
+        for row, i in enumerate(idx):  # the final uniform belongs to the position where the step stops
+            u_final[row] = seqs[i].rng.uniform(len(seqs[i].tokens) + int(num_accepted[row]), "final")
         finish_rows: list[int] = []
         for row, i in enumerate(idx):
             n, k = int(num_accepted[row]), len(reqs[i].draft_token_ids)
@@ -270,6 +274,21 @@ class TargetEngine(_EngineBase):
             s.pending_drafts = []
             out.append(self._commit(r.seq_id, s, n, emitted))
         return out
+
+    def abandon(self, seq_ids: Sequence[str]) -> None:
+        """Undo the last verify (and resolve) of these sequences: no pending rejection, none of the
+        tokens that step emitted, KV as before it. Unknown ids and sequences not stepped since they
+        were added are left alone. Used by SpecDecoder's exact fallback when the drafter's q rows
+        are lost mid-step: the step is discarded as a whole, whatever its outcome."""
+        for seq_id in seq_ids:
+            s = self.seqs.get(seq_id)
+            if s is None or s.undo is None:
+                continue
+            length, num_computed = s.undo
+            del s.tokens[length:]
+            s.num_computed = num_computed
+            s.p_row, s.pending_drafts, s.pending_accepted, s.undo = None, [], 0, None
+            self.runner.truncate(seq_id, num_computed)
 
     def _commit(self, seq_id: str, s: _Seq, num_accepted: int, emitted: list[int]) -> VerifyResult:
         """Append the emitted tokens; keep KV only through the accepted drafts."""
@@ -342,7 +361,8 @@ class DraftEngine(_EngineBase):
                 tokens.append(int(logits[j][0].argmax()))
                 continue
             row = probs[j][0]  # [V]
-            t = int(sample_from_probs(row[None], s.rng.uniforms(1))[0])
+            u = s.rng.uniforms(len(s.tokens) + len(s.drafted), 1, "draft")  # this draft's position
+            t = int(sample_from_probs(row[None], u)[0])
             tokens.append(t)
             q_x[i].append(float(row[t]))
             rows[i].append(row)

@@ -94,7 +94,8 @@ def validate(req: GenerationRequest, limits: Limits | None) -> None:
     try:
         req.params.validate()
     except ValueError as e:
-        raise invalid(str(e)) from None
+        hint = " (1, or unset in the API, = no nucleus filtering)" if str(e).startswith("top_p") else ""
+        raise invalid(f"{e}{hint}") from None
     k = req.num_speculative_tokens
     if not 0 <= k <= MAX_SPECULATIVE_TOKENS:
         raise invalid(f"speculation.num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], got {k}")

@@ -1,6 +1,7 @@
 """verifier_svc: the target model behind a thin grpc.aio servicer.
 
-Session messages map one to one onto the Verifier protocol (add, verify, resolve, release);
+Session messages map one to one onto the Verifier protocol (add, verify, resolve, abandon,
+release);
 the servicer converts protos to dataclasses, calls TargetEngine, converts back. Nothing else.
 """
 from __future__ import annotations
@@ -83,12 +84,15 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             results = engine.verify(wire.verify_from_pb(req.verify, session.to_engine))
             return verifier_pb2.VerifierResponse(id=req.id, results=wire.results_to_pb(results, session.from_engine))
         if kind == "resolve":
-            results = engine.resolve(wire.rows_from_pb(req.resolve.rows, session.to_engine))
+            results = engine.resolve(wire.rows_from_pb(req.resolve.rows, session.to_engine, expected_size=engine.vocab_size))
             return verifier_pb2.VerifierResponse(id=req.id, results=wire.results_to_pb(results, session.from_engine))
+        if kind == "abandon":
+            engine.abandon([session.to_engine(s) for s in req.abandon.seq_ids])
+            return verifier_pb2.VerifierResponse(id=req.id, ack=common_pb2.Ack())
         if kind == "release":
             self.host.release(session, [session.to_engine(s) for s in req.release.seq_ids])
             return verifier_pb2.VerifierResponse(id=req.id, ack=common_pb2.Ack())
-        raise wire.EngineError("empty VerifierRequest: set add, verify, resolve or release")
+        raise wire.EngineError("empty VerifierRequest: set add, verify, resolve, abandon or release")
 
     async def Session(self, request_iterator, context):
         async for resp in self.host.session(request_iterator, context, self._handle, verifier_pb2.VerifierResponse):

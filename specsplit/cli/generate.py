@@ -46,10 +46,12 @@ def validate(args) -> None:
             raise ValueError("--prompt-token-ids is empty")
         if any(t < 0 for t in ids):
             raise ValueError(f"--prompt-token-ids has negative ids: {[t for t in ids if t < 0][:5]}")
-    if args.temperature < 0:
-        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
-    if not 0 < args.top_p <= 1:
-        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
+    from specsplit.sampling.params import SamplingParams
+
+    try:
+        SamplingParams(args.temperature, args.top_p, args.top_k, args.seed).validate()
+    except ValueError as e:
+        raise ValueError(f"--{e}".replace("_", "-", 1)) from None
     if args.server is None and args.prompt_token_ids is not None:
         n = len(parse_ids(args.prompt_token_ids))
         if n + args.max_tokens > args.max_model_len:
