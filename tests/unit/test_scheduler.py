@@ -98,6 +98,23 @@ def test_kv_pressure_preempts_instead_of_failing(tight, solo):
     assert _free(tight) == before and not tight.decoder.tracks
 
 
+def test_seeded_sampling_unchanged_by_preemption(tight):
+    """Random streams are keyed by request seed and position, so a preempted and recomputed
+    sampled request draws what it would have drawn alone."""
+    from specsplit.sampling.params import SamplingParams
+
+    def reqs():
+        return [GenerationRequest(f"s{i}", _prompt(i, 16), 80, SamplingParams(0.8, 1.0, 0, 100 + i), ignore_eos=True)
+                for i in range(5)]
+
+    sched = Scheduler(tight.decoder, tight.eos_token_ids, max_num_seqs=8)
+    crowded = sched.run(reqs())
+    assert sched.preemptions > 0
+    for req, alone_spec in zip(crowded, reqs()):
+        (alone,) = Scheduler(tight.decoder, tight.eos_token_ids, 1).run([alone_spec])
+        assert req.output == alone.output, req.request_id
+
+
 def test_request_that_can_never_fit_is_refused_up_front(tight):
     sched = Scheduler(tight.decoder, tight.eos_token_ids, 8)
     with pytest.raises(RequestError) as e:
