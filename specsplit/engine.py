@@ -66,6 +66,7 @@ class _EngineBase:
         self.runner = runner
         self.max_prefill_tokens = max_prefill_tokens
         self.seqs: dict[str, _Seq] = {}
+        self.step_costs = None  # calibration.StepCosts, timed at start-up when the K policy is on
 
     @property
     def vocab_size(self) -> int:

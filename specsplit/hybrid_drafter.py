@@ -43,6 +43,7 @@ class HybridDrafter:
     """Implements the Drafter protocol over a DraftEngine plus prompt lookup on the same tokens."""
 
     side = "drafter"
+    is_hybrid = True  # the K policy prices only `model_tokens` model drafts per step
 
     def __init__(self, model: DraftEngine, ngram_min: int = 1, ngram_max: int = 4, model_tokens: int = 1):
         self.model = model

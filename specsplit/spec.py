@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
+from specsplit.calibration import StepCosts
 from specsplit.config import SpecConfig
+from specsplit.k_policy import Acceptance, KPolicy
 from specsplit.protocols import (
     Drafter,
     ProposeRequest,
@@ -45,6 +48,7 @@ class _Track:
     tokens: list[int]  # prompt + every emitted token
     unsent: list[int] = field(default_factory=list)  # emitted, not yet sent to the drafter
     on_drafter: bool = False
+    acceptance: Acceptance = field(default_factory=Acceptance)  # per position, for the K policy
 
 
 @dataclass
@@ -53,6 +57,7 @@ class StepOutput:
     stats: StepStats
     speculated: bool
     drafts: dict[str, tuple[int, int]] = field(default_factory=dict)  # seq_id -> (proposed, accepted)
+    k: int = 0  # drafts asked per sequence this step (the K policy's choice, or the fixed K)
 
 
 class SpecDecoder:
@@ -64,6 +69,7 @@ class SpecDecoder:
         max_model_len: int = 2048,
         drafter_retry_s: float = 1.0,
         clock=time.monotonic,
+        costs: StepCosts | None = None,
     ):
         self.verifier = verifier
         self.drafter = drafter
@@ -74,6 +80,11 @@ class SpecDecoder:
         self._drafter_down_since: float | None = None
         self._next_drafter_try = 0.0
         self.tracks: dict[str, _Track] = {}
+        self.policy: KPolicy | None = None
+        self.k_chosen: Counter[int] = Counter()  # steps per K drafted (0: speculation off that step)
+        if costs is not None and costs.verify and spec.k_policy == "auto":
+            hybrid = spec.draft_model_tokens if getattr(drafter, "is_hybrid", False) else None
+            self.policy = KPolicy(costs, spec.num_speculative_tokens, hybrid)
 
     # ---- lifecycle -----------------------------------------------------------------------
     @property
@@ -118,9 +129,14 @@ class SpecDecoder:
         self._maybe_resync_drafter()
         speculate = self.drafter_up and self.spec.enabled_for(len(ids))
         proposals = {}
+        k_step = 0
+        if speculate:
+            k_step = self._choose_k(ids)
+            speculate = k_step > 0
+        self.k_chosen[k_step] += 1
         if speculate:
             t0 = time.perf_counter()
-            proposals = self._propose(ids, budgets or {})
+            proposals = self._propose(ids, budgets or {}, k_step)
             stats.draft_s = time.perf_counter() - t0
             speculate = bool(proposals)
 
@@ -148,20 +164,34 @@ class SpecDecoder:
             if track.on_drafter:
                 track.unsent.extend(emitted)
             drafts[res.seq_id] = (len(req.draft_token_ids), res.num_accepted)
+            if req.draft_token_ids:
+                track.acceptance.update(len(req.draft_token_ids), res.num_accepted)
             stats.proposed += len(req.draft_token_ids)
             stats.accepted += res.num_accepted
             for j in range(res.num_accepted):
                 stats.accepted_per_position[j] += 1
-        return StepOutput(out, stats, speculate, drafts)
+        return StepOutput(out, stats, speculate, drafts, k_step if speculate else 0)
 
-    def _propose(self, ids: list[str], budgets: dict[str, int]):
+    def _choose_k(self, ids: list[str]) -> int:
+        """The K of this step: the policy's over the sequences that speculate, else the fixed K."""
+        live = [self.tracks[s] for s in ids if self.tracks[s].on_drafter and self.tracks[s].k > 0]
+        if not live:
+            return 0
+        if self.policy is None:
+            return max(t.k for t in live)
+        # Sequences that do not speculate still take a row in the verify forward.
+        others = [Acceptance(prior_rate=0.0, prior_weight=1.0)] * (len(ids) - len(live))
+        return self.policy.choose([t.acceptance for t in live] + others,
+                                  [t.k for t in live] + [0] * len(others))
+
+    def _propose(self, ids: list[str], budgets: dict[str, int], k_step: int):
         reqs = []
         for s in ids:
             t = self.tracks[s]
             if not t.on_drafter or t.k <= 0:
                 continue
             room = self.max_model_len - len(t.tokens) - 1
-            k = min(t.k, room, budgets.get(s, t.k + 1) - 1)
+            k = min(t.k, k_step, room, budgets.get(s, t.k + 1) - 1)
             if k <= 0:
                 continue
             reqs.append(ProposeRequest(s, tuple(t.unsent), k))
