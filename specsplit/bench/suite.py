@@ -132,7 +132,8 @@ class Bench:
         return [default_k_for(args.draft)]
 
     def _cfg(self, model: str, dtype: str, max_num_seqs: int = 1) -> EngineConfig:
-        return EngineConfig(model=model, dtype=parse_dtype(dtype), max_model_len=self.args.max_model_len,
+        return EngineConfig(model=model, dtype=parse_dtype(dtype), device=getattr(self.args, "device", "cpu"),
+                            max_model_len=self.args.max_model_len,
                             max_num_seqs=max_num_seqs, max_prefill_tokens=min(512, self.args.max_model_len // 2))
 
     def _add(self, result: ArmResult, **extra) -> dict:
