@@ -313,6 +313,13 @@ class DraftEngine(_EngineBase):
         for r, s in zip(reqs, seqs):
             self._ingest(r.seq_id, s, r.new_token_ids)
         active = [i for i, r in enumerate(reqs) if r.k > 0]
+        for i in active:
+            s = seqs[i]
+            if s.num_computed >= len(s.tokens):
+                # Every token is in the KV already (the last step emitted nothing: the gateway
+                # abandoned it): feed the last one again to get the logits that draft the next.
+                s.num_computed = len(s.tokens) - 1
+                self.runner.truncate(reqs[i].seq_id, s.num_computed)
         k_max = max((reqs[i].k for i in active), default=0)
         q_x: dict[int, list[float]] = {i: [] for i in active}
         rows: dict[int, list[torch.Tensor]] = {i: [] for i in active}

@@ -75,6 +75,8 @@ class SpecDecoder:
         self._drafter_down_since: float | None = None
         self._next_drafter_try = 0.0
         self._drafter_stale: set[str] = set()  # may still be on the drafter since it failed
+        self._hold_next: set[str] = set()  # abandoned this step: target-only next step
+        self._hold_now: set[str] = set()  # abandoned last step: no proposal verified this step
         self.tracks: dict[str, _Track] = {}
 
     # ---- lifecycle -----------------------------------------------------------------------
@@ -189,6 +191,8 @@ class SpecDecoder:
         vocab = getattr(self.verifier, "vocab_size", None)
         out = {}
         for p in proposals:
+            if p.seq_id in self._hold_now:  # its last step was abandoned: one step target-only
+                continue
             why = _proposal_problem(p, asked, vocab, self.tracks)
             if why is None:
                 out[p.seq_id] = p
@@ -212,7 +216,7 @@ class SpecDecoder:
             return results
         why = _rows_problem(fetch, rows, getattr(self.verifier, "vocab_size", None))
         if why is not None:
-            log.warning("drafter sent bad q rows (%s)", why)
+            self._drafter_failed(ValueError(f"it sent unusable q rows: {why}"))
             return self._abandon_sampled(results, proposals, "the drafter's q rows were unusable")
         resolved = {r.seq_id: r for r in self.verifier.resolve(rows)}
         return [resolved.get(r.seq_id, r) for r in results]
@@ -242,6 +246,9 @@ class SpecDecoder:
             return results
         log.warning("%s; %d sampled sequences discard this step (exact fallback) and resample it", why, len(drop))
         self.verifier.abandon(sorted(drop))
+        # Their next step is target-only (whatever the drafter does), so each makes progress even
+        # if the drafter keeps losing its rows; that choice, too, ignores the step's outcome.
+        self._hold_next |= drop
         return [VerifyResult(r.seq_id, 0, ()) if r.seq_id in drop else r for r in results]
 
     # ---- drafter health ------------------------------------------------------------------
@@ -260,7 +267,9 @@ class SpecDecoder:
             t.unsent = []
 
     def _maybe_resync_drafter(self) -> None:
-        """After a drafter failure, give it every running sequence again once it answers."""
+        """After a drafter failure, give it every running sequence again once it answers.
+        (Called at the start of every step: it also moves the abandoned sequences' hold on.)"""
+        self._hold_now, self._hold_next = self._hold_next, set()
         if self.drafter is None or self._drafter_down_since is None or self._clock() < self._next_drafter_try:
             return
         want = [t for t in self.tracks.values() if t.k > 0]
