@@ -11,15 +11,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
-from gateway import metrics
+from rpc import metrics
 from gateway.clients import GrpcDrafter, GrpcVerifier
-from gateway.engines import plan_to_dict, static_plan
+from rpc.engines import plan_to_dict, static_plan
 from gateway.scheduler import Scheduler
 from gateway.service import SERVICE_NAME, GatewayServicer, Limits, Tokenizer
-from gateway.security import MAX_REQUEST_BYTES, ClientSecurity, ServerSecurity, keepalive_options
-from gateway.serving import Server, wait_until
+from rpc.security import MAX_REQUEST_BYTES, ClientSecurity, ServerSecurity, keepalive_options
+from rpc.serving import Server, wait_until
 from protos.specsplit.v1 import gateway_pb2, gateway_pb2_grpc
-from specsplit.cli.common import default_k_for, disable_by_batch_size
+from specsplit.defaults import default_k_for, disable_by_batch_size
 from specsplit.config import SpecConfig
 from specsplit.spec import SpecDecoder
 
@@ -189,7 +189,7 @@ def run_split(args) -> int:
 
 # ---- colocated mode --------------------------------------------------------------------------
 def build_colocated_gateway(args) -> Gateway:
-    from specsplit.cli.common import engine_config, spec_config
+    from specsplit.defaults import engine_config, spec_config
     from specsplit.factory import build_colocated
 
     target = engine_config(args, args.target)

@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-model-len", type=int, default=1024)
     args = p.parse_args(argv)
     from gateway.launch import specsplit_up
-    from specsplit.cli.up import free_port
+    from rpc.health import free_port
 
     port = args.port or free_port()
     print(f"$ specsplit up --target {args.target} --draft {args.draft} --port {port}", flush=True)

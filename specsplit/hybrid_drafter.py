@@ -22,7 +22,7 @@ target's token for token whichever proposer drafted (the verifier decides).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from specsplit.engine import DraftEngine, EngineError
 from specsplit.protocols import Proposal, ProposeRequest, QRow, RowRequest, SeqAdd
@@ -107,8 +107,8 @@ class HybridDrafter:
     def _model_k(self, k: int) -> int:
         return k if self.model_tokens <= 0 else min(k, self.model_tokens)
 
-    def finish_step(self, fetch: Sequence[RowRequest]) -> list[QRow]:
-        return self.model.finish_step(fetch)  # only sampled (model-drafted) sequences have rows
+    def finish_step(self, fetch: Sequence[RowRequest], scope: Iterable[str] | None = None) -> list[QRow]:
+        return self.model.finish_step(fetch, scope)  # only sampled (model-drafted) sequences have rows
 
     def release(self, seq_ids: Sequence[str]) -> None:
         self.model.release(seq_ids)

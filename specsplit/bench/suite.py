@@ -127,7 +127,7 @@ class Bench:
             return [int(k) for k in args.split_ks.split(",")]
         if self.quick:
             return self.ks[:1]
-        from specsplit.cli.common import default_k_for
+        from specsplit.defaults import default_k_for
 
         return [default_k_for(args.draft)]
 
@@ -192,7 +192,7 @@ class Bench:
                                        show_progress=False)
                  for name in drafts}
         # The default configuration: the served draft with the K policy (K <= its default maximum).
-        from specsplit.cli.common import default_k_for
+        from specsplit.defaults import default_k_for
 
         policy_k = default_k_for(self.served_draft)
         policy_colo = build_colocated(self._cfg(a.target, dtype), self._cfg(self.served_draft, dtype),
@@ -291,7 +291,7 @@ class Bench:
         runs it by default (the served draft, the K policy, the default --disable-by-batch-size),
         the two alternating batch by batch (interleaved) so drift hits both alike."""
         from specsplit.bench.arms import ArmResult, generate_timed
-        from specsplit.cli.common import default_k_for, disable_by_batch_size
+        from specsplit.defaults import default_k_for, disable_by_batch_size
 
         a = self.args
         top = max(self.concurrency)

@@ -11,7 +11,7 @@ import json
 import logging
 from dataclasses import dataclass
 
-from specsplit.cli.common import DEFAULT_K_NGRAM, engine_config
+from specsplit.defaults import DEFAULT_K_NGRAM, engine_config
 from specsplit.config import EngineConfig, SpecConfig
 from specsplit.factory import build_draft_engine, build_target_engine
 from specsplit.models.loader import hf_dir_for

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import logging
 
-from gateway import metrics
-from gateway.engines import BuiltEngine
-from gateway.security import ServerSecurity
-from gateway.serving import Server, wait_until
-from gateway.sessions import SessionHost, kv_stats
+from rpc import metrics
+from rpc.engines import BuiltEngine
+from rpc.security import ServerSecurity
+from rpc.serving import Server, wait_until
+from rpc.sessions import SessionHost, kv_stats
 from protos.specsplit.v1 import common_pb2
 
 log = logging.getLogger(__name__)
