@@ -30,10 +30,12 @@ class StepCosts:
     network_s: float = 0.0  # split mode: a round trip per engine call, measured by the gateway
 
     def verify_s(self, batch: int, rows: int) -> float:
-        return _interp({b: s for (b, r), s in self.verify.items() if r == rows}, batch) + self.network_s
+        """One verify forward (no network)."""
+        return _interp({b: s for (b, r), s in self.verify.items() if r == rows}, batch)
 
     def draft_s(self, batch: int) -> float:
-        return _interp(self.draft, batch) + (self.network_s if self.draft else 0.0)
+        """One drafted token for the batch (no network)."""
+        return _interp(self.draft, batch)
 
     def max_rows(self) -> int:
         return max((r for _, r in self.verify), default=0)

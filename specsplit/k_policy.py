@@ -59,10 +59,12 @@ class KPolicy:
         self._since_probe = 0
 
     def step_time(self, batch: int, k: int) -> float:
-        t = self.costs.verify_s(batch, k + 1)
+        """Seconds of one step: the verify call, and with k > 0 the propose call (split mode: one
+        network round trip each)."""
+        t = self.costs.verify_s(batch, k + 1) + self.costs.network_s
         if k > 0:
             drafted = k if self.model_tokens is None else min(k, self.model_tokens)
-            t += drafted * self.costs.draft_s(batch)
+            t += drafted * self.costs.draft_s(batch) + self.costs.network_s
         return t
 
     def rates(self, accs: list[Acceptance], caps: list[int] | None = None) -> list[float]:
