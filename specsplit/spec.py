@@ -27,7 +27,6 @@ from specsplit.config import SpecConfig
 from specsplit.protocols import (
     Drafter,
     ProposeRequest,
-    QRow,
     RowRequest,
     SeqAdd,
     StepStats,
