@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
@@ -19,10 +20,11 @@ from gateway.service import SERVICE_NAME, GatewayServicer, Limits, Tokenizer
 from rpc.security import MAX_REQUEST_BYTES, ClientSecurity, ServerSecurity, keepalive_options
 from rpc.serving import Server, wait_until
 from grpc_health.v1 import health_pb2
-from protos.specsplit.v1 import gateway_pb2, gateway_pb2_grpc
+from protos.specsplit.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from specsplit.request import RequestError
 from specsplit.scheduler import KvBudget
 from specsplit.defaults import default_k_for, disable_by_batch_size
+from specsplit.calibration import StepCosts
 from specsplit.config import SpecConfig
 from specsplit.spec import SpecDecoder
 
@@ -71,6 +73,17 @@ async def _watch_verifier(gw: Gateway, server: Server) -> None:
         await asyncio.sleep(HEALTH_PROBE_S)
 
 
+def _costs_fields(decoder) -> dict:
+    """The K policy's calibrated step costs for ServerInfo (empty with a fixed K)."""
+    policy = getattr(decoder, "policy", None)
+    if policy is None:
+        return {}
+    c = policy.costs
+    return {"verify_costs": [common_pb2.StepCost(batch=b, rows=r, seconds=t) for b, r, t in c.as_rows("verify")],
+            "draft_costs": [common_pb2.StepCost(batch=b, rows=r, seconds=t) for b, r, t in c.as_rows("draft")],
+            "network_s": c.network_s}
+
+
 def _kv_pb(kv) -> gateway_pb2.KvBlocks:
     return gateway_pb2.KvBlocks(paged=kv.paged, num_blocks=kv.num_blocks, free_blocks=kv.free_blocks, block_size=kv.block_size)
 
@@ -93,7 +106,7 @@ async def run(gw: Gateway, args) -> int:
             max_num_seqs=gw.max_num_seqs, max_queue=gw.max_queue, vocab_size=gw.limits.vocab_size,
             eos_token_ids=gw.eos_token_ids, drafter_up=gw.decoder.drafter_up,
             num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
-            services=services,
+            services=services, **_costs_fields(gw.decoder),
         )
 
     servicer = GatewayServicer(scheduler, gw.tokenizer, gw.limits, server_info)
@@ -198,8 +211,12 @@ def build_split(args) -> Gateway:
     k = args.num_speculative_tokens
     if k is None:
         k = 0 if drafter is None else default_k_for(draft_model)
-    spec = SpecConfig(num_speculative_tokens=k, disable_by_batch_size=disable_by_batch_size(args, vinfo.device))
-    decoder = SpecDecoder(verifier, drafter if k > 0 else None, spec, max_model_len=vinfo.max_model_len)
+    spec = SpecConfig(num_speculative_tokens=k, disable_by_batch_size=disable_by_batch_size(args, vinfo.device),
+                      draft_model_tokens=args.draft_model_tokens, k_policy=args.k_policy)
+    costs = None
+    if spec.k_policy == "auto" and drafter is not None and k > 0:
+        costs = _split_costs(verifier, drafter, vinfo, dinfo if draft_model else None, args.verifier_timeout)
+    decoder = SpecDecoder(verifier, drafter if k > 0 else None, spec, max_model_len=vinfo.max_model_len, costs=costs)
     if decoder.drafter is None:
         kv = [b for b in kv if b.name != "drafter"]
     max_num_seqs = args.max_num_seqs
@@ -228,6 +245,26 @@ def build_split(args) -> Gateway:
         services=services, timing_sources=[c for c in (verifier, drafter) if c is not None],
         kv=kv, verifier_reachable=verifier_reachable,
     )
+
+
+def _split_costs(verifier, drafter, vinfo, dinfo, timeout: float) -> StepCosts | None:
+    """The engines' calibrated costs (from GetInfo) plus the network: the median round trip of an
+    engine call on this link, added to each verify and each propose call by the K policy. Without
+    the verifier's costs (an older verifier) the policy is off and K stays fixed."""
+    if not vinfo.step_costs:
+        log.warning("gateway: the verifier reports no step costs; speculation uses a fixed K")
+        return None
+    trips = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        verifier.info(timeout=timeout)
+        trips.append(time.perf_counter() - t0)
+    costs = StepCosts(verify={(c.batch, c.rows): c.seconds for c in vinfo.step_costs},
+                      draft={c.batch: c.seconds for c in (dinfo.step_costs if dinfo is not None else [])},
+                      network_s=statistics.median(trips))
+    log.info("gateway: K policy on; step costs %s; network %.2f ms per engine call", costs.describe(),
+             1e3 * costs.network_s)
+    return costs
 
 
 def run_split(args) -> int:

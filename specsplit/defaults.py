@@ -12,18 +12,24 @@ DEFAULT_K_MODEL = 2
 DEFAULT_K_HYBRID = 3  # MODEL+ngram: lookup drafts up to 3, the model DEFAULT_DRAFT_MODEL_TOKENS
 DEFAULT_DRAFT_MODEL_TOKENS = 1
 DEFAULT_K_NGRAM = 4
-DISABLE_BY_BATCH_SIZE_CPU = 1  # measured: `specsplit bench` concurrency sweep (README)
+DISABLE_BY_BATCH_SIZE_CPU = 1  # with --k-policy fixed; measured: `specsplit bench` concurrency sweep (README)
 DISABLE_BY_BATCH_SIZE_OTHER = 0  # never: on a GPU the verify pass stays memory-bound far longer
+K_POLICIES = ("auto", "fixed")
+DEFAULT_K_POLICY = "auto"  # K per step from calibrated costs and acceptance (specsplit/k_policy.py)
 
 
-def default_disable_by_batch_size(target_device: str | None) -> int:
-    """The threshold a server uses when --disable-by-batch-size is not given."""
+def default_disable_by_batch_size(target_device: str | None, k_policy: str = DEFAULT_K_POLICY) -> int:
+    """The threshold a server uses when --disable-by-batch-size is not given: none with the K
+    policy (it turns speculation off where it cannot pay); with a fixed K, 1 on a CPU."""
+    if k_policy == "auto":
+        return 0
     return DISABLE_BY_BATCH_SIZE_CPU if (target_device or "cpu").startswith("cpu") else DISABLE_BY_BATCH_SIZE_OTHER
 
 
 def disable_by_batch_size(args, target_device: str | None) -> int:
     value = getattr(args, "disable_by_batch_size", None)
-    return default_disable_by_batch_size(target_device) if value is None else value
+    policy = getattr(args, "k_policy", None) or DEFAULT_K_POLICY
+    return default_disable_by_batch_size(target_device, policy) if value is None else value
 
 
 def default_k_for(draft: str | None) -> int:
@@ -42,7 +48,8 @@ def spec_config(args, draft: str | None):
     if k is None:
         k = default_k_for(draft)
     return SpecConfig(num_speculative_tokens=k, disable_by_batch_size=disable_by_batch_size(args, getattr(args, "device", None)),
-                      draft_model_tokens=getattr(args, "draft_model_tokens", DEFAULT_DRAFT_MODEL_TOKENS))
+                      draft_model_tokens=getattr(args, "draft_model_tokens", DEFAULT_DRAFT_MODEL_TOKENS),
+                      k_policy=getattr(args, "k_policy", None) or DEFAULT_K_POLICY)
 
 
 def engine_config(args, model: str, device: str | None = None):

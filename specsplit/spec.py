@@ -18,16 +18,18 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
+from specsplit.calibration import StepCosts
 from specsplit.config import SpecConfig
+from specsplit.k_policy import Acceptance, KPolicy
 from specsplit.protocols import (
     Drafter,
     ProposeRequest,
-    QRow,
     RowRequest,
     SeqAdd,
     StepStats,
@@ -46,6 +48,7 @@ class _Track:
     tokens: list[int]  # prompt + every emitted token
     unsent: list[int] = field(default_factory=list)  # emitted, not yet sent to the drafter
     on_drafter: bool = False
+    acceptance: Acceptance = field(default_factory=Acceptance)  # per position, for the K policy
 
 
 @dataclass
@@ -54,6 +57,7 @@ class StepOutput:
     stats: StepStats
     speculated: bool
     drafts: dict[str, tuple[int, int]] = field(default_factory=dict)  # seq_id -> (proposed, accepted)
+    k: int = 0  # drafts asked per sequence this step (the K policy's choice, or the fixed K)
 
 
 class SpecDecoder:
@@ -65,6 +69,7 @@ class SpecDecoder:
         max_model_len: int = 2048,
         drafter_retry_s: float = 1.0,
         clock=time.monotonic,
+        costs: StepCosts | None = None,
     ):
         self.verifier = verifier
         self.drafter = drafter
@@ -75,7 +80,14 @@ class SpecDecoder:
         self._drafter_down_since: float | None = None
         self._next_drafter_try = 0.0
         self._drafter_stale: set[str] = set()  # may still be on the drafter since it failed
+        self._hold_next: set[str] = set()  # abandoned this step: target-only next step
+        self._hold_now: set[str] = set()  # abandoned last step: no proposal verified this step
         self.tracks: dict[str, _Track] = {}
+        self.policy: KPolicy | None = None
+        self.k_chosen: Counter[int] = Counter()  # steps per K drafted (0: speculation off that step)
+        if costs is not None and costs.verify and spec.k_policy == "auto":
+            hybrid = spec.draft_model_tokens if getattr(drafter, "is_hybrid", False) else None
+            self.policy = KPolicy(costs, spec.num_speculative_tokens, hybrid)
 
     # ---- lifecycle -----------------------------------------------------------------------
     @property
@@ -120,9 +132,14 @@ class SpecDecoder:
         self._maybe_resync_drafter()
         speculate = self.drafter_up and self.spec.enabled_for(len(ids))
         proposals = {}
+        k_step = 0
+        if speculate:
+            k_step = self._choose_k(ids)
+            speculate = k_step > 0
+        self.k_chosen[k_step] += 1
         if speculate:
             t0 = time.perf_counter()
-            proposals = self._propose(ids, budgets or {})
+            proposals = self._propose(ids, budgets or {}, k_step)
             stats.draft_s = time.perf_counter() - t0
             speculate = bool(proposals)
 
@@ -150,20 +167,34 @@ class SpecDecoder:
             if track.on_drafter:
                 track.unsent.extend(emitted)
             drafts[res.seq_id] = (len(req.draft_token_ids), res.num_accepted)
+            if req.draft_token_ids:
+                track.acceptance.update(len(req.draft_token_ids), res.num_accepted)
             stats.proposed += len(req.draft_token_ids)
             stats.accepted += res.num_accepted
             for j in range(res.num_accepted):
                 stats.accepted_per_position[j] += 1
-        return StepOutput(out, stats, speculate, drafts)
+        return StepOutput(out, stats, speculate, drafts, k_step if speculate else 0)
 
-    def _propose(self, ids: list[str], budgets: dict[str, int]):
+    def _choose_k(self, ids: list[str]) -> int:
+        """The K of this step: the policy's over the sequences that speculate, else the fixed K."""
+        live = [self.tracks[s] for s in ids if self.tracks[s].on_drafter and self.tracks[s].k > 0]
+        if not live:
+            return 0
+        if self.policy is None:
+            return max(t.k for t in live)
+        # Sequences that do not speculate still take a row in the verify forward.
+        others = [Acceptance(prior_rate=0.0, prior_weight=1.0)] * (len(ids) - len(live))
+        return self.policy.choose([t.acceptance for t in live] + others,
+                                  [t.k for t in live] + [0] * len(others))
+
+    def _propose(self, ids: list[str], budgets: dict[str, int], k_step: int):
         reqs = []
         for s in ids:
             t = self.tracks[s]
             if not t.on_drafter or t.k <= 0:
                 continue
             room = self.max_model_len - len(t.tokens) - 1
-            k = min(t.k, room, budgets.get(s, t.k + 1) - 1)
+            k = min(t.k, k_step, room, budgets.get(s, t.k + 1) - 1)
             if k <= 0:
                 continue
             reqs.append(ProposeRequest(s, tuple(t.unsent), k))
@@ -189,6 +220,8 @@ class SpecDecoder:
         vocab = getattr(self.verifier, "vocab_size", None)
         out = {}
         for p in proposals:
+            if p.seq_id in self._hold_now:  # its last step was abandoned: one step target-only
+                continue
             why = _proposal_problem(p, asked, vocab, self.tracks)
             if why is None:
                 out[p.seq_id] = p
@@ -212,7 +245,7 @@ class SpecDecoder:
             return results
         why = _rows_problem(fetch, rows, getattr(self.verifier, "vocab_size", None))
         if why is not None:
-            log.warning("drafter sent bad q rows (%s)", why)
+            self._drafter_failed(ValueError(f"it sent unusable q rows: {why}"))
             return self._abandon_sampled(results, proposals, "the drafter's q rows were unusable")
         resolved = {r.seq_id: r for r in self.verifier.resolve(rows)}
         return [resolved.get(r.seq_id, r) for r in results]
@@ -234,14 +267,18 @@ class SpecDecoder:
         exactly the ones before the step, and the next step (target-only while the drafter is
         down) samples the position from p. Re-using the position-keyed uniforms of the abandoned
         step is as good as fresh, because nothing kept depends on them (specsplit.sampling.rng).
-        Greedy sequences and deterministic (n-gram) drafts never need q rows: their results stand.
+        Greedy and coupled (seeded) sequences never need q rows: their results stand.
         """
-        drop = {sid for sid, p in proposals.items() if p.token_ids and not self.tracks[sid].add.params.greedy}
+        drop = {sid for sid, p in proposals.items()
+                if p.token_ids and not (self.tracks[sid].add.params.greedy or self.tracks[sid].add.params.coupled)}
         drop |= {r.seq_id for r in results if r.pending_position is not None}
         if not drop:
             return results
         log.warning("%s; %d sampled sequences discard this step (exact fallback) and resample it", why, len(drop))
         self.verifier.abandon(sorted(drop))
+        # Their next step is target-only (whatever the drafter does), so each makes progress even
+        # if the drafter keeps losing its rows; that choice, too, ignores the step's outcome.
+        self._hold_next |= drop
         return [VerifyResult(r.seq_id, 0, ()) if r.seq_id in drop else r for r in results]
 
     # ---- drafter health ------------------------------------------------------------------
@@ -260,7 +297,9 @@ class SpecDecoder:
             t.unsent = []
 
     def _maybe_resync_drafter(self) -> None:
-        """After a drafter failure, give it every running sequence again once it answers."""
+        """After a drafter failure, give it every running sequence again once it answers.
+        (Called at the start of every step: it also moves the abandoned sequences' hold on.)"""
+        self._hold_now, self._hold_next = self._hold_next, set()
         if self.drafter is None or self._drafter_down_since is None or self._clock() < self._next_drafter_try:
             return
         want = [t for t in self.tracks.values() if t.k > 0]
@@ -294,8 +333,9 @@ def _proposal_problem(p, asked: dict[str, int], vocab: int | None, tracks: dict[
         bad = [t for t in p.token_ids if not 0 <= t < vocab]
         if bad:
             return f"token ids {bad[:3]} outside the vocabulary [0, {vocab})"
-    if p.probs is not None or not tracks[p.seq_id].add.params.greedy:
-        if n and (p.probs is None or len(p.probs) != n):
+    params = tracks[p.seq_id].add.params
+    if p.probs is not None or not (params.greedy or params.coupled):
+        if n and (p.probs is None or len(p.probs) != n) and not params.coupled:
             return f"{0 if p.probs is None else len(p.probs)} q(x) values for {n} drafts"
         if p.probs is not None and not all(math.isfinite(q) and 0.0 < q <= 1.0 for q in p.probs):
             return "q(x) values not all finite numbers in (0, 1]"

@@ -7,7 +7,7 @@ import re
 # The defaults and the namespace -> config conversions live one layer down, in specsplit.defaults,
 # so the services and the gateway use them without importing the CLI; re-exported here for the parsers.
 from specsplit.defaults import (DEFAULT_DRAFT_MODEL_TOKENS, DEFAULT_K_HYBRID, DEFAULT_K_MODEL, DEFAULT_K_NGRAM,  # noqa: F401
-                                DISABLE_BY_BATCH_SIZE_CPU, DISABLE_BY_BATCH_SIZE_OTHER, default_disable_by_batch_size,
+                                DISABLE_BY_BATCH_SIZE_CPU, DISABLE_BY_BATCH_SIZE_OTHER, DEFAULT_K_POLICY, K_POLICIES, default_disable_by_batch_size,
                                 default_k_for, disable_by_batch_size, engine_config, spec_config)
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
@@ -60,14 +60,19 @@ def add_engine_flags(p: argparse.ArgumentParser, device_flag: str = "--device") 
 def add_spec_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculation")
     g.add_argument("--num-speculative-tokens", type=nonneg_int, default=None,
-                   help="draft tokens per step (default: 2 for a model draft or MODEL+ngram, 4 for n-gram)")
+                   help="draft tokens per step; with --k-policy auto the most per step (default: 2 for a model "
+                        "draft, 3 for MODEL+ngram, 4 for n-gram)")
+    g.add_argument("--k-policy", choices=K_POLICIES, default=DEFAULT_K_POLICY,
+                   help="auto: each step drafts the K (0 included) that maximizes expected tokens/s from the "
+                        "engines' calibrated step costs and each request's acceptance; fixed: always "
+                        "--num-speculative-tokens (default %(default)s)")
     g.add_argument("--draft-model-tokens", type=nonneg_int, default=DEFAULT_DRAFT_MODEL_TOKENS,
                    help="with --draft MODEL+ngram: the model drafts at most N of the K tokens, prompt lookup up "
                         "to K (0 = K; default %(default)s)")
     g.add_argument("--disable-by-batch-size", type=nonneg_int, default=None,
-                   help="decode target-only while more than N sequences run (0 = never); default: 1 when the "
-                        "target runs on a CPU (there speculation stopped paying from 2 concurrent sequences, see "
-                        "README 'Benchmarks'), else 0")
+                   help="decode target-only while more than N sequences run (0 = never), an operator's hard "
+                        "limit; default 0 with --k-policy auto; with --k-policy fixed, 1 when the target runs on "
+                        "a CPU (there a fixed K stopped paying from 2 concurrent sequences, README 'Benchmarks')")
 
 
 def add_server_flags(p: argparse.ArgumentParser, default_port: int) -> None:

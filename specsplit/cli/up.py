@@ -56,7 +56,8 @@ def _engine_flags(args, device: str) -> list[str]:
 def _spec_flags(args) -> list[str]:
     # K decided here from the draft argument, so the gateway need not wait for the drafter to learn it.
     k = spec_config(args, args.draft).num_speculative_tokens
-    out = ["--num-speculative-tokens", str(k), "--draft-model-tokens", str(args.draft_model_tokens)]
+    out = ["--num-speculative-tokens", str(k), "--draft-model-tokens", str(args.draft_model_tokens),
+           "--k-policy", args.k_policy]
     if args.disable_by_batch_size is not None:  # else the gateway picks the default for the verifier's device
         out += ["--disable-by-batch-size", str(args.disable_by_batch_size)]
     return out

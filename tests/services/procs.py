@@ -25,7 +25,7 @@ TINY_ENGINE = ["--max-model-len", "256", "--max-prefill-tokens", "128", "--threa
 # The stacks test speculation at every batch size: the CPU default (speculate only for a lone
 # sequence) would switch it off as soon as two requests overlap. A fixture's own value comes later
 # on the command line and wins.
-SPECULATE_ALWAYS = ["--disable-by-batch-size", "0"]
+SPECULATE_ALWAYS = ["--disable-by-batch-size", "0", "--k-policy", "fixed"]  # tiny drafts cost what the target does: the policy would pick K=0
 
 
 def free_port() -> int:
