@@ -196,7 +196,7 @@ class Bench:
 
         policy_k = default_k_for(self.served_draft)
         policy_colo = build_colocated(self._cfg(a.target, dtype), self._cfg(self.served_draft, dtype),
-                                      SpecConfig(num_speculative_tokens=policy_k), show_progress=False)
+                                      SpecConfig(num_speculative_tokens=policy_k, k_policy="auto"), show_progress=False)
         model_draft = draft if draft not in (None, "ngram") else None
         if model_draft is not None:
             self.costs = measure_costs(colos[model_draft], prompts[0], self.ks)
@@ -265,7 +265,8 @@ class Bench:
         try:
             with specsplit_up(a.target, draft, dtype=dtype, max_model_len=cfg.max_model_len,
                               max_num_seqs=cfg.max_num_seqs, num_speculative_tokens=max(self.split_ks),
-                              threads=a.threads, extra=["--max-prefill-tokens", str(cfg.max_prefill_tokens)]) as up:
+                              threads=a.threads, extra=["--max-prefill-tokens", str(cfg.max_prefill_tokens),
+                                                          "--k-policy", "fixed"]) as up:
                 for k in self.split_ks:
                     split, paired = run_split_paired(
                         f"specsplit split grpc {draft} K={k}", f"specsplit colocated {draft} K={k} (paired with split)",
@@ -301,7 +302,7 @@ class Bench:
             False: build_colocated(self._cfg(a.target, dtype, top), None, SpecConfig(num_speculative_tokens=0),
                                    show_progress=False),
             True: build_colocated(self._cfg(a.target, dtype, top), self._cfg(draft, dtype, top),
-                                  SpecConfig(num_speculative_tokens=k, disable_by_batch_size=threshold),
+                                  SpecConfig(num_speculative_tokens=k, disable_by_batch_size=threshold, k_policy="auto"),
                                   show_progress=False),
         }
         for spec_on, colo in colos.items():

@@ -43,8 +43,15 @@ def test_bench_quick_json(tmp_path, tiny_llama, tiny_draft_close):
     assert all(a["same_tokens_as_target_only"] is True for a in arms
                if a["arm"].startswith("specsplit colocated") and a.get("mode") is None)
     assert all(a["same_tokens_as_hf"] is True for a in arms if a["suite"] == "target" and "native" in a["arm"])
-    spec = [a for a in arms if a["arm"].startswith("specsplit colocated") and a.get("draft") != "ngram"]
+    spec = [a for a in arms if a["arm"].startswith("specsplit colocated") and a.get("draft") != "ngram"
+            and a.get("role") != "policy"]
     assert spec and all("speedup_vs_target_only" in a and "predicted_speedup" in a for a in spec)
+    # the K policy arm: calibrated at start-up, the K it chose per step reported
+    (policy,) = [a for a in arms if a.get("role") == "policy"]
+    assert policy["calibration"] and "B=1" in policy["calibration"]
+    assert sum(policy["k_chosen"].values()) > 0 and policy["same_tokens_as_target_only"] is True
+    sweep = [a for a in arms if a["suite"] == "concurrency" and a["speculation"]]
+    assert sweep and all("k_chosen" in a and "speedup_vs_target_only" in a for a in sweep)
     assert {"c", "v", "target_step_ms"} <= set(report["costs"])
 
     # The split arm runs the served draft (MODEL+ngram unless --no-hybrid): K = the quick ks' first
