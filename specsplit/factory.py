@@ -281,7 +281,13 @@ def build_colocated(
     """Target (+ draft) in this process. On one device the two share the target's budget flags.
 
     The tokenizer is loaded inside the measured window, so on CPU its memory is part of the
-    verifier's non-torch bytes."""
+    verifier's non-torch bytes. target.extra["tensor_parallel_size"] > 1: a tensor-parallel
+    target (specsplit.parallel.colocated)."""
+    tp = int(target.extra.get("tensor_parallel_size", 1) or 1)
+    if tp > 1:
+        from specsplit.parallel.colocated import build_colocated_tp
+
+        return build_colocated_tp(target, draft, spec, tp, show_progress)
     tokenizer = []
     draft, hybrid = _without_lookup(draft)
     plan, t, d = _plan_models(target, draft, spec, joint=True, show_progress=show_progress,

@@ -186,4 +186,5 @@ def engine_config(args, model: str, device: str | None = None):
         num_blocks=args.num_blocks,
         memory_budget_bytes=args.memory_budget,
         memory_utilization=args.memory_utilization,
+        extra={"tensor_parallel_size": getattr(args, "tensor_parallel_size", 1)},
     )

@@ -87,7 +87,7 @@ class TPMemoryPlan(MemoryPlan):
 
 def build_rank(cfg: EngineConfig, spec: SpecConfig, rank: int, world: int, startup_group, compute_group,
                show_progress: bool = False):
-    """(TargetEngine over this rank's shard and cache, TPMemoryPlan) on every rank."""
+    """(TargetEngine over this rank's shard and cache, TPMemoryPlan, the LoadedModel) on every rank."""
     from specsplit.factory import VERIFIER, _allocate, _profile_steps, _Service, check_model_len, kv_shape, load_for
     from specsplit.parallel.tensor_parallel import check_shardable, shard_model
 
@@ -126,4 +126,4 @@ def build_rank(cfg: EngineConfig, spec: SpecConfig, rank: int, world: int, start
     engine = _allocate(t, mine)
     tp_plan = TPMemoryPlan(joint=False, budget_bytes=sum(p["budget_bytes"] for p in plans),
                            services={VERIFIER: mine}, method=plan.method, ranks=plans)
-    return engine, tp_plan
+    return engine, tp_plan, t.loaded

@@ -91,6 +91,7 @@ class TPGroup:
         self.failed: str | None = None
         self.on_failure: list = []
         self.closed = False
+        self.loaded = None  # rank 0's LoadedModel (its config is rank 0's shard's)
         self._lock = threading.Lock()
         self._watch: threading.Thread | None = None
 
@@ -116,7 +117,7 @@ class TPGroup:
                 group.conns.append(conn)
             group._start_watch()
             startup, compute = init_groups(backend, init_method, 0, world)
-            engine, plan = build_rank(cfg, spec, 0, world, startup, compute, show_progress)
+            engine, plan, group.loaded = build_rank(cfg, spec, 0, world, startup, compute, show_progress)
         except BaseException:
             group.close()
             raise
@@ -239,7 +240,7 @@ def worker_main(fd: int) -> int:
     from specsplit.parallel.build import build_rank
 
     startup, compute = init_groups(backend_for(cfg.device), init_method, rank, world)
-    engine, _ = build_rank(cfg, spec, rank, world, startup, compute)
+    engine, _, _ = build_rank(cfg, spec, rank, world, startup, compute)
     model, kv = engine.runner.model, engine.runner.kv
     log.info("tensor-parallel worker rank %d/%d ready (pid %d)", rank, world, os.getpid())
     while True:

@@ -130,3 +130,40 @@ def test_no_worker_outlives_the_verifier(tmp_path, tiny_llama, how):
         assert_gone(workers, within_s=10)
     finally:
         v.stop()
+
+
+def test_serve_tp2_colocated_greedy_and_no_worker_left(tmp_path, tiny_llama, tiny_draft_close, prompts, expect_greedy):
+    """`specsplit serve --tensor-parallel-size 2`: the colocated server with a 2-rank target and a
+    model draft; greedy == target alone; the plan lists both ranks and the drafter; SIGTERM stops all."""
+    port = free_port()
+    serve = ServiceProcess("serve-tp", ["serve", "--target", str(tiny_llama), "--draft", str(tiny_draft_close),
+                                        "--port", str(port), "--max-num-seqs", "4", "--tensor-parallel-size", "2",
+                                        *TINY_ENGINE, *SPECULATE_ALWAYS], tmp_path, port)
+    try:
+        serve.wait_serving(180)
+        workers = tp_workers(serve.proc.pid)
+        assert len(workers) == 1
+        outs = [generate(serve.address, request(ids, max_tokens=16, ignore_eos=True)) for ids in prompts[:3]]
+        for ids, out in zip(prompts[:3], outs):
+            expect_greedy(ids, out["token_ids"], 16, ignore_eos=True)
+        assert sum(o["usage"]["accepted_draft_tokens"] for o in outs) > 0
+        from tests.services.procs import server_info
+
+        services = {s.name: json.loads(s.memory_plan_json) for s in server_info(serve.address).services}
+        assert len(services["verifier"]["tensor_parallel"]["ranks"]) == 2 and "drafter" in services["verifier"]["services"]
+        assert serve.stop() == 0
+        assert_gone(workers)
+    finally:
+        serve.stop()
+
+
+def test_up_passes_the_size_to_the_verifier_only():
+    from specsplit.cli import build_parser
+    from specsplit.cli.up import commands
+
+    args = build_parser().parse_args(["up", "--target", "t", "--draft", "ngram", "--tensor-parallel-size", "2"])
+    cmds = commands(args, 1, 2)
+    v = cmds["verifier"]
+    assert v[v.index("--tensor-parallel-size") + 1] == "2"
+    assert "--tensor-parallel-size" not in cmds["drafter"] and "--tensor-parallel-size" not in cmds["gateway"]
+    assert "--tensor-parallel-size" not in commands(build_parser().parse_args(["up", "--target", "t", "--draft", "ngram"]), 1, 2)["verifier"]
