@@ -11,6 +11,10 @@ from tests.helpers.tiny_models import write_tiny_model
 
 # Keep each test process to the cores CI has; many tests start several processes.
 torch.set_num_threads(int(os.environ.get("SPECSPLIT_TEST_THREADS", "1")))
+# The CPU kernel choice by row count without timing (specsplit/models/cpu_linear.py): the same in
+# every test process and every service it starts, so no comparison depends on load-time timings.
+# tests/unit/models/test_cpu_linear.py tests the timed policy itself.
+os.environ.setdefault("SPECSPLIT_LINEAR_KERNEL", "static")
 
 
 @pytest.fixture(scope="session")

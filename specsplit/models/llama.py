@@ -6,6 +6,7 @@ time (weights are concatenated once), which matters on CPUs where per-op overhea
 """
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -13,31 +14,60 @@ import torch.nn.functional as F
 from torch import nn
 
 from specsplit.config import ModelConfig
-from specsplit.models import cpu_packing
+from specsplit.models import cpu_linear
 from specsplit.kv.paged_cache import PagedKVCache
 from specsplit.models.attention import BatchMetadata, paged_attention, store_kv
 
+log = logging.getLogger(__name__)
+
 
 class Linear(nn.Linear):
-    """nn.Linear whose weight can be swapped for a oneDNN-prepacked copy (CPU bf16, see
-    cpu_packing); the dense weight is then freed and `dense_weight()` rebuilds it on demand."""
+    """nn.Linear that may also hold a oneDNN-prepacked copy of its weight and a rows -> kernel
+    table (see cpu_linear); the copy a table never uses is freed, and `dense_weight()` rebuilds
+    the dense weight on demand."""
 
     packed: torch.Tensor | None = None
+    kernels: cpu_linear.RowKernels | None = None  # None: dense, or packed-only when packed is set
 
-    def pack(self) -> int:
-        """Prepack the weight; returns the bytes now held outside tracked storages."""
-        self.packed = cpu_packing.pack(self.weight)
-        shape, dtype = self.weight.shape, self.weight.dtype
-        self.weight = nn.Parameter(torch.empty(0, dtype=dtype, device=self.weight.device), requires_grad=False)
-        return cpu_packing.untracked_bytes(shape, dtype)
+    def pack(self) -> None:
+        self.packed = cpu_linear.pack(self.weight)
+
+    def keep(self, table: cpu_linear.RowKernels) -> int:
+        """Use `table`; free the copy it never uses. Returns the packed bytes kept."""
+        self.kernels = table
+        if cpu_linear.DENSE not in table.uses:
+            shape, dtype = self.weight.shape, self.weight.dtype
+            self.weight = nn.Parameter(torch.empty(0, dtype=dtype, device=self.weight.device), requires_grad=False)
+            return cpu_linear.untracked_bytes(shape, dtype)
+        if cpu_linear.PACKED not in table.uses:
+            self.packed = None
+            return 0
+        return cpu_linear.untracked_bytes(self.weight.shape, self.weight.dtype)
 
     def dense_weight(self) -> torch.Tensor:  # [out, in]
-        return self.weight if self.packed is None else self.packed.to_dense()
+        return self.weight if self.weight.numel() or self.packed is None else self.packed.to_dense()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        if self.packed is None:
-            return F.linear(x, self.weight, self.bias)
-        return cpu_packing.linear(x, self.packed, self.bias)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out]
+        if self.packed is not None and (self.kernels is None or self.kernels.kernel(x.shape[0]) == cpu_linear.PACKED):
+            return cpu_linear.packed_linear(x, self.packed, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+class _Head:
+    """The LM head as the forward runs it: the matrix [V or vocab subset, hidden] dense, packed,
+    or both, with its rows -> kernel table. Not a module: for a tied head the dense matrix IS the
+    embedding, which must not appear twice in state_dict or the memory count."""
+
+    def __init__(self, dense: torch.Tensor, owns_dense: bool):
+        self.dense: torch.Tensor | None = dense
+        self.owns_dense = owns_dense  # False: the tied embedding or lm_head's own weight
+        self.packed: torch.Tensor | None = None
+        self.kernels: cpu_linear.RowKernels | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V or subset]
+        if self.packed is not None and (self.kernels is None or self.kernels.kernel(x.shape[0]) == cpu_linear.PACKED):
+            return cpu_linear.packed_linear(x, self.packed, None)
+        return F.linear(x, self.dense)
 
 
 class RMSNorm(nn.Module):
@@ -165,44 +195,87 @@ class LlamaForCausalLM(nn.Module):
         self.rope = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings, device)
         self.vocab_subset: torch.Tensor | None = None  # [N] int64 sorted token ids
         self._subset_head: torch.Tensor | None = None  # [N, hidden]
-        self._packed_head: torch.Tensor | None = None  # the head actually used, prepacked (CPU bf16)
+        self._head: _Head | None = None  # set by select_kernels(): the head with its kernel table
+        self.kernel_tables: dict[str, cpu_linear.RowKernels] = {}  # "qkv 960x576" -> rows -> kernel
         self.untracked_weight_bytes = 0  # bytes of prepacked weights (opaque to storage tracking)
         self.requires_grad_(False)
 
-    def prepack(self) -> bool:
-        """Prepack every linear layer and the head for the CPU where that applies (bf16 with
-        oneDNN); a no-op elsewhere. The tied embedding stays dense for lookups, so the head gets
-        its own packed copy. Returns whether anything was packed."""
-        if not cpu_packing.supported(self.device, self.dtype) or self._packed_head is not None:
+    def select_kernels(self, policy: str | None = None) -> bool:
+        """Choose each linear layer's and the head's CPU kernel by row count (see cpu_linear),
+        packing weights where a table uses the packed kernel. A no-op off the CPU or where
+        oneDNN cannot pack this dtype. Returns whether anything was packed."""
+        policy = policy or cpu_linear.policy()
+        if policy == cpu_linear.DENSE or not cpu_linear.supported(self.device, self.dtype) or self._head is not None:
             return False
+        groups: dict[str, list[Linear]] = {}
+        names = {"qkv_proj": "qkv", "o_proj": "o", "gate_up_proj": "gate_up", "down_proj": "down"}
+        for layer in self.layers:
+            for attr, short in names.items():
+                m = getattr(layer, attr)
+                groups.setdefault(f"{short} {m.out_features}x{m.in_features}", []).append(m)
+        for ms in groups.values():
+            for m in ms:
+                m.pack()
+        head = self._make_head()
+        head.packed = cpu_linear.pack(head.dense)
         total = 0
-        for m in self.modules():
-            if isinstance(m, Linear) and m is not self.lm_head:
-                total += m.pack()
-        total += self._pack_head()
+        for name, ms in groups.items():
+            table = self._table(policy, [m.weight for m in ms], [m.packed for m in ms])
+            self.kernel_tables[name] = table
+            total += sum(m.keep(table) for m in ms)
+        table = self._table(policy, [head.dense], [head.packed])
+        self.kernel_tables[f"head {head.dense.shape[0]}x{head.dense.shape[1]}"] = table
+        head.kernels = table
+        if cpu_linear.PACKED not in table.uses:
+            head.packed = None
+        else:
+            total += cpu_linear.untracked_bytes(head.dense.shape, head.dense.dtype)
+            if cpu_linear.DENSE not in table.uses and self.lm_head is not None and not head.owns_dense:
+                self.lm_head.packed = head.packed  # untied: lm_head keeps only the packed copy
+                self.lm_head.keep(table)
+                head.dense = None
+            elif cpu_linear.DENSE not in table.uses and head.owns_dense:
+                head.dense = None  # the draft's subset head: only the packed copy is used
+                self._subset_head = None
+        self._head = head
         self.untracked_weight_bytes = total
-        return True
+        self._warm_packed(groups, head)
+        log.info("CPU linear kernels (%s, %s): %s", policy, str(self.dtype).replace("torch.", ""),
+                 "; ".join(f"{n}: {t.describe()}" for n, t in self.kernel_tables.items()))
+        return any(cpu_linear.PACKED in t.uses for t in self.kernel_tables.values())
 
-    def _pack_head(self) -> int:
-        if self._subset_head is not None:  # a draft's FR-Spec head: only the packed copy is used
-            head = self._subset_head
-            self._packed_head = cpu_packing.pack(head)
-            self._subset_head = None
-            return cpu_packing.untracked_bytes(head.shape, head.dtype)
-        if self.lm_head is not None:  # untied: the head's own weight is packed in place
-            n = self.lm_head.pack()
-            self._packed_head = self.lm_head.packed
-            return n
-        head = self.embed_tokens.weight  # tied: stays dense for lookups, the head is a packed copy
-        self._packed_head = cpu_packing.pack(head)
-        return cpu_packing.untracked_bytes(head.shape, head.dtype)
+    def _warm_packed(self, groups: dict[str, list[Linear]], head: _Head) -> None:
+        """Call every packed kernel once at each row count its table gives it: oneDNN builds and
+        caches one primitive (with its scratchpad) per shape, and doing it now puts that memory
+        inside the load the memory profiler measures instead of growing it while serving."""
+        targets = [(ms[0].packed, ms[0].kernels, ms[0].in_features) for ms in groups.values() if ms[0].packed is not None]
+        if head.packed is not None:
+            targets.append((head.packed, head.kernels, self.cfg.hidden_size))
+        for packed, table, in_features in targets:
+            for m in range(1, cpu_linear.CALIBRATION_ROWS[-1] + 1):
+                if table is None or table.kernel(m) == cpu_linear.PACKED:
+                    cpu_linear.packed_linear(torch.zeros(m, in_features, dtype=self.dtype), packed, None)
+
+    def _table(self, policy: str, dense: list[torch.Tensor], packed: list[torch.Tensor]) -> cpu_linear.RowKernels:
+        if policy == cpu_linear.PACKED:
+            return cpu_linear.RowKernels.single(cpu_linear.PACKED)
+        if policy == "static":
+            return cpu_linear.static_table(self.dtype)
+        return cpu_linear.calibrate(dense, packed)
+
+    def _make_head(self) -> _Head:
+        if self._subset_head is not None:  # a draft's FR-Spec head: its own copy of some rows
+            return _Head(self._subset_head, owns_dense=True)
+        if self.lm_head is not None:
+            return _Head(self.lm_head.weight, owns_dense=False)
+        return _Head(self.embed_tokens.weight, owns_dense=False)  # tied: the embedding stays dense
 
     def set_vocab_subset(self, token_ids: torch.Tensor | None) -> None:
         if token_ids is None:
             self.vocab_subset = self._subset_head = None
             return
-        if self._packed_head is not None:
-            raise RuntimeError("set the vocabulary subset before prepack()")
+        if self._head is not None:
+            raise RuntimeError("set the vocabulary subset before select_kernels()")
         ids = token_ids.to(device=self.device, dtype=torch.int64)
         self.vocab_subset = ids
         self._subset_head = self.head_weight()[ids].contiguous()
@@ -210,9 +283,9 @@ class LlamaForCausalLM(nn.Module):
     def head_weight(self) -> torch.Tensor:  # [V, hidden]
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.dense_weight()
 
-    def _head(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V or subset] float32
-        if self._packed_head is not None:
-            return cpu_packing.linear(x, self._packed_head, None).float()
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V or subset] float32
+        if self._head is not None:
+            return self._head(x).float()
         head = self._subset_head if self._subset_head is not None else self.head_weight()
         return F.linear(x, head).float()
 
@@ -226,8 +299,8 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, rope_tables, meta, k_cache, v_cache)
         x = self.norm(x[meta.logits_index])  # [N, hidden]
         if self.vocab_subset is None:
-            return self._head(x)
-        sub = self._head(x)  # [N, subset]
+            return self._logits(x)
+        sub = self._logits(x)  # [N, subset]
         logits = torch.full((x.shape[0], self.cfg.vocab_size), float("-inf"), device=x.device)
         logits[:, self.vocab_subset] = sub
         return logits

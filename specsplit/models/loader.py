@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from specsplit.config import ModelConfig
+from specsplit.kv.meters import trim_host_memory
 from specsplit.models.llama import LlamaForCausalLM
 from specsplit.models.registry import DRAFT_ALIAS, TARGET_ALIAS, resolve_model_path
 
@@ -229,8 +230,11 @@ def load_model(
         s.close()
     if subset is not None:
         model.set_vocab_subset(subset)
-    if model.prepack():  # CPU bf16: oneDNN-prepacked weights (see models/cpu_packing.py)
+    if model.select_kernels():  # CPU: kernel by row count, prepacked weights (models/cpu_linear.py)
+        # Hand the freed dense copies back to the OS now: the KV cache is sized from what the
+        # process holds after the load, so freed heap kept by malloc would be counted twice.
         gc.collect()
+        trim_host_memory()
     model.eval()
     return LoadedModel(model=model, config=cfg, hf_dir=tokenizer_dir, name=name)
 

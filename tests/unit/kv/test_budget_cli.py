@@ -24,7 +24,8 @@ def _cli() -> list[str]:
 
 
 def test_too_small_a_budget_exits_non_zero_naming_the_numbers(tiny_llama, tiny_draft_far):
-    env = dict(os.environ, SPECSPLIT_TEST_THREADS="1", OMP_NUM_THREADS="1")
+    # dense kernels only: the byte counts below are sized for one copy of each weight
+    env = dict(os.environ, SPECSPLIT_TEST_THREADS="1", OMP_NUM_THREADS="1", SPECSPLIT_LINEAR_KERNEL="dense")
     proc = subprocess.run(
         _cli() + ["profile", "--target", str(tiny_llama), "--draft", str(tiny_draft_far), "--colocated",
                   "--memory-budget", "600KiB", "--json", *SMALL],
@@ -37,7 +38,8 @@ def test_too_small_a_budget_exits_non_zero_naming_the_numbers(tiny_llama, tiny_d
     assert proc.stdout == ""
 
 
-def test_budget_below_max_model_len_exits_non_zero(tiny_llama, capsys):
+def test_budget_below_max_model_len_exits_non_zero(tiny_llama, capsys, monkeypatch):
+    monkeypatch.setenv("SPECSPLIT_LINEAR_KERNEL", "dense")  # one copy of each weight, as sized below
     # 640 KiB: the weights (~450 KiB of parameters) fit, but weights + one 512-token sequence of KV
     # (256 KiB) do not, whatever the (noisy, RSS-based) non-torch and activation terms measure.
     rc = main(["profile", "--target", str(tiny_llama), "--memory-budget", "640KiB", "--json",

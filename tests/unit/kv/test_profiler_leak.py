@@ -39,7 +39,7 @@ def _tensor_census() -> int:
     with warnings.catch_warnings():  # isinstance() on some lazily deprecated torch objects warns
         warnings.simplefilter("ignore")
         for obj in gc.get_objects():
-            if isinstance(obj, torch.Tensor):
+            if isinstance(obj, torch.Tensor) and not obj.is_mkldnn:  # packed weights have no storage
                 st = obj.untyped_storage()
                 seen[st.data_ptr()] = st.nbytes()
     return sum(seen.values())

