@@ -89,7 +89,7 @@ def build_rank(cfg: EngineConfig, spec: SpecConfig, rank: int, world: int, start
                show_progress: bool = False):
     """(TargetEngine over this rank's shard and cache, TPMemoryPlan, the LoadedModel) on every rank."""
     from specsplit.factory import VERIFIER, _allocate, _profile_steps, _Service, check_model_len, kv_shape, load_for
-    from specsplit.parallel.tensor_parallel import check_shardable, shard_model
+    from specsplit.parallel.tensor_parallel import check_shardable, shard_model, unpacked_load
 
     rcfg = rank_config(cfg, rank, world)
     t = _Service(VERIFIER, rcfg, spec.num_speculative_tokens)
@@ -97,9 +97,10 @@ def build_rank(cfg: EngineConfig, spec: SpecConfig, rank: int, world: int, start
                  startup_group)
 
     def load():
-        loaded = load_for(rcfg, show_progress and rank == 0)
+        with unpacked_load() as policy:  # dense weights to shard; kernels chosen for the shard after
+            loaded = load_for(rcfg, show_progress and rank == 0)
         check_shardable(loaded.config, world)
-        loaded.config = shard_model(loaded.model, rank, world, compute_group)
+        loaded.config = shard_model(loaded.model, rank, world, compute_group, policy)
         return loaded
 
     def load_measured():

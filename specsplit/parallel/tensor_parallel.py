@@ -16,7 +16,8 @@ Megatron-style, over a torch.distributed group of N ranks (gloo on the CPU, NCCL
 Each rank's paged KV cache then holds only its KV heads: `shard_model` returns the rank's model
 config (num_heads / num_kv_heads per rank), which is what the cache and the memory plan are
 sized from. The per-rank forward is the unchanged DecoderLayer.forward: the layer's head counts
-are set to the rank's, and o_proj / down_proj are wrapped to add the all_reduce.
+are set to the rank's, and o_proj / down_proj become RowParallelLinear (a Linear that adds the
+all_reduce). The CPU kernels (models/cpu_linear.py) are chosen for the shard's own shapes.
 
 Numerics: a row-parallel layer sums N partial dot products in another order than one rank
 would, so TP=N logits equal TP=1 logits within fp32 rounding, not bit for bit (the tests check
@@ -24,14 +25,15 @@ that, and greedy equality through tests/helpers/greedy.py).
 """
 from __future__ import annotations
 
+import contextlib
+import os
 from dataclasses import replace
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 
 from specsplit.config import ModelConfig
+from specsplit.models import cpu_linear
 from specsplit.models.llama import DecoderLayer, Linear, LlamaForCausalLM
 
 
@@ -96,16 +98,20 @@ def _new_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
     return lin
 
 
-class RowParallel(nn.Module):
-    """A row-parallel Linear: each rank's partial product, summed over the group (all_reduce)."""
+class RowParallelLinear(Linear):
+    """A row-parallel Linear: this rank's partial product, summed over the group (all_reduce).
+    A Linear itself, so the CPU kernel choice (LlamaForCausalLM.select_kernels) treats it as any."""
 
-    def __init__(self, inner: Linear, group):
-        super().__init__()
-        self.inner = inner
-        self.group = group
+    group = None
+
+    @classmethod
+    def of(cls, inner: Linear, group) -> "RowParallelLinear":
+        inner.__class__ = cls
+        inner.group = group
+        return inner
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in/N] -> [T, out]
-        out = self.inner(x)
+        out = super().forward(x)
         dist.all_reduce(out, group=self.group)
         return out
 
@@ -122,14 +128,14 @@ def _shard_layer(layer: DecoderLayer, cfg: ModelConfig, rank: int, world: int, g
     b = layer.qkv_proj.bias
     layer.qkv_proj = _new_linear(qkv(w), None if b is None else qkv(b))
     w = layer.o_proj.dense_weight()  # [hidden, H*D]
-    layer.o_proj = RowParallel(_new_linear(w[:, q_heads.start * d: q_heads.stop * d].contiguous(), None), group)
+    layer.o_proj = RowParallelLinear.of(_new_linear(w[:, q_heads.start * d: q_heads.stop * d].contiguous(), None), group)
     mlp = local_mlp(cfg, rank, world)
     w = layer.gate_up_proj.dense_weight()  # [2I, hidden]: gate rows then up rows
     lo, hi = mlp.start, mlp.stop
     I = cfg.intermediate_size
     layer.gate_up_proj = _new_linear(torch.cat([w[lo:hi], w[I + lo: I + hi]]), None)
     w = layer.down_proj.dense_weight()  # [hidden, I]
-    layer.down_proj = RowParallel(_new_linear(w[:, lo:hi].contiguous(), None), group)
+    layer.down_proj = RowParallelLinear.of(_new_linear(w[:, lo:hi].contiguous(), None), group)
     layer.num_heads, layer.num_kv_heads = len(q_heads), len(kv_heads)
     layer.q_size, layer.kv_size = len(q_heads) * d, len(kv_heads) * d
 
@@ -137,21 +143,20 @@ def _shard_layer(layer: DecoderLayer, cfg: ModelConfig, rank: int, world: int, g
 class TPLlamaForCausalLM(LlamaForCausalLM):
     """A LlamaForCausalLM whose layers hold one rank's shard (the class of a sharded model).
 
+    The head is this rank's rows of the vocabulary, held where a draft keeps its vocabulary-subset
+    head (`_subset_head`, so the CPU kernel choice covers it), with `vocab_subset` unset: the
+    local logits [N, ceil(V/N)] are all_gathered into the full row.
+
     `driver` (rank 0 while serving) is told every forward's inputs first, so that the workers run
     the same forward on their shards (see specsplit.parallel.group)."""
 
     tp_rank: int
     tp_size: int
     tp_group: object
-    tp_head: Linear  # [ceil(V/N), hidden], this rank's rows of the head (zero-padded)
     driver = None  # object with .forward_started(input_ids, meta), or None
 
-    def _pack_head(self) -> int:
-        self._packed_head = self.tp_head.packed  # packed with the other Linear modules
-        return 0
-
-    def _head(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V] float32
-        local = self.tp_head(x).float()  # [N, V/N]
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V] float32
+        local = super()._logits(x).contiguous()  # [N, ceil(V/N)]: this rank's rows of the head
         parts = [torch.empty_like(local) for _ in range(self.tp_size)]
         dist.all_gather(parts, local, group=self.tp_group)
         return torch.cat(parts, dim=-1)[:, : self.cfg.vocab_size]
@@ -170,13 +175,15 @@ class TPLlamaForCausalLM(LlamaForCausalLM):
         return super().forward(input_ids, meta, kv)
 
 
-def shard_model(model: LlamaForCausalLM, rank: int, world: int, group=None) -> ModelConfig:
+def shard_model(model: LlamaForCausalLM, rank: int, world: int, group=None, kernel_policy: str | None = None) -> ModelConfig:
     """Keep rank `rank`'s shard of every layer and of the head, in place; returns the rank's config
-    (what its KV cache is sized from). Prepacked (CPU bf16) weights are unpacked, sharded and packed
-    again."""
+    (what its KV cache is sized from). The model should come dense (loaded with the kernel policy
+    'dense', see unpacked_load); the CPU kernels are chosen again for the shard's shapes."""
     cfg = model.cfg
     check_shardable(cfg, world)
-    was_packed = model._packed_head is not None
+    if model._head is not None:  # kernels chosen for the whole model: start over from dense weights
+        model._head = None
+        model.kernel_tables = {}
     for layer in model.layers:
         _shard_layer(layer, cfg, rank, world, group)
     head = model.head_weight()  # [V, hidden]: the tied embedding or the untied head
@@ -184,14 +191,29 @@ def shard_model(model: LlamaForCausalLM, rank: int, world: int, group=None) -> M
     rows = head[rank * per: min(cfg.vocab_size, (rank + 1) * per)]
     if rows.shape[0] < per:
         rows = torch.cat([rows, rows.new_zeros(per - rows.shape[0], rows.shape[1])])
-    tp_head = _new_linear(rows.contiguous(), None)
     model.lm_head = None  # an untied head's full weight is freed; a tied one stays the embedding
-    model._packed_head = None
+    model._subset_head = rows.contiguous()
+    model.vocab_subset = None
     model.untracked_weight_bytes = 0
     model.__class__ = TPLlamaForCausalLM
-    model.tp_head, model.tp_rank, model.tp_size, model.tp_group = tp_head, rank, world, group
+    model.tp_rank, model.tp_size, model.tp_group = rank, world, group
     local = local_config(cfg, rank, world)
     model.cfg = local  # the KV cache (ModelRunner) reads num_kv_heads and head_dim from here
-    if was_packed:
-        model.prepack()
+    model.select_kernels(kernel_policy)
     return local
+
+
+@contextlib.contextmanager
+def unpacked_load():
+    """Load with the dense kernel policy (no packing, no timing): the weights are sharded first and
+    the kernels chosen for the shard's shapes after (shard_model). Yields the policy to use then."""
+    old = os.environ.get(cpu_linear.ENV_POLICY)
+    policy = cpu_linear.policy()
+    os.environ[cpu_linear.ENV_POLICY] = cpu_linear.DENSE
+    try:
+        yield policy
+    finally:
+        if old is None:
+            os.environ.pop(cpu_linear.ENV_POLICY, None)
+        else:
+            os.environ[cpu_linear.ENV_POLICY] = old
