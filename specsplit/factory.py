@@ -38,7 +38,12 @@ VERIFIER, DRAFTER = "verifier", "drafter"
 
 
 def load_for(cfg: EngineConfig, show_progress: bool = True) -> LoadedModel:
-    return load_model(cfg.model, cfg.device, cfg.dtype, max_positions=cfg.max_model_len + 16, show_progress=show_progress)
+    loaded = load_model(cfg.model, cfg.device, cfg.dtype, max_positions=cfg.max_model_len + 16, show_progress=show_progress)
+    if cfg.extra.get("deterministic"):  # --deterministic: batch-invariant numerics (models/deterministic.py)
+        from specsplit.models.deterministic import make_deterministic
+
+        make_deterministic(loaded.model)
+    return loaded
 
 
 def check_model_len(loaded: LoadedModel, cfg: EngineConfig) -> None:

@@ -57,6 +57,12 @@ def add_tensor_parallel_flag(p: argparse.ArgumentParser) -> None:
                         "NCCL on cuda:base..base+N-1); default 1")
 
 
+def add_deterministic_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant numerics for the target: a sequence's logits do not depend on its batch or "
+                        "on K, so speculative greedy == target-only greedy bit for bit (slower; see README)")
+
+
 def add_spec_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculation")
     g.add_argument("--num-speculative-tokens", type=nonneg_int, default=None,
@@ -186,5 +192,7 @@ def engine_config(args, model: str, device: str | None = None):
         num_blocks=args.num_blocks,
         memory_budget_bytes=args.memory_budget,
         memory_utilization=args.memory_utilization,
-        extra={"tensor_parallel_size": getattr(args, "tensor_parallel_size", 1)},
+        extra={"tensor_parallel_size": getattr(args, "tensor_parallel_size", 1),
+               # the target's numerics; a draft's do not change the output
+               "deterministic": bool(getattr(args, "deterministic", False)) and model != getattr(args, "draft", None)},
     )

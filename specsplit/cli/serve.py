@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from specsplit.cli.common import (add_engine_flags, add_request_size_flag, add_server_flags, add_spec_flags,
-                                  add_tensor_parallel_flag, validate_engine, validate_security)
+                                  add_deterministic_flag, add_tensor_parallel_flag, validate_engine, validate_security)
 
 
 def add_arguments(p, name: str) -> None:
@@ -15,6 +15,7 @@ def add_arguments(p, name: str) -> None:
     add_engine_flags(p)
     add_spec_flags(p)
     add_tensor_parallel_flag(p)  # the target's; the draft stays at 1
+    add_deterministic_flag(p)
     add_request_size_flag(p)
     add_server_flags(p, 50051)
 
