@@ -34,6 +34,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
@@ -102,7 +103,8 @@ class TPGroup:
         from specsplit.parallel.build import build_rank
 
         group = cls(world)
-        atexit.register(group.close)
+        ref = weakref.ref(group)  # atexit must not keep a closed group (and its model) alive
+        atexit.register(lambda: ref() is not None and ref().close())
         backend = backend_for(cfg.device)
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         try:
@@ -176,6 +178,7 @@ class TPGroup:
         if self.closed:
             return
         self.closed = True
+        self.loaded = None
         for conn in self.conns:
             try:
                 _send(conn, ("stop",))
