@@ -74,9 +74,16 @@ class TPWorkerFailed(RuntimeError):
     """A tensor-parallel worker died or the group broke; the service cannot run forwards."""
 
 
-def init_groups(backend: str, init_method: str, rank: int, world: int):
+def _store(port: int, rank: int, world: int) -> dist.TCPStore:
+    """The rendezvous store (rank 0 serves it). Rank 0 does not block here: it waits for the
+    workers in TPGroup._wait_for_workers, where it can see one die."""
+    return dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=STARTUP_TIMEOUT_S),
+                         wait_for_workers=False)
+
+
+def init_groups(backend: str, store: dist.TCPStore, rank: int, world: int):
     """(startup group: the default one, long timeout; compute group: short timeout, for forwards)."""
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                             timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
     compute = dist.new_group(list(range(world)), timeout=timedelta(seconds=collective_timeout()), backend=backend)
     return dist.group.WORLD, compute
@@ -106,7 +113,8 @@ class TPGroup:
         ref = weakref.ref(group)  # atexit must not keep a closed group (and its model) alive
         atexit.register(lambda: ref() is not None and ref().close())
         backend = backend_for(cfg.device)
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        port = _free_port()
+        store = _store(port, 0, world)
         try:
             for rank in range(1, world):
                 parent, child = socket.socketpair()
@@ -114,11 +122,12 @@ class TPGroup:
                                         pass_fds=[child.fileno()], close_fds=True)
                 child.close()
                 conn = Connection(parent.detach())
-                _send(conn, ("init", cfg, spec, rank, world, init_method, threads, logging.getLogger().level))
+                _send(conn, ("init", cfg, spec, rank, world, port, threads, logging.getLogger().level))
                 group.procs.append(proc)
                 group.conns.append(conn)
             group._start_watch()
-            startup, compute = init_groups(backend, init_method, 0, world)
+            group._wait_for_workers(store)
+            startup, compute = init_groups(backend, store, 0, world)
             engine, plan, group.loaded = build_rank(cfg, spec, 0, world, startup, compute, show_progress)
         except BaseException:
             group.close()
@@ -130,6 +139,18 @@ class TPGroup:
         engine.tensor_parallel = group
         log.info("tensor parallel: %d ranks (%s), workers %s", world, backend, [p.pid for p in group.procs])
         return group, engine, plan
+
+    def _wait_for_workers(self, store: dist.TCPStore) -> None:
+        """Until every worker has reached the store; a worker that exits first fails the start-up
+        at once (instead of a rendezvous timeout minutes later)."""
+        keys = [f"worker{rank}" for rank in range(1, self.world)]
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not store.check(keys):
+            if self.failed:
+                raise TPWorkerFailed(f"tensor-parallel start-up failed: {self.failed}")
+            if time.monotonic() > deadline:
+                raise TPWorkerFailed(f"tensor-parallel workers did not start within {STARTUP_TIMEOUT_S:.0f}s")
+            time.sleep(0.05)
 
     def _start_watch(self) -> None:
         self._watch = threading.Thread(target=self._supervise, name="tp-supervisor", daemon=True)
@@ -234,7 +255,7 @@ def worker_main(fd: int) -> int:
     _die_with_parent()
     parent = os.getppid()
     conn = Connection(fd)
-    _, cfg, spec, rank, world, init_method, threads, level = _recv(conn)
+    _, cfg, spec, rank, world, port, threads, level = _recv(conn)
     logging.basicConfig(level=level or logging.WARNING, format=f"%(asctime)s tp-rank{rank} %(levelname)s %(name)s: %(message)s")
     if os.getppid() != parent:  # rank 0 died before PDEATHSIG was set
         return 1
@@ -242,7 +263,9 @@ def worker_main(fd: int) -> int:
         torch.set_num_threads(threads)
     from specsplit.parallel.build import build_rank
 
-    startup, compute = init_groups(backend_for(cfg.device), init_method, rank, world)
+    store = _store(port, rank, world)
+    store.set(f"worker{rank}", "1")
+    startup, compute = init_groups(backend_for(cfg.device), store, rank, world)
     engine, _, _ = build_rank(cfg, spec, rank, world, startup, compute)
     model, kv = engine.runner.model, engine.runner.kv
     log.info("tensor-parallel worker rank %d/%d ready (pid %d)", rank, world, os.getpid())

@@ -197,3 +197,16 @@ def test_close_stops_workers_and_a_dead_worker_fails_the_group(tiny_llama, launc
     assert group.failed and "rank 1" in group.failed and seen == [group.failed]
     with pytest.raises(TPWorkerFailed):
         tp.runner.forward([ForwardItem("y", 0, [5])])
+
+
+def test_a_worker_that_cannot_start_fails_the_launch_at_once(tiny_llama, monkeypatch):
+    import sys
+    import time
+
+    from specsplit.parallel.group import TPWorkerFailed
+
+    monkeypatch.setattr(sys, "executable", "/bin/false")  # the worker process exits at once
+    t0 = time.monotonic()
+    with pytest.raises((TPWorkerFailed, OSError)):
+        TPGroup.launch(_cfg(tiny_llama), SpecConfig(num_speculative_tokens=2), 2, threads=1)
+    assert time.monotonic() - t0 < 10.0
