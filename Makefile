@@ -5,7 +5,7 @@ PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.specsplit-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo demo-local test test-fast protos bench clean-venv
+.PHONY: demo demo-local test test-fast lint-imports protos bench clean-venv
 
 # Create the venv and install everything once; re-running reuses it (re-installs when
 # pyproject.toml changes). torch is pinned to the CPU wheel on this machine's disk.
@@ -33,6 +33,11 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+# The layering contracts of pyproject.toml's [tool.importlinter] (also run by `make test`:
+# tests/test_layers.py).
+lint-imports: $(STAMP)
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/lint-imports
 
 protos: $(STAMP)
 	$(PY) protos/generate.py

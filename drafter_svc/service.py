@@ -7,10 +7,10 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from gateway import wire
-from gateway.engine_service import info_pb, log_startup, serve
-from gateway.engines import BuiltEngine, build_engine
-from gateway.sessions import PeerSession, SessionHost
+from rpc import wire
+from rpc.engine_service import info_pb, log_startup, serve
+from rpc.engines import BuiltEngine, build_engine
+from rpc.sessions import PeerSession, SessionHost
 from protos.specsplit.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -21,7 +21,7 @@ SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def __init__(self, built: BuiltEngine, threads: int = 0):
         self.built = built
-        self.host = SessionHost("drafter", built.engine, threads)
+        self.host = SessionHost("drafter", built.engine, threads, max_seqs_per_session=built.cfg.max_num_seqs)
 
     def _handle(self, session: PeerSession, req: drafter_pb2.DrafterRequest) -> drafter_pb2.DrafterResponse:
         engine, kind = self.built.engine, req.WhichOneof("kind")
@@ -32,7 +32,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             proposals = engine.propose(wire.propose_from_pb(req.propose, session.to_engine))
             return drafter_pb2.DrafterResponse(id=req.id, proposals=wire.proposals_to_pb(proposals, session.from_engine))
         if kind == "finish_step":
-            rows = engine.finish_step(wire.finish_step_from_pb(req.finish_step, session.to_engine))
+            rows = engine.finish_step(wire.finish_step_from_pb(req.finish_step, session.to_engine), scope=session.owned)
             return drafter_pb2.DrafterResponse(id=req.id, rows=drafter_pb2.QRows(rows=wire.rows_to_pb(rows, session.from_engine)))
         if kind == "release":
             self.host.release(session, [session.to_engine(s) for s in req.release.seq_ids])

@@ -7,19 +7,21 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
-from gateway import metrics
+from rpc import metrics
 from gateway.clients import GrpcDrafter, GrpcVerifier
-from gateway.engines import plan_to_dict, static_plan
+from rpc.engines import plan_to_dict, static_plan
 from gateway.scheduler import Scheduler
 from gateway.service import SERVICE_NAME, GatewayServicer, Limits, Tokenizer
-from gateway.security import MAX_REQUEST_BYTES, ClientSecurity, ServerSecurity, keepalive_options
-from gateway.serving import Server, wait_until
+from rpc.security import MAX_REQUEST_BYTES, ClientSecurity, ServerSecurity, keepalive_options
+from rpc.serving import Server, wait_until
 from protos.specsplit.v1 import gateway_pb2, gateway_pb2_grpc
-from specsplit.cli.common import default_k_for, disable_by_batch_size
+from specsplit.defaults import default_k_for, disable_by_batch_size
+from specsplit.calibration import StepCosts
 from specsplit.config import SpecConfig
 from specsplit.spec import SpecDecoder
 
@@ -157,8 +159,12 @@ def build_split(args) -> Gateway:
     k = args.num_speculative_tokens
     if k is None:
         k = 0 if drafter is None else default_k_for(draft_model)
-    spec = SpecConfig(num_speculative_tokens=k, disable_by_batch_size=disable_by_batch_size(args, vinfo.device))
-    decoder = SpecDecoder(verifier, drafter if k > 0 else None, spec, max_model_len=vinfo.max_model_len)
+    spec = SpecConfig(num_speculative_tokens=k, disable_by_batch_size=disable_by_batch_size(args, vinfo.device),
+                      draft_model_tokens=args.draft_model_tokens, k_policy=args.k_policy)
+    costs = None
+    if spec.k_policy == "auto" and drafter is not None and k > 0:
+        costs = _split_costs(verifier, drafter, vinfo, dinfo if draft_model else None, args.verifier_timeout)
+    decoder = SpecDecoder(verifier, drafter if k > 0 else None, spec, max_model_len=vinfo.max_model_len, costs=costs)
     max_num_seqs = args.max_num_seqs
     if vinfo.max_num_seqs and max_num_seqs > vinfo.max_num_seqs:
         log.warning("gateway: --max-num-seqs %d exceeds the verifier's %d (its KV cache is sized for that); using %d",
@@ -179,6 +185,26 @@ def build_split(args) -> Gateway:
     )
 
 
+def _split_costs(verifier, drafter, vinfo, dinfo, timeout: float) -> StepCosts | None:
+    """The engines' calibrated costs (from GetInfo) plus the network: the median round trip of an
+    engine call on this link, added to each verify and each propose call by the K policy. Without
+    the verifier's costs (an older verifier) the policy is off and K stays fixed."""
+    if not vinfo.step_costs:
+        log.warning("gateway: the verifier reports no step costs; speculation uses a fixed K")
+        return None
+    trips = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        verifier.info(timeout=timeout)
+        trips.append(time.perf_counter() - t0)
+    costs = StepCosts(verify={(c.batch, c.rows): c.seconds for c in vinfo.step_costs},
+                      draft={c.batch: c.seconds for c in (dinfo.step_costs if dinfo is not None else [])},
+                      network_s=statistics.median(trips))
+    log.info("gateway: K policy on; step costs %s; network %.2f ms per engine call", costs.describe(),
+             1e3 * costs.network_s)
+    return costs
+
+
 def run_split(args) -> int:
     import torch
 
@@ -189,7 +215,7 @@ def run_split(args) -> int:
 
 # ---- colocated mode --------------------------------------------------------------------------
 def build_colocated_gateway(args) -> Gateway:
-    from specsplit.cli.common import engine_config, spec_config
+    from specsplit.defaults import engine_config, spec_config
     from specsplit.factory import build_colocated
 
     target = engine_config(args, args.target)

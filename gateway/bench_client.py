@@ -63,7 +63,7 @@ def run_split(name: str, address: str, prompts: list[list[int]], new_tokens: int
               concurrency: int = 1, progress: Callable[[], None] | None = None, timeout: float = 900.0,
               security=None) -> ArmResult:
     """Streams the prompts through the gateway at `address`; see the module docstring."""
-    from gateway.security import channel as make_channel
+    from rpc.security import channel as make_channel
 
     timings: list[Timing] = []
     decode_steps = 0
@@ -115,7 +115,7 @@ def run_split_paired(name: str, colo_name: str, address: str, colo, prompts: lis
     both see the same machine: on shared CPUs the speed drifts by tens of percent over minutes,
     and arms timed minutes apart cannot give a ratio to a few percent. One warm-up each
     (discarded); per prompt the median of `repeats` runs of each. Returns (split, colocated)."""
-    from gateway.security import channel as make_channel
+    from rpc.security import channel as make_channel
     from specsplit.bench.arms import colocated_arm, run_interleaved
 
     with make_channel(address, security) as ch:

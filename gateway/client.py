@@ -15,9 +15,14 @@ import grpc
 from protos.specsplit.v1 import gateway_pb2, gateway_pb2_grpc
 
 
-def request_from_args(args) -> gateway_pb2.GenerateRequest:
-    from specsplit.cli.generate import parse_ids
+def parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+    except ValueError:
+        raise ValueError(f"--prompt-token-ids must be comma-separated integers, got {text!r}") from None
 
+
+def request_from_args(args) -> gateway_pb2.GenerateRequest:
     if getattr(args, "chat", False):
         raise ValueError("--chat needs the tokenizer's chat template; with --server send the templated prompt text")
     req = gateway_pb2.GenerateRequest(
@@ -42,8 +47,8 @@ def request_from_args(args) -> gateway_pb2.GenerateRequest:
 
 def stream(address: str, request: gateway_pb2.GenerateRequest, timeout: float | None = None,
            security=None) -> Iterator[gateway_pb2.GenerateResponse]:
-    """`security`: a gateway.security.ClientSecurity (TLS CA, client certificate, token)."""
-    from gateway.security import channel as make_channel
+    """`security`: a rpc.security.ClientSecurity (TLS CA, client certificate, token)."""
+    from rpc.security import channel as make_channel
 
     with make_channel(address, security) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
@@ -70,7 +75,7 @@ def collect(responses) -> dict:
 
 
 def generate_over_grpc(args) -> int:
-    from gateway.security import ClientSecurity
+    from rpc.security import ClientSecurity
 
     security = ClientSecurity.from_args(args)
     request = request_from_args(args)

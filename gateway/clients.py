@@ -25,9 +25,9 @@ from typing import Sequence
 
 import grpc
 
-from gateway import wire
-from gateway import security as sec
-from gateway.serving import MAX_MESSAGE_BYTES
+from rpc import wire
+from rpc import security as sec
+from rpc.serving import MAX_MESSAGE_BYTES
 from protos.specsplit.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from specsplit.protocols import Proposal, ProposeRequest, QRow, RowRequest, SeqAdd, VerifyRequest, VerifyResult
 
@@ -250,3 +250,9 @@ class GrpcVerifier(_PeerClient):
         self._check_live(r.seq_id for r in rows)
         resp = self._request(resolve=verifier_pb2.ResolveBatch(rows=wire.rows_to_pb(rows)))
         return wire.results_from_pb(resp.results)
+
+    def abandon(self, seq_ids: Sequence[str]) -> None:
+        if not seq_ids:
+            return
+        self._check_live(seq_ids)
+        self._request(abandon=verifier_pb2.AbandonStep(seq_ids=list(seq_ids)))

@@ -1,5 +1,7 @@
 """`make demo`: start the split services (`specsplit up`), stream one speculative generation
-through the gateway, print the tokens as they arrive and the acceptance rate, stop everything.
+through the gateway, print the tokens as they arrive and the acceptance rate, then run the same
+prompt target-only (speculation disabled for that request) and print both speeds side by side;
+stop everything.
 
     python -m gateway.demo [--target smollm2-135m] [--draft smollm2-135m-draft+ngram] [--max-tokens 96] [--port 0]
 """
@@ -32,7 +34,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-model-len", type=int, default=1024)
     args = p.parse_args(argv)
     from gateway.launch import specsplit_up
-    from specsplit.cli.up import free_port
+    from rpc.health import free_port
 
     port = args.port or free_port()
     print(f"$ specsplit up --target {args.target} --draft {args.draft} --port {port}", flush=True)
@@ -56,28 +58,58 @@ def _generate(address: str, args) -> int:
             for s in info.services:
                 kv = f"{s.kv.free_blocks}/{s.kv.num_blocks} KV blocks free" if s.kv.paged else "no KV cache"
                 print(f"  {s.name:8s} {s.address:21s} {s.model} on {s.device or '-'}: {kv}")
+            # one short request first: the services' first-call costs stay out of both timings
+            for _ in stub.Generate(gateway_pb2.GenerateRequest(prompt=args.prompt, max_tokens=4), timeout=600):
+                pass
             print(f"\nprompt: {json.dumps(args.prompt)}\n" + "-" * 72)
-            req = gateway_pb2.GenerateRequest(prompt=args.prompt, max_tokens=args.max_tokens)
-            t1 = time.perf_counter()
-            first = None
-            last = None
-            for msg in stub.Generate(req, timeout=600):
-                if first is None:
-                    first = time.perf_counter() - t1
-                sys.stdout.write(msg.text)
-                sys.stdout.flush()
-                last = msg
-            dt = time.perf_counter() - t1
-        u = last.usage
+            spec = _timed(stub, gateway_pb2.GenerateRequest(prompt=args.prompt, max_tokens=args.max_tokens), echo=True)
+            alone = _timed(stub, gateway_pb2.GenerateRequest(prompt=args.prompt, max_tokens=args.max_tokens,
+                                                             speculation=gateway_pb2.Speculation(disable=True)))
+        u = spec.last.usage
         rate = u.accepted_draft_tokens / u.proposed_draft_tokens if u.proposed_draft_tokens else 0.0
         print("\n" + "-" * 72)
-        print(f"{u.completion_tokens} tokens in {dt:.2f}s ({u.completion_tokens / dt:.1f} tok/s, first after "
-              f"{first:.2f}s), finish={last.finish_reason}")
+        print(f"speculative: {spec.tokens} tokens in {spec.seconds:.2f}s = {spec.tokens_per_s:.1f} tok/s "
+              f"(first after {spec.first:.2f}s), finish={spec.last.finish_reason}")
+        print(f"target-only: {alone.tokens} tokens in {alone.seconds:.2f}s = {alone.tokens_per_s:.1f} tok/s "
+              f"(the same prompt, speculation disabled for that request)")
+        same = "the same tokens" if spec.token_ids == alone.token_ids else "DIFFERENT tokens"
+        print(f"speculative / target-only: {spec.tokens_per_s / alone.tokens_per_s:.2f}x, {same}")
         print(f"acceptance rate {rate:.2f}: {u.accepted_draft_tokens} of {u.proposed_draft_tokens} drafted tokens accepted")
         return 0
     except grpc.RpcError as e:
         print(f"\ndemo: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
+
+
+class _Run:
+    def __init__(self):
+        self.token_ids: list[int] = []
+        self.first = 0.0
+        self.seconds = 0.0
+        self.last = None
+
+    @property
+    def tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def _timed(stub, req, echo: bool = False) -> _Run:
+    run = _Run()
+    t0 = time.perf_counter()
+    for msg in stub.Generate(req, timeout=600):
+        if not run.token_ids:
+            run.first = time.perf_counter() - t0
+        run.token_ids.extend(msg.token_ids)
+        if echo:
+            sys.stdout.write(msg.text)
+            sys.stdout.flush()
+        run.last = msg
+    run.seconds = time.perf_counter() - t0
+    return run
 
 
 if __name__ == "__main__":

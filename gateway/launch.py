@@ -85,8 +85,8 @@ def specsplit_up(target: str, draft: str, *, dtype: str | None = None, max_model
     `port` 0 picks free ports. `log`: a file for the children's output (None: this process's
     stdout/stderr). `env`: variables added to this process's environment.
     Raises RuntimeError when `up` exits, or is not ready within `startup_timeout` seconds."""
-    from specsplit.cli.health import check
-    from specsplit.cli.up import free_port
+    from rpc.health import check
+    from rpc.health import free_port
 
     port = port or free_port(host)
     dport, vport = free_port(host), free_port(host)

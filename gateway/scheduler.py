@@ -23,9 +23,9 @@ from typing import Callable, Sequence
 
 import grpc
 
-from gateway import metrics
+from rpc import metrics
 from gateway.text import TextStream
-from gateway.wire import ServiceError, status_code_for, status_message_for
+from rpc.wire import ServiceError, status_code_for, status_message_for
 from specsplit.generation import GenerationRequest, RequestState
 from specsplit.spec import SpecDecoder
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import threading
 import uuid
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ import grpc
 import numpy as np
 
 from gateway.scheduler import Event, Scheduler
-from gateway.wire import ServiceError
+from rpc.wire import ServiceError
 from protos.specsplit.v1 import gateway_pb2, gateway_pb2_grpc
 from specsplit.generation import GenerationRequest
 from specsplit.sampling.params import SamplingParams
@@ -72,12 +71,14 @@ def build_request(msg: gateway_pb2.GenerateRequest, tokenizer: Tokenizer, limits
     # top_p is optional: unset (or 0, what a proto3 client without `optional` sends) means 1.0
     t, k = msg.temperature, msg.top_k
     p = msg.top_p if msg.HasField("top_p") and msg.top_p != 0.0 else 1.0
-    if math.isnan(t) or t < 0:
-        raise _invalid(f"temperature must be >= 0 (0 = greedy), got {t:g}")
-    if math.isnan(p) or not 0.0 < p <= 1.0:
-        raise _invalid(f"top_p must be in (0, 1], got {p:g} (leave it unset for no nucleus filtering)")
-    if k < 0:
-        raise _invalid(f"top_k must be >= 0 (0 = off), got {k}")
+    # The API's floats are float32: take the shortest decimal they stand for (0.7, not 0.69999999),
+    # the value `specsplit generate` uses locally, so seeded samples match the local mode.
+    params = SamplingParams(_decimal(t), _decimal(p), int(k), int(msg.seed) if msg.HasField("seed") else None)
+    try:
+        params.validate()  # the one place the sampling rules live (NaN / inf, temperature bounds, ...)
+    except ValueError as e:
+        hint = " (leave it unset for no nucleus filtering)" if str(e).startswith("top_p") else ""
+        raise _invalid(f"{e}{hint}") from None
     spec = msg.speculation
     if spec.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
         raise _invalid(f"speculation.num_speculative_tokens must be <= {MAX_SPECULATIVE_TOKENS}, got {spec.num_speculative_tokens}")
@@ -95,9 +96,6 @@ def build_request(msg: gateway_pb2.GenerateRequest, tokenizer: Tokenizer, limits
             f"prompt ({len(ids)} tokens) + max_tokens ({msg.max_tokens}) = {len(ids) + msg.max_tokens} "
             f"exceeds max_model_len {limits.max_model_len}; shorten the prompt or lower max_tokens"
         )
-    # The API's floats are float32: take the shortest decimal they stand for (0.7, not 0.69999999),
-    # the value `specsplit generate` uses locally, so seeded samples match the local mode.
-    params = SamplingParams(_decimal(t), _decimal(p), int(k), int(msg.seed) if msg.HasField("seed") else None)
     seq_id = f"{msg.request_id or 'req'}-{uuid.uuid4().hex[:12]}"
     req = GenerationRequest(
         request_id=seq_id,

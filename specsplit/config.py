@@ -79,6 +79,10 @@ class SpecConfig:
     # MODEL+ngram: the model drafts at most this many of the K tokens (prompt lookup drafts up to
     # K); 0 = K. A weak draft model pays off only at small K while lookup runs stay long.
     draft_model_tokens: int = 1
+    # "auto": K per step from calibrated costs and online acceptance (specsplit/k_policy.py), with
+    # num_speculative_tokens as the maximum; "fixed": always num_speculative_tokens. The servers
+    # and `specsplit generate` default to auto (--k-policy); a library caller asks for it.
+    k_policy: str = "fixed"
 
     def enabled_for(self, num_running: int) -> bool:
         if self.num_speculative_tokens <= 0:

@@ -2,14 +2,14 @@
 
 Both implement the protocols in specsplit.protocols in-process; the gRPC servicers are thin
 wrappers over them. Per sequence they keep only its tokens, how many are in the KV cache and its
-random stream; the q rows of a sampled proposal and the p row of a pending rejection live only
+random numbers (keyed by position: specsplit.sampling.rng); the q rows of a sampled proposal and the p row of a pending rejection live only
 until the step that made them finishes. Nothing else survives a step.
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 
@@ -50,6 +50,7 @@ class _Seq:
     pending_accepted: int = 0  # verifier, pending: accepted drafts awaiting the recovered token
     pending_drafts: list[int] = field(default_factory=list)  # verifier, pending: those drafts
     pending_u: float = 0.0  # verifier, pending: the step's final uniform
+    undo: tuple[int, int] | None = None  # verifier: (len(tokens), num_computed) before the last verify
 
 
 def _probs(logits: list[torch.Tensor], params: Sequence[SamplingParams]) -> list[torch.Tensor]:
@@ -66,6 +67,7 @@ class _EngineBase:
         self.runner = runner
         self.max_prefill_tokens = max_prefill_tokens
         self.seqs: dict[str, _Seq] = {}
+        self.step_costs = None  # calibration.StepCosts, timed at start-up when the K policy is on
 
     @property
     def vocab_size(self) -> int:
@@ -171,6 +173,8 @@ class TargetEngine(_EngineBase):
             for r, s in zip(reqs, seqs)
         ]
         logits = self._forward(items)  # per seq [k+1, V]
+        for s in seqs:
+            s.undo = (len(s.tokens), s.num_computed)
 
         results: list[VerifyResult | None] = [None] * len(reqs)
         greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
@@ -215,10 +219,11 @@ class TargetEngine(_EngineBase):
             target[row, : k + 1] = probs[row]
             if k:
                 q_x[row, :k] = torch.tensor(reqs[i].draft_probs, dtype=torch.float32)
-            draws = seqs[i].rng.uniforms(k + 1)  # k accept draws, then one final draw
-            u_accept[row, :k] = draws[:k]
-            u_final[row] = draws[k]
+            # Keyed by position (specsplit.sampling.rng): the draft j lands at len(tokens) + j.
+            u_accept[row, :k] = seqs[i].rng.uniforms(len(seqs[i].tokens), k, "accept")
         num_accepted = self.sampler.accept(drafts, q_x.to(target.device), num_draft, target, u_accept)
+        for row, i in enumerate(idx):  # the final uniform belongs to the position where the step stops
+            u_final[row] = seqs[i].rng.uniform(len(seqs[i].tokens) + int(num_accepted[row]), "final")
         finish_rows: list[int] = []
         for row, i in enumerate(idx):
             n, k = int(num_accepted[row]), len(reqs[i].draft_token_ids)
@@ -268,6 +273,21 @@ class TargetEngine(_EngineBase):
             out.append(self._commit(r.seq_id, s, n, emitted))
         return out
 
+    def abandon(self, seq_ids: Sequence[str]) -> None:
+        """Undo the last verify (and resolve) of these sequences: no pending rejection, none of the
+        tokens that step emitted, KV as before it. Unknown ids and sequences not stepped since they
+        were added are left alone. Used by SpecDecoder's exact fallback when the drafter's q rows
+        are lost mid-step: the step is discarded as a whole, whatever its outcome."""
+        for seq_id in seq_ids:
+            s = self.seqs.get(seq_id)
+            if s is None or s.undo is None:
+                continue
+            length, num_computed = s.undo
+            del s.tokens[length:]
+            s.num_computed = num_computed
+            s.p_row, s.pending_drafts, s.pending_accepted, s.undo = None, [], 0, None
+            self.runner.truncate(seq_id, num_computed)
+
     def _commit(self, seq_id: str, s: _Seq, num_accepted: int, emitted: list[int]) -> VerifyResult:
         """Append the emitted tokens; keep KV only through the accepted drafts."""
         before = len(s.tokens)
@@ -294,6 +314,13 @@ class DraftEngine(_EngineBase):
         for r, s in zip(reqs, seqs):
             self._ingest(r.seq_id, s, r.new_token_ids)
         active = [i for i, r in enumerate(reqs) if r.k > 0]
+        for i in active:
+            s = seqs[i]
+            if s.num_computed >= len(s.tokens):
+                # Every token is in the KV already (the last step emitted nothing: the gateway
+                # abandoned it): feed the last one again to get the logits that draft the next.
+                s.num_computed = len(s.tokens) - 1
+                self.runner.truncate(reqs[i].seq_id, s.num_computed)
         k_max = max((reqs[i].k for i in active), default=0)
         q_x: dict[int, list[float]] = {i: [] for i in active}
         rows: dict[int, list[torch.Tensor]] = {i: [] for i in active}
@@ -339,20 +366,27 @@ class DraftEngine(_EngineBase):
                 tokens.append(int(logits[j][0].argmax()))
                 continue
             row = probs[j][0]  # [V]
-            t = int(sample_from_probs(row[None], s.rng.uniforms(1))[0])
+            u = s.rng.uniforms(len(s.tokens) + len(s.drafted), 1, "draft")  # this draft's position
+            t = int(sample_from_probs(row[None], u)[0])
             tokens.append(t)
             q_x[i].append(float(row[t]))
             rows[i].append(row)
         return tokens
 
-    def finish_step(self, fetch: Sequence[RowRequest]) -> list[QRow]:
+    def finish_step(self, fetch: Sequence[RowRequest], scope: Iterable[str] | None = None) -> list[QRow]:
+        """The requested q rows; then drop the q rows of every sequence in `scope` (None: all).
+
+        A service shares one engine between sessions (several gateways on one drafter), each
+        stepping on its own clock: it passes the session's own sequences as `scope`, so one
+        session's finish_step never drops the rows another session's step still needs."""
         out = []
         for r in fetch:
             s = self._get(r.seq_id)
             if s.q_rows is None or not 0 <= r.position < s.q_rows.shape[0]:
                 raise EngineError(f"sequence {r.seq_id!r} has no q row at draft position {r.position}")
             out.append(QRow(r.seq_id, s.q_rows[r.position].clone()))
-        for s in self.seqs.values():
+        targets = self.seqs.values() if scope is None else [self.seqs[i] for i in scope if i in self.seqs]
+        for s in targets:
             s.q_rows = None
         return out
 
@@ -394,7 +428,7 @@ class NgramDrafter:
             out.append(Proposal(r.seq_id, tuple(drafts), tuple(1.0 for _ in drafts)))
         return out
 
-    def finish_step(self, fetch: Sequence[RowRequest]) -> list[QRow]:
+    def finish_step(self, fetch: Sequence[RowRequest], scope: Iterable[str] | None = None) -> list[QRow]:
         if fetch:
             raise EngineError("the n-gram drafter's q rows are one-hot; the verifier resolves them itself")
         return []

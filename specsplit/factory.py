@@ -21,6 +21,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from specsplit.calibration import StepCosts, calibrate_drafter, calibrate_verifier
 from specsplit.config import EngineConfig, SpecConfig
 from specsplit.engine import DraftEngine, NgramDrafter, TargetEngine
 from specsplit.hybrid_drafter import HybridDrafter, split_draft_name
@@ -198,12 +199,25 @@ def plan_memory(target: EngineConfig, draft: EngineConfig | None = None, spec: S
 # ---- building engines -----------------------------------------------------------------------
 
 
-def _allocate(s: _Service, sp: ServicePlan):
+def _allocate(s: _Service, sp: ServicePlan, calibrate: bool = False):
+    """The engine over its sized cache; with `calibrate`, its step costs timed (calibration.py)."""
     runner = make_runner(s.loaded, s.cfg, sp.num_blocks, s.k)
     if runner.kv.nbytes != sp.kv_cache_bytes:  # the plan's arithmetic and the tensor must agree
         raise RuntimeError(f"{s.name}: KV cache is {runner.kv.nbytes} bytes, the plan sized {sp.kv_cache_bytes}")
     engine_cls = TargetEngine if s.name == VERIFIER else DraftEngine
-    return engine_cls(runner, s.cfg.max_prefill_tokens)
+    engine = engine_cls(runner, s.cfg.max_prefill_tokens)
+    if calibrate and s.name == VERIFIER and s.k > 0:
+        engine.step_costs = calibrate_verifier(runner, s.k, s.cfg.max_num_seqs)
+    elif calibrate and s.name == DRAFTER:
+        engine.step_costs = calibrate_drafter(runner, s.cfg.max_num_seqs)
+    return engine
+
+
+def joint_costs(verifier, drafter, network_s: float = 0.0) -> StepCosts:
+    """The verifier's and the drafter's calibrated costs as one StepCosts for the K policy."""
+    v = getattr(verifier, "step_costs", None) or StepCosts()
+    d = getattr(getattr(drafter, "model", drafter), "step_costs", None) or StepCosts()
+    return StepCosts(verify=dict(v.verify), draft=dict(d.draft), network_s=network_s)
 
 
 class ServiceBuild(NamedTuple):
@@ -219,7 +233,7 @@ def build_target_engine(cfg: EngineConfig, spec: SpecConfig = SpecConfig(), show
     t = _Service(VERIFIER, cfg, spec.num_speculative_tokens)
     plan = _plan_budget([t], show_progress, joint=False)
     plan.log()
-    return ServiceBuild(_allocate(t, plan.services[VERIFIER]), plan)
+    return ServiceBuild(_allocate(t, plan.services[VERIFIER], calibrate=spec.k_policy == "auto"), plan)
 
 
 def _without_lookup(cfg: EngineConfig | None) -> tuple[EngineConfig | None, bool]:
@@ -243,7 +257,7 @@ def _draft_plan(cfg: EngineConfig, spec: SpecConfig, show_progress: bool, alloca
     if vocab_size is not None:
         d.after_load = _vocab_check(vocab_size)
     plan = _plan_budget([d], show_progress, joint=False)
-    engine = _with_lookup(_allocate(d, plan.services[DRAFTER]), hybrid, spec) if allocate else None
+    engine = _with_lookup(_allocate(d, plan.services[DRAFTER], calibrate=spec.k_policy == "auto"), hybrid, spec) if allocate else None
     return engine, plan
 
 
@@ -298,13 +312,15 @@ def build_colocated(
     plan, t, d = _plan_models(target, draft, spec, joint=True, show_progress=show_progress,
                               after_target=lambda loaded: tokenizer.append(load_tokenizer(loaded.hf_dir)))
     plan.log()
-    verifier = _allocate(t, plan.services[VERIFIER])
+    calibrate = draft is not None and spec.k_policy == "auto" and spec.num_speculative_tokens > 0
+    verifier = _allocate(t, plan.services[VERIFIER], calibrate)
     drafter = None
     if d is not None:
-        drafter = _with_lookup(_allocate(d, plan.services[DRAFTER]), hybrid, spec)
+        drafter = _with_lookup(_allocate(d, plan.services[DRAFTER], calibrate), hybrid, spec)
     elif draft is not None:
         drafter = NgramDrafter(spec.ngram_min, spec.ngram_max, t.loaded.config.vocab_size, target.max_model_len)
-    decoder = SpecDecoder(verifier, drafter, spec if drafter else SpecConfig(num_speculative_tokens=0), target.max_model_len)
+    decoder = SpecDecoder(verifier, drafter, spec if drafter else SpecConfig(num_speculative_tokens=0), target.max_model_len,
+                          costs=joint_costs(verifier, drafter) if calibrate else None)
     return Colocated(decoder, verifier, drafter, t.loaded, d.loaded if d else None, tokenizer[0], plan)
 
 

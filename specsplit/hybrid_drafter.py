@@ -22,7 +22,7 @@ target's token for token whichever proposer drafted (the verifier decides).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from specsplit.engine import DraftEngine, EngineError
 from specsplit.protocols import Proposal, ProposeRequest, QRow, RowRequest, SeqAdd
@@ -43,6 +43,7 @@ class HybridDrafter:
     """Implements the Drafter protocol over a DraftEngine plus prompt lookup on the same tokens."""
 
     side = "drafter"
+    is_hybrid = True  # the K policy prices only `model_tokens` model drafts per step
 
     def __init__(self, model: DraftEngine, ngram_min: int = 1, ngram_max: int = 4, model_tokens: int = 1):
         self.model = model
@@ -106,8 +107,8 @@ class HybridDrafter:
     def _model_k(self, k: int) -> int:
         return k if self.model_tokens <= 0 else min(k, self.model_tokens)
 
-    def finish_step(self, fetch: Sequence[RowRequest]) -> list[QRow]:
-        return self.model.finish_step(fetch)  # only sampled (model-drafted) sequences have rows
+    def finish_step(self, fetch: Sequence[RowRequest], scope: Iterable[str] | None = None) -> list[QRow]:
+        return self.model.finish_step(fetch, scope)  # only sampled (model-drafted) sequences have rows
 
     def release(self, seq_ids: Sequence[str]) -> None:
         self.model.release(seq_ids)

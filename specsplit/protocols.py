@@ -95,6 +95,11 @@ class Verifier(Protocol):
         """Finish sequences left pending by verify, sampling from normalize(max(0, p - q))."""
         ...
 
+    def abandon(self, seq_ids: Sequence[str]) -> None:
+        """Undo the last step of these sequences (pending or committed): emit nothing for it and
+        roll the KV cache back to before it. SpecDecoder's exact fallback when q rows are lost."""
+        ...
+
     def release(self, seq_ids: Sequence[str]) -> None: ...
 
 

@@ -16,13 +16,17 @@ target-only, with the same greedy tokens, and the drafter is re-synced when it a
 from __future__ import annotations
 
 import logging
+import math
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
+from specsplit.calibration import StepCosts
 from specsplit.config import SpecConfig
+from specsplit.k_policy import Acceptance, KPolicy
 from specsplit.protocols import (
     Drafter,
     ProposeRequest,
@@ -45,6 +49,7 @@ class _Track:
     tokens: list[int]  # prompt + every emitted token
     unsent: list[int] = field(default_factory=list)  # emitted, not yet sent to the drafter
     on_drafter: bool = False
+    acceptance: Acceptance = field(default_factory=Acceptance)  # per position, for the K policy
 
 
 @dataclass
@@ -53,6 +58,7 @@ class StepOutput:
     stats: StepStats
     speculated: bool
     drafts: dict[str, tuple[int, int]] = field(default_factory=dict)  # seq_id -> (proposed, accepted)
+    k: int = 0  # drafts asked per sequence this step (the K policy's choice, or the fixed K)
 
 
 class SpecDecoder:
@@ -64,6 +70,7 @@ class SpecDecoder:
         max_model_len: int = 2048,
         drafter_retry_s: float = 1.0,
         clock=time.monotonic,
+        costs: StepCosts | None = None,
     ):
         self.verifier = verifier
         self.drafter = drafter
@@ -73,7 +80,15 @@ class SpecDecoder:
         self._clock = clock
         self._drafter_down_since: float | None = None
         self._next_drafter_try = 0.0
+        self._drafter_stale: set[str] = set()  # may still be on the drafter since it failed
+        self._hold_next: set[str] = set()  # abandoned this step: target-only next step
+        self._hold_now: set[str] = set()  # abandoned last step: no proposal verified this step
         self.tracks: dict[str, _Track] = {}
+        self.policy: KPolicy | None = None
+        self.k_chosen: Counter[int] = Counter()  # steps per K drafted (0: speculation off that step)
+        if costs is not None and costs.verify and spec.k_policy == "auto":
+            hybrid = spec.draft_model_tokens if getattr(drafter, "is_hybrid", False) else None
+            self.policy = KPolicy(costs, spec.num_speculative_tokens, hybrid)
 
     # ---- lifecycle -----------------------------------------------------------------------
     @property
@@ -118,9 +133,14 @@ class SpecDecoder:
         self._maybe_resync_drafter()
         speculate = self.drafter_up and self.spec.enabled_for(len(ids))
         proposals = {}
+        k_step = 0
+        if speculate:
+            k_step = self._choose_k(ids)
+            speculate = k_step > 0
+        self.k_chosen[k_step] += 1
         if speculate:
             t0 = time.perf_counter()
-            proposals = self._propose(ids, budgets or {})
+            proposals = self._propose(ids, budgets or {}, k_step)
             stats.draft_s = time.perf_counter() - t0
             speculate = bool(proposals)
 
@@ -148,20 +168,34 @@ class SpecDecoder:
             if track.on_drafter:
                 track.unsent.extend(emitted)
             drafts[res.seq_id] = (len(req.draft_token_ids), res.num_accepted)
+            if req.draft_token_ids:
+                track.acceptance.update(len(req.draft_token_ids), res.num_accepted)
             stats.proposed += len(req.draft_token_ids)
             stats.accepted += res.num_accepted
             for j in range(res.num_accepted):
                 stats.accepted_per_position[j] += 1
-        return StepOutput(out, stats, speculate, drafts)
+        return StepOutput(out, stats, speculate, drafts, k_step if speculate else 0)
 
-    def _propose(self, ids: list[str], budgets: dict[str, int]):
+    def _choose_k(self, ids: list[str]) -> int:
+        """The K of this step: the policy's over the sequences that speculate, else the fixed K."""
+        live = [self.tracks[s] for s in ids if self.tracks[s].on_drafter and self.tracks[s].k > 0]
+        if not live:
+            return 0
+        if self.policy is None:
+            return max(t.k for t in live)
+        # Sequences that do not speculate still take a row in the verify forward.
+        others = [Acceptance(prior_rate=0.0, prior_weight=1.0)] * (len(ids) - len(live))
+        return self.policy.choose([t.acceptance for t in live] + others,
+                                  [t.k for t in live] + [0] * len(others))
+
+    def _propose(self, ids: list[str], budgets: dict[str, int], k_step: int):
         reqs = []
         for s in ids:
             t = self.tracks[s]
             if not t.on_drafter or t.k <= 0:
                 continue
             room = self.max_model_len - len(t.tokens) - 1
-            k = min(t.k, room, budgets.get(s, t.k + 1) - 1)
+            k = min(t.k, k_step, room, budgets.get(s, t.k + 1) - 1)
             if k <= 0:
                 continue
             reqs.append(ProposeRequest(s, tuple(t.unsent), k))
@@ -174,7 +208,28 @@ class SpecDecoder:
             return {}
         for r in reqs:
             self.tracks[r.seq_id].unsent = []
-        return {p.seq_id: p for p in proposals}
+        return self._checked_proposals(reqs, proposals)
+
+    def _checked_proposals(self, reqs: list[ProposeRequest], proposals) -> dict:
+        """The drafter's proposals that are safe to verify, by seq_id. A proposal is dropped (its
+        sequence decodes target-only this step, and the drafter catches up next step) when it
+        answers no request of ours, drafts more than the k asked for, has an id outside the
+        vocabulary, or -- for a sampled sequence -- lacks a q(x) per draft or has one that is not
+        a finite number in (0, 1]. A peer's bad answer never reaches the verifier, so it can
+        neither fail the stream nor any other stream."""
+        asked = {r.seq_id: r.k for r in reqs}
+        vocab = getattr(self.verifier, "vocab_size", None)
+        out = {}
+        for p in proposals:
+            if p.seq_id in self._hold_now:  # its last step was abandoned: one step target-only
+                continue
+            why = _proposal_problem(p, asked, vocab, self.tracks)
+            if why is None:
+                out[p.seq_id] = p
+            else:
+                log.warning("drafter proposal for %r refused (%s); that sequence decodes target-only this step",
+                            p.seq_id, why)
+        return out
 
     def _resolve_pending(self, results: list[VerifyResult], proposals) -> list[VerifyResult]:
         pending = [r for r in results if r.pending_position is not None]
@@ -186,20 +241,45 @@ class SpecDecoder:
             rows = self.drafter.finish_step(fetch)
         except Exception as e:
             self._drafter_failed(e)
-            # The q rows are gone with the drafter. Resolve with q one-hot at the rejected draft:
-            # exact for greedy and n-gram drafts, an approximation for this one token otherwise.
-            rows = []
-            vocab = None
-            for r in pending:
-                d = proposals[r.seq_id].token_ids[r.pending_position]
-                vocab = vocab or getattr(self.verifier, "vocab_size", None)
-                row = torch.zeros(vocab)
-                row[d] = 1.0
-                rows.append(QRow(r.seq_id, row))
+            return self._abandon_sampled(results, proposals, "the drafter was lost before it sent its q rows")
         if not pending:
             return results
+        why = _rows_problem(fetch, rows, getattr(self.verifier, "vocab_size", None))
+        if why is not None:
+            self._drafter_failed(ValueError(f"it sent unusable q rows: {why}"))
+            return self._abandon_sampled(results, proposals, "the drafter's q rows were unusable")
         resolved = {r.seq_id: r for r in self.verifier.resolve(rows)}
         return [resolved.get(r.seq_id, r) for r in results]
+
+    def _abandon_sampled(self, results: list[VerifyResult], proposals, why: str) -> list[VerifyResult]:
+        """The exact fallback when a step's q rows are lost: every sampled sequence that had drafts
+        in this step discards the step as a whole (the verifier rolls it back: no tokens, KV as
+        before), whatever its outcome; the next step samples those positions again.
+
+        Why not finish the pending ones some other way: a sequence left pending was rejected at
+        position n, and its recovered token must come from normalize(max(0, p - q)), which needs
+        q. Resolving with q one-hot at the rejected draft (what this replaced) is biased, and so is
+        sampling position n from p: given a rejection there, that emits P(x) = min(p, q)(x) +
+        (1 - beta) p(x) over both branches, not p(x). Keeping the accepted prefix and cutting at the
+        rejection is biased too (the cut depends on the outcome). What is exact is a truncation
+        point that does not depend on the outcome: here, the step's start, for every sampled
+        sequence with drafts (which ones those are depends only on the request and on whether the
+        drafter proposed, never on the verifier's draws). Conditioned on that, the kept tokens are
+        exactly the ones before the step, and the next step (target-only while the drafter is
+        down) samples the position from p. Re-using the position-keyed uniforms of the abandoned
+        step is as good as fresh, because nothing kept depends on them (specsplit.sampling.rng).
+        Greedy sequences and deterministic (n-gram) drafts never need q rows: their results stand.
+        """
+        drop = {sid for sid, p in proposals.items() if p.token_ids and not self.tracks[sid].add.params.greedy}
+        drop |= {r.seq_id for r in results if r.pending_position is not None}
+        if not drop:
+            return results
+        log.warning("%s; %d sampled sequences discard this step (exact fallback) and resample it", why, len(drop))
+        self.verifier.abandon(sorted(drop))
+        # Their next step is target-only (whatever the drafter does), so each makes progress even
+        # if the drafter keeps losing its rows; that choice, too, ignores the step's outcome.
+        self._hold_next |= drop
+        return [VerifyResult(r.seq_id, 0, ()) if r.seq_id in drop else r for r in results]
 
     # ---- drafter health ------------------------------------------------------------------
     def _drafter_failed(self, error: Exception) -> None:
@@ -208,16 +288,27 @@ class SpecDecoder:
             self._drafter_down_since = self._clock()
         self._next_drafter_try = self._clock() + self.drafter_retry_s
         for t in self.tracks.values():
+            if t.on_drafter:
+                # A failed call may have failed only for us (a timeout, one bad reply): the drafter
+                # may still hold the sequence. Remember it, so it is released there on re-sync even
+                # if it finishes while the drafter is down.
+                self._drafter_stale.add(t.add.seq_id)
             t.on_drafter = False
             t.unsent = []
 
     def _maybe_resync_drafter(self) -> None:
-        """After a drafter failure, give it every running sequence again once it answers."""
+        """After a drafter failure, give it every running sequence again once it answers.
+        (Called at the start of every step: it also moves the abandoned sequences' hold on.)"""
+        self._hold_now, self._hold_next = self._hold_next, set()
         if self.drafter is None or self._drafter_down_since is None or self._clock() < self._next_drafter_try:
             return
         want = [t for t in self.tracks.values() if t.k > 0]
+        # Release what it may still hold: the sequences to re-add, and those that finished while it
+        # was down (their release was never sent).
+        stale = sorted(self._drafter_stale | {t.add.seq_id for t in want})
         try:
-            self.drafter.release([t.add.seq_id for t in want])
+            self.drafter.release(stale)
+            self._drafter_stale.clear()
             self.drafter.add([SeqAdd(t.add.seq_id, tuple(t.tokens), t.add.params) for t in want])
         except Exception as e:
             self._next_drafter_try = self._clock() + self.drafter_retry_s
@@ -229,3 +320,35 @@ class SpecDecoder:
         for t in want:
             t.on_drafter = True
             t.unsent = []
+
+
+def _proposal_problem(p, asked: dict[str, int], vocab: int | None, tracks: dict[str, _Track]) -> str | None:
+    """Why a drafter's proposal cannot be verified, or None."""
+    if p.seq_id not in asked:
+        return "no such request in this step"
+    n, k = len(p.token_ids), asked[p.seq_id]
+    if n > k:
+        return f"{n} drafts, asked for {k}"
+    if vocab is not None:
+        bad = [t for t in p.token_ids if not 0 <= t < vocab]
+        if bad:
+            return f"token ids {bad[:3]} outside the vocabulary [0, {vocab})"
+    if p.probs is not None or not tracks[p.seq_id].add.params.greedy:
+        if n and (p.probs is None or len(p.probs) != n):
+            return f"{0 if p.probs is None else len(p.probs)} q(x) values for {n} drafts"
+        if p.probs is not None and not all(math.isfinite(q) and 0.0 < q <= 1.0 for q in p.probs):
+            return "q(x) values not all finite numbers in (0, 1]"
+    return None
+
+
+def _rows_problem(fetch: list[RowRequest], rows, vocab: int | None) -> str | None:
+    """Why finish_step's rows cannot resolve the pending sequences, or None."""
+    if sorted(r.seq_id for r in rows) != sorted(f.seq_id for f in fetch):
+        return f"rows for {sorted(r.seq_id for r in rows)[:3]}, asked for {sorted(f.seq_id for f in fetch)[:3]}"
+    for r in rows:
+        row = r.row
+        if row.dim() != 1 or (vocab is not None and row.shape[0] != vocab):
+            return f"q row of shape {tuple(row.shape)} for {r.seq_id!r}"
+        if not bool(torch.isfinite(row).all()) or bool((row < 0).any()) or not float(row.sum()) > 0.0:
+            return f"q row for {r.seq_id!r} is not a distribution"
+    return None

@@ -1,6 +1,7 @@
 """verifier_svc: the target model behind a thin grpc.aio servicer.
 
-Session messages map one to one onto the Verifier protocol (add, verify, resolve, release);
+Session messages map one to one onto the Verifier protocol (add, verify, resolve, abandon,
+release);
 the servicer converts protos to dataclasses, calls TargetEngine, converts back. Nothing else.
 """
 from __future__ import annotations
@@ -12,10 +13,10 @@ import time
 
 import grpc
 
-from gateway import wire
-from gateway.engine_service import info_pb, log_startup, serve
-from gateway.engines import BuiltEngine, build_engine
-from gateway.sessions import PeerSession, SessionHost
+from rpc import wire
+from rpc.engine_service import info_pb, log_startup, serve
+from rpc.engines import BuiltEngine, build_engine
+from rpc.sessions import PeerSession, SessionHost
 from protos.specsplit.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ class VerifyFault:
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def __init__(self, built: BuiltEngine, threads: int = 0):
         self.built = built
-        self.host = SessionHost("verifier", built.engine, threads)
+        self.host = SessionHost("verifier", built.engine, threads, max_seqs_per_session=built.cfg.max_num_seqs)
         self.fault = VerifyFault.from_env()
         self.tp = getattr(built.engine, "tensor_parallel", None)  # specsplit.parallel.group.TPGroup
 
@@ -113,12 +114,15 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             results = engine.verify(wire.verify_from_pb(req.verify, session.to_engine))
             return verifier_pb2.VerifierResponse(id=req.id, results=wire.results_to_pb(results, session.from_engine))
         if kind == "resolve":
-            results = engine.resolve(wire.rows_from_pb(req.resolve.rows, session.to_engine))
+            results = engine.resolve(wire.rows_from_pb(req.resolve.rows, session.to_engine, expected_size=engine.vocab_size))
             return verifier_pb2.VerifierResponse(id=req.id, results=wire.results_to_pb(results, session.from_engine))
+        if kind == "abandon":
+            engine.abandon([session.to_engine(s) for s in req.abandon.seq_ids])
+            return verifier_pb2.VerifierResponse(id=req.id, ack=common_pb2.Ack())
         if kind == "release":
             self.host.release(session, [session.to_engine(s) for s in req.release.seq_ids])
             return verifier_pb2.VerifierResponse(id=req.id, ack=common_pb2.Ack())
-        raise wire.EngineError("empty VerifierRequest: set add, verify, resolve or release")
+        raise wire.EngineError("empty VerifierRequest: set add, verify, resolve, abandon or release")
 
     async def Session(self, request_iterator, context):
         if self.tp is not None and self.tp.failed:

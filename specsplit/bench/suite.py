@@ -127,12 +127,13 @@ class Bench:
             return [int(k) for k in args.split_ks.split(",")]
         if self.quick:
             return self.ks[:1]
-        from specsplit.cli.common import default_k_for
+        from specsplit.defaults import default_k_for
 
         return [default_k_for(args.draft)]
 
     def _cfg(self, model: str, dtype: str, max_num_seqs: int = 1) -> EngineConfig:
-        return EngineConfig(model=model, dtype=parse_dtype(dtype), max_model_len=self.args.max_model_len,
+        return EngineConfig(model=model, dtype=parse_dtype(dtype), device=getattr(self.args, "device", "cpu"),
+                            max_model_len=self.args.max_model_len,
                             max_num_seqs=max_num_seqs, max_prefill_tokens=min(512, self.args.max_model_len // 2))
 
     def _add(self, result: ArmResult, **extra) -> dict:
@@ -187,8 +188,15 @@ class Bench:
         prompts = self._prompts(base)
         drafts = list(dict.fromkeys(d for d in (draft, self.hybrid_draft, "ngram") if d is not None))
         colos = {name: build_colocated(self._cfg(a.target, dtype), self._cfg(name, dtype),
-                                       SpecConfig(num_speculative_tokens=max(self.ks)), show_progress=False)
+                                       SpecConfig(num_speculative_tokens=max(self.ks), k_policy="fixed"),
+                                       show_progress=False)
                  for name in drafts}
+        # The default configuration: the served draft with the K policy (K <= its default maximum).
+        from specsplit.defaults import default_k_for
+
+        policy_k = default_k_for(self.served_draft)
+        policy_colo = build_colocated(self._cfg(a.target, dtype), self._cfg(self.served_draft, dtype),
+                                      SpecConfig(num_speculative_tokens=policy_k), show_progress=False)
         model_draft = draft if draft not in (None, "ngram") else None
         if model_draft is not None:
             self.costs = measure_costs(colos[model_draft], prompts[0], self.ks)
@@ -196,6 +204,9 @@ class Bench:
         for name in drafts:
             arms += [colocated_arm(f"specsplit colocated {name} K={k}", colos[name], self.new_tokens, k, draft=name)
                      for k in self.ks]
+        policy_name = f"specsplit colocated {self.served_draft} policy K<={policy_k}"
+        arms.append(colocated_arm(policy_name, policy_colo, self.new_tokens, None, draft=self.served_draft,
+                                  role="policy"))
         hf = assistant = None
         if model_draft is not None and not a.no_hf:
             hf, assistant = _hf_models(colos[model_draft], model_draft, parse_dtype(dtype))
@@ -203,6 +214,10 @@ class Bench:
             arms += [hf_arm(f"HF assisted {mode} K={k}", hf, self.new_tokens, assistant=assistant, assistant_mode=mode,
                             k=k, draft=model_draft) for mode, k in (("constant", 3), ("heuristic", 5))]
         results = run_interleaved(arms, prompts, self.repeats, self._tick)
+        for r in results:
+            if r.name == policy_name:
+                r.extra["k_chosen"] = dict(sorted(policy_colo.decoder.k_chosen.items()))
+                r.extra["calibration"] = policy_colo.decoder.policy.costs.describe() if policy_colo.decoder.policy else None
         rows = [self._add(r, dtype=dtype, suite="spec") for r in results]
         baseline = rows[0]
         hf_ref = next((r for r in rows if r.get("role") == "hf_generate"), None)
@@ -219,6 +234,9 @@ class Bench:
                     row["predicted_speedup"] = predicted_speedup(row["mean_accepted_length"] + 1, row["k"], self.costs)
             elif row["arm"].startswith("HF assisted"):
                 row["speedup_vs_target_only"] = row["tokens_per_s"] / baseline["tokens_per_s"]
+            if row.get("role") == "policy":
+                row["speedup_vs_target_only"] = row["tokens_per_s"] / baseline["tokens_per_s"]
+                row["same_tokens_as_target_only"] = self._same_tokens(row, baseline)
         if hf_ref is not None:
             baseline["ratio_vs_hf_generate"] = baseline["tokens_per_s"] / hf_ref["tokens_per_s"]
             best_hf = max((r for r in rows if r["arm"].startswith("HF assisted")), key=lambda r: r["tokens_per_s"])
@@ -226,7 +244,7 @@ class Bench:
                 if row["arm"].startswith("specsplit colocated") and row.get("draft") == model_draft:
                     row["ratio_vs_best_hf_assisted"] = row["tokens_per_s"] / best_hf["tokens_per_s"]
         del hf, assistant
-        for colo in (base, *colos.values()):
+        for colo in (base, policy_colo, *colos.values()):
             colo.close()
         del base, colos
         if self.split_ks:
@@ -270,23 +288,45 @@ class Bench:
 
     def concurrency_sweep(self, draft: str, dtype: str, prompts) -> None:
         """Aggregate throughput at each concurrency, target-only and with speculation as a server
-        runs it by default: the served draft, its default K, the default --disable-by-batch-size."""
-        from specsplit.cli.common import default_k_for, disable_by_batch_size
+        runs it by default (the served draft, the K policy, the default --disable-by-batch-size),
+        the two alternating batch by batch (interleaved) so drift hits both alike."""
+        from specsplit.bench.arms import ArmResult, generate_timed
+        from specsplit.defaults import default_k_for, disable_by_batch_size
 
         a = self.args
         top = max(self.concurrency)
         k = default_k_for(draft)
         threshold = disable_by_batch_size(a, self._cfg(a.target, dtype).device)
-        for spec_on in (False, True):
-            spec = SpecConfig(num_speculative_tokens=k, disable_by_batch_size=threshold) if spec_on else \
-                SpecConfig(num_speculative_tokens=0)
-            colo = build_colocated(self._cfg(a.target, dtype, top), self._cfg(draft, dtype, top) if spec_on else None,
-                                   spec, show_progress=False)
-            for c in self.concurrency:
-                self._add(run_specsplit(f"concurrency {c} {'spec ' + draft if spec_on else 'target-only'}", colo,
-                                        prompts, self.new_tokens, 1, k=k if spec_on else None, concurrency=c,
-                                        progress=self._tick), dtype=dtype, suite="concurrency", speculation=spec_on,
-                          disable_by_batch_size=threshold if spec_on else None)
+        colos = {
+            False: build_colocated(self._cfg(a.target, dtype, top), None, SpecConfig(num_speculative_tokens=0),
+                                   show_progress=False),
+            True: build_colocated(self._cfg(a.target, dtype, top), self._cfg(draft, dtype, top),
+                                  SpecConfig(num_speculative_tokens=k, disable_by_batch_size=threshold),
+                                  show_progress=False),
+        }
+        for spec_on, colo in colos.items():
+            generate_timed(colo, prompts[:1], self.new_tokens, None, "warm")
+        for c in self.concurrency:
+            runs = {False: [], True: []}
+            walls = {False: 0.0, True: 0.0}
+            colos[True].decoder.k_chosen.clear()
+            for j in range(self.repeats):
+                batch = [prompts[(j * c + i) % len(prompts)] for i in range(c)]
+                for spec_on in ((False, True) if j % 2 == 0 else (True, False)):
+                    t = generate_timed(colos[spec_on], batch, self.new_tokens, None, f"c{c}r{j}", max(c, 1))
+                    walls[spec_on] += max(x.total_s for x in t)
+                    runs[spec_on].extend(t)
+                self._tick()
+            rows = {}
+            for spec_on in (False, True):
+                extra = {"concurrency": c, "k": k if spec_on else 0, "wall_s": walls[spec_on], "interleaved": 2}
+                if spec_on:
+                    extra["k_chosen"] = dict(sorted(colos[True].decoder.k_chosen.items()))
+                name = f"concurrency {c} {'spec ' + draft + ' policy' if spec_on else 'target-only'}"
+                rows[spec_on] = self._add(ArmResult(name, runs[spec_on], extra), dtype=dtype, suite="concurrency",
+                                          speculation=spec_on, disable_by_batch_size=threshold if spec_on else None)
+            rows[True]["speedup_vs_target_only"] = rows[True]["tokens_per_s"] / rows[False]["tokens_per_s"]
+        for colo in colos.values():
             colo.close()
 
     def total_ticks(self) -> int:
@@ -297,9 +337,9 @@ class Bench:
         if self.args.suite in ("spec", "all"):
             has_model = self.args.draft not in (None, "ngram")
             n_drafts = 1 + int(has_model) + int(self.hybrid_draft is not None)
-            n += per_arm * (1 + n_drafts * len(self.ks) + (3 if has_model and not self.args.no_hf else 0))
+            n += per_arm * (2 + n_drafts * len(self.ks) + (3 if has_model and not self.args.no_hf else 0))
             n += 2 * per_arm * len(self.split_ks)  # split and its paired colocated arm
-            n += 2 * len(self.concurrency)
+            n += self.repeats * len(self.concurrency)  # target-only and spec batches, interleaved
         return n
 
     def run(self) -> dict:
@@ -337,6 +377,11 @@ def format_table(report: dict) -> str:
             v = row.get(key)
             cells.append(("-" if v is None else fmt.format(v)).ljust(w))
         lines.append("  ".join(cells))
+    for row in report["arms"]:
+        if row.get("k_chosen"):
+            total = sum(row["k_chosen"].values())
+            lines.append(f"K chosen by the policy, {row['arm']}: "
+                         + ", ".join(f"K={k} {100 * n / total:.0f}%" for k, n in row["k_chosen"].items()))
     if report.get("costs"):
         c = report["costs"]
         lines.append(f"draft cost c = {c['c']:.3f} of a target step; verify cost v(k) = "
@@ -353,9 +398,10 @@ def plot(report: dict, path: Path) -> Path | None:
     except ImportError:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for draft in sorted({r.get("draft") for r in report["arms"] if r.get("speedup_vs_target_only")}):
+    for draft in sorted({r.get("draft") for r in report["arms"] if r.get("speedup_vs_target_only")
+                         and r.get("suite") == "spec" and r.get("draft")}):
         rows = [r for r in report["arms"] if r.get("draft") == draft and r.get("speedup_vs_target_only")
-                and r.get("mode") != "split"]
+                and r.get("mode") != "split" and r.get("role") != "policy" and r.get("suite") == "spec"]
         axes[0].plot([r["k"] for r in rows], [r["speedup_vs_target_only"] for r in rows], marker="o", label=str(draft))
         split = [r for r in report["arms"] if r.get("draft") == draft and r.get("mode") == "split"]
         if split:

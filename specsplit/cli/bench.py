@@ -13,6 +13,7 @@ def add_arguments(p, name: str) -> None:
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--draft", default="smollm2-135m-draft", help="model draft for the spec arms ('ngram' too)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="dtype of the spec arms")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda[:N] (tools/gpu_check.sh)")
     p.add_argument("--quick", action="store_true", help="a few minutes: 2 prompts, fewer arms")
     p.add_argument("--num-prompts", type=positive_int, default=None)
     p.add_argument("--new-tokens", type=positive_int, default=None)

@@ -4,6 +4,12 @@ from __future__ import annotations
 import argparse
 import re
 
+# The defaults and the namespace -> config conversions live one layer down, in specsplit.defaults,
+# so the services and the gateway use them without importing the CLI; re-exported here for the parsers.
+from specsplit.defaults import (DEFAULT_DRAFT_MODEL_TOKENS, DEFAULT_K_HYBRID, DEFAULT_K_MODEL, DEFAULT_K_NGRAM,  # noqa: F401
+                                DISABLE_BY_BATCH_SIZE_CPU, DISABLE_BY_BATCH_SIZE_OTHER, DEFAULT_K_POLICY, K_POLICIES, default_disable_by_batch_size,
+                                default_k_for, disable_by_batch_size, engine_config, spec_config)
+
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
           "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
 
@@ -66,14 +72,19 @@ def add_deterministic_flag(p: argparse.ArgumentParser) -> None:
 def add_spec_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculation")
     g.add_argument("--num-speculative-tokens", type=nonneg_int, default=None,
-                   help="draft tokens per step (default: 2 for a model draft or MODEL+ngram, 4 for n-gram)")
+                   help="draft tokens per step; with --k-policy auto the most per step (default: 2 for a model "
+                        "draft, 3 for MODEL+ngram, 4 for n-gram)")
+    g.add_argument("--k-policy", choices=K_POLICIES, default=DEFAULT_K_POLICY,
+                   help="auto: each step drafts the K (0 included) that maximizes expected tokens/s from the "
+                        "engines' calibrated step costs and each request's acceptance; fixed: always "
+                        "--num-speculative-tokens (default %(default)s)")
     g.add_argument("--draft-model-tokens", type=nonneg_int, default=DEFAULT_DRAFT_MODEL_TOKENS,
                    help="with --draft MODEL+ngram: the model drafts at most N of the K tokens, prompt lookup up "
                         "to K (0 = K; default %(default)s)")
     g.add_argument("--disable-by-batch-size", type=nonneg_int, default=None,
-                   help="decode target-only while more than N sequences run (0 = never); default: 1 when the "
-                        "target runs on a CPU (there speculation stopped paying from 2 concurrent sequences, see "
-                        "README 'Benchmarks'), else 0")
+                   help="decode target-only while more than N sequences run (0 = never), an operator's hard "
+                        "limit; default 0 with --k-policy auto; with --k-policy fixed, 1 when the target runs on "
+                        "a CPU (there a fixed K stopped paying from 2 concurrent sequences, README 'Benchmarks')")
 
 
 def add_server_flags(p: argparse.ArgumentParser, default_port: int) -> None:
@@ -81,20 +92,20 @@ def add_server_flags(p: argparse.ArgumentParser, default_port: int) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address to bind")
     g.add_argument("--port", type=port, default=default_port, help="port to bind (0 = any free port)")
     g.add_argument("--metrics-port", type=port, default=None, help="serve Prometheus metrics on this port")
-    from gateway.security import add_server_security_flags
+    from rpc.security import add_server_security_flags
 
     add_server_security_flags(p)
 
 
 def add_request_size_flag(p: argparse.ArgumentParser) -> None:
-    from gateway.security import MAX_REQUEST_BYTES
+    from rpc.security import MAX_REQUEST_BYTES
 
     p.add_argument("--max-request-bytes", type=parse_bytes, default=MAX_REQUEST_BYTES,
                    help="largest GenerateRequest accepted; larger ones get RESOURCE_EXHAUSTED (default 4MiB)")
 
 
 def add_keepalive_flags(p: argparse.ArgumentParser) -> None:
-    from gateway.security import DEFAULT_KEEPALIVE_TIME_S, DEFAULT_KEEPALIVE_TIMEOUT_S, MIN_PING_INTERVAL_S
+    from rpc.security import DEFAULT_KEEPALIVE_TIME_S, DEFAULT_KEEPALIVE_TIMEOUT_S, MIN_PING_INTERVAL_S
 
     p.add_argument("--keepalive-time", type=float, default=DEFAULT_KEEPALIVE_TIME_S,
                    help=f"seconds between keepalive pings to the drafter and verifier (>= {MIN_PING_INTERVAL_S:g}, "
@@ -104,7 +115,7 @@ def add_keepalive_flags(p: argparse.ArgumentParser) -> None:
 
 
 def validate_security(args) -> None:
-    from gateway.security import MIN_PING_INTERVAL_S, ClientSecurity, ServerSecurity
+    from rpc.security import MIN_PING_INTERVAL_S, ClientSecurity, ServerSecurity
 
     ServerSecurity.from_args(args).validate()
     if hasattr(args, "internal_tls_ca"):
@@ -137,62 +148,3 @@ def validate_engine(args) -> None:
     check_device("--draft-device", getattr(args, "draft_device", None))
     if args.max_prefill_tokens > args.max_model_len:
         args.max_prefill_tokens = args.max_model_len
-
-
-DEFAULT_K_MODEL = 2
-DEFAULT_K_HYBRID = 3  # MODEL+ngram: lookup drafts up to 3, the model DEFAULT_DRAFT_MODEL_TOKENS
-DEFAULT_DRAFT_MODEL_TOKENS = 1
-DEFAULT_K_NGRAM = 4
-DISABLE_BY_BATCH_SIZE_CPU = 1  # measured: `specsplit bench` concurrency sweep (README)
-DISABLE_BY_BATCH_SIZE_OTHER = 0  # never: on a GPU the verify pass stays memory-bound far longer
-
-
-def default_disable_by_batch_size(target_device: str | None) -> int:
-    """The threshold a server uses when --disable-by-batch-size is not given."""
-    return DISABLE_BY_BATCH_SIZE_CPU if (target_device or "cpu").startswith("cpu") else DISABLE_BY_BATCH_SIZE_OTHER
-
-
-def disable_by_batch_size(args, target_device: str | None) -> int:
-    value = getattr(args, "disable_by_batch_size", None)
-    return default_disable_by_batch_size(target_device) if value is None else value
-
-
-def default_k_for(draft: str | None) -> int:
-    """The K a server uses for this draft when --num-speculative-tokens is not given."""
-    if draft is None:
-        return 0
-    if draft == "ngram":
-        return DEFAULT_K_NGRAM
-    return DEFAULT_K_HYBRID if draft.endswith("+ngram") else DEFAULT_K_MODEL
-
-
-def spec_config(args, draft: str | None):
-    from specsplit.config import SpecConfig
-
-    k = args.num_speculative_tokens
-    if k is None:
-        k = default_k_for(draft)
-    return SpecConfig(num_speculative_tokens=k, disable_by_batch_size=disable_by_batch_size(args, getattr(args, "device", None)),
-                      draft_model_tokens=getattr(args, "draft_model_tokens", DEFAULT_DRAFT_MODEL_TOKENS))
-
-
-def engine_config(args, model: str, device: str | None = None):
-    # Imported here: the parser (and `specsplit health`, a container healthcheck) must not pay
-    # for importing torch.
-    from specsplit.config import EngineConfig, parse_dtype
-
-    return EngineConfig(
-        model=model,
-        device=device or args.device,
-        dtype=parse_dtype(args.dtype),
-        block_size=args.block_size,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_prefill_tokens=args.max_prefill_tokens,
-        num_blocks=args.num_blocks,
-        memory_budget_bytes=args.memory_budget,
-        memory_utilization=args.memory_utilization,
-        extra={"tensor_parallel_size": getattr(args, "tensor_parallel_size", 1),
-               # the target's numerics; a draft's do not change the output
-               "deterministic": bool(getattr(args, "deterministic", False)) and model != getattr(args, "draft", None)},
-    )

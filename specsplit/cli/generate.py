@@ -6,6 +6,7 @@ import json
 import sys
 import time
 
+from gateway.client import parse_ids
 from specsplit.cli.common import (add_deterministic_flag, add_engine_flags, add_spec_flags, engine_config, nonneg_int,
                                   positive_int, spec_config, validate_engine)
 
@@ -29,20 +30,13 @@ def add_arguments(p, name: str) -> None:
     add_engine_flags(p)
     add_deterministic_flag(p)
     add_spec_flags(p)
-    from gateway.security import add_client_security_flags
+    from rpc.security import add_client_security_flags
 
     add_client_security_flags(p, "", "the --server gateway")
 
 
-def parse_ids(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.replace(" ", "").split(",") if t != ""]
-    except ValueError:
-        raise ValueError(f"--prompt-token-ids must be comma-separated integers, got {text!r}") from None
-
-
 def validate(args) -> None:
-    from gateway.security import ClientSecurity
+    from rpc.security import ClientSecurity
 
     validate_engine(args)
     ClientSecurity.from_args(args).validate()
@@ -54,10 +48,12 @@ def validate(args) -> None:
             raise ValueError("--prompt-token-ids is empty")
         if any(t < 0 for t in ids):
             raise ValueError(f"--prompt-token-ids has negative ids: {[t for t in ids if t < 0][:5]}")
-    if args.temperature < 0:
-        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
-    if not 0 < args.top_p <= 1:
-        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
+    from specsplit.sampling.params import SamplingParams
+
+    try:
+        SamplingParams(args.temperature, args.top_p, args.top_k, args.seed).validate()
+    except ValueError as e:
+        raise ValueError(f"--{e}".replace("_", "-", 1)) from None
     if args.server is None and args.prompt_token_ids is not None:
         n = len(parse_ids(args.prompt_token_ids))
         if n + args.max_tokens > args.max_model_len:

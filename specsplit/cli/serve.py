@@ -29,6 +29,6 @@ def validate(args) -> None:
 
 def run(args) -> int:
     from gateway.app import run_colocated
-    from gateway.serving import exit_now
+    from rpc.serving import exit_now
 
     exit_now(run_colocated(args))

@@ -30,7 +30,7 @@ def add_arguments(p, name: str) -> None:
         add_spec_flags(p)
         add_request_size_flag(p)
         add_keepalive_flags(p)
-        from gateway.security import add_client_security_flags
+        from rpc.security import add_client_security_flags
 
         add_client_security_flags(p, "internal_", "the drafter and the verifier")
     p.add_argument("--drain-timeout", type=float, default=30.0,
@@ -59,6 +59,6 @@ def run(args) -> int:
         from verifier_svc.service import main
     else:
         from gateway.app import run_split as main
-    from gateway.serving import exit_now
+    from rpc.serving import exit_now
 
     exit_now(main(args))

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
-from specsplit.cli.common import (add_engine_flags, add_keepalive_flags, add_request_size_flag, add_server_flags, add_spec_flags,
-                                  add_deterministic_flag, add_tensor_parallel_flag, port,
+from rpc.health import free_port  # noqa: F401  (re-exported)
+from specsplit.cli.common import (add_deterministic_flag, add_engine_flags, add_keepalive_flags, add_request_size_flag,
+                                  add_server_flags, add_spec_flags, add_tensor_parallel_flag, port,
                                   spec_config, validate_engine, validate_security)
 
 
@@ -34,7 +34,7 @@ def add_arguments(p, name: str) -> None:
     add_request_size_flag(p)
     add_keepalive_flags(p)
     add_server_flags(p, 50051)  # with --tls-*, --auth-token-file, --no-reflection: passed to all three
-    from gateway.security import add_client_security_flags
+    from rpc.security import add_client_security_flags
 
     # How the gateway (and `up`'s own health checks) reach the drafter and the verifier; the
     # token defaults to --auth-token-file.
@@ -44,12 +44,6 @@ def add_arguments(p, name: str) -> None:
 def validate(args) -> None:
     validate_security(args)
     validate_engine(args)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _engine_flags(args, device: str) -> list[str]:
@@ -65,7 +59,8 @@ def _engine_flags(args, device: str) -> list[str]:
 def _spec_flags(args) -> list[str]:
     # K decided here from the draft argument, so the gateway need not wait for the drafter to learn it.
     k = spec_config(args, args.draft).num_speculative_tokens
-    out = ["--num-speculative-tokens", str(k), "--draft-model-tokens", str(args.draft_model_tokens)]
+    out = ["--num-speculative-tokens", str(k), "--draft-model-tokens", str(args.draft_model_tokens),
+           "--k-policy", args.k_policy]
     if args.disable_by_batch_size is not None:  # else the gateway picks the default for the verifier's device
         out += ["--disable-by-batch-size", str(args.disable_by_batch_size)]
     return out
@@ -81,7 +76,7 @@ def _flag_values(args, names: list[str], prefix: str = "") -> list[str]:
 
 
 def internal_security(args):
-    from gateway.security import ClientSecurity
+    from rpc.security import ClientSecurity
 
     sec = ClientSecurity.from_args(args, "internal_")
     if not sec.auth_token_file and args.auth_token_file:

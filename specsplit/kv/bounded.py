@@ -75,6 +75,8 @@ def split_forward(items: list[ForwardItem], bound: ForwardBound) -> list[list[_P
             piece = ForwardItem(it.seq_id, start, tokens[:take], it.num_logits if final else 1)
             groups[-1].append(_Piece(index, piece, final))
             prefill_left -= take
+            if prefill_left < 0:  # a piece past the bound (all its logits wanted) runs alone
+                new_group()
             if final:
                 break
             start, tokens = start + take, tokens[take:]

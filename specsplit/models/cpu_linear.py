@@ -179,7 +179,7 @@ def calibrate(
     packed_pass(xs[rows[-1]])
     per_pair = max(time.perf_counter() - t0, 1e-6)
     reps = int(max(3, min(25, budget_s / (per_pair * len(rows)))))
-    timings, choice = [], []
+    timings = []
     for m in rows:
         x = xs[m]
         d, p = [], []
@@ -192,7 +192,14 @@ def calibrate(
             t = time.perf_counter()
             packed_pass(x)
             p.append(time.perf_counter() - t)
-        td, tp = 1e6 * statistics.median(d) / len(dense), 1e6 * statistics.median(p) / len(packed)
-        timings.append((round(td, 1), round(tp, 1)))
-        choice.append(DENSE if td <= tp else PACKED)
-    return RowKernels(tuple(rows), tuple(choice), tuple(timings))
+        timings.append((1e6 * statistics.median(d) / len(dense), 1e6 * statistics.median(p) / len(packed)))
+    return RowKernels(tuple(rows), crossover(timings), tuple((round(a, 1), round(b, 1)) for a, b in timings))
+
+
+def crossover(timings: Sequence[tuple[float, float]]) -> tuple[str, ...]:
+    """One switch point: dense below it, packed from it on (or one kernel throughout), the point
+    that minimizes the summed time over the timed row counts. Single-row-count comparisons flip
+    with timing noise; the kernels' costs are monotone in M, so one crossover is all there is."""
+    n = len(timings)
+    best = min(range(n + 1), key=lambda c: (sum(t[0] for t in timings[:c]) + sum(t[1] for t in timings[c:]), -c))
+    return tuple(DENSE if i < best else PACKED for i in range(n))

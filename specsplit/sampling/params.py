@@ -1,7 +1,11 @@
 """Per-request sampling parameters."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+MIN_TEMPERATURE = 1e-2  # below it: 0 (greedy) or an error; see SamplingParams.validate
+MAX_TEMPERATURE = 1e4  # above it the distribution is uniform to float32 precision
 
 
 @dataclass(frozen=True)
@@ -23,12 +27,23 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def validate(self, vocab_size: int | None = None) -> None:
-        """Raise ValueError with a message a client can act on."""
-        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        """Raise ValueError with a message a client can act on. The one place these rules live:
+        the gateway, `specsplit generate` and the engines (for what peers send) all call it.
+
+        temperature: 0 (greedy) or in [MIN_TEMPERATURE, MAX_TEMPERATURE]. Sampling divides the
+        logits by it in float32; below 1e-2 a logit of a few hundred becomes an overflow (1e-40
+        turned every logit into inf, the probabilities into NaN and the output into token 0), and
+        it is already greedy in effect: a runner-up 0.2 logits behind has probability < e**-20.
+        NaN and inf are refused in every float.
+        """
+        t, p = self.temperature, self.top_p
+        if not math.isfinite(t) or t < 0.0 or 0.0 < t < MIN_TEMPERATURE or t > MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], got {t:g}")
+        if not math.isfinite(p) or not (0.0 < p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {p:g}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if vocab_size is not None and self.top_k > vocab_size:
+            raise ValueError(f"top_k must be <= the vocabulary size {vocab_size} (0 = off), got {self.top_k}")
         if self.seed is not None and not (0 <= self.seed < 2**64):
             raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")

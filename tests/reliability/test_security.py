@@ -11,7 +11,7 @@ import sys
 import grpc
 import pytest
 
-from gateway.security import ClientSecurity, channel
+from rpc.security import ClientSecurity, channel
 from protos.specsplit.v1 import common_pb2, drafter_pb2_grpc, gateway_pb2, gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from tests.services.procs import REPO, health, request
 

@@ -26,7 +26,7 @@ TINY_ENGINE = ["--max-model-len", "256", "--max-prefill-tokens", "128", "--threa
 # The stacks test speculation at every batch size: the CPU default (speculate only for a lone
 # sequence) would switch it off as soon as two requests overlap. A fixture's own value comes later
 # on the command line and wins.
-SPECULATE_ALWAYS = ["--disable-by-batch-size", "0"]
+SPECULATE_ALWAYS = ["--disable-by-batch-size", "0", "--k-policy", "fixed"]  # tiny drafts cost what the target does: the policy would pick K=0
 
 
 def free_port() -> int:
@@ -42,7 +42,7 @@ def health(address: str, timeout: float = 1.0, security=None) -> str:
 
 
 class ServiceProcess:
-    """`env`: extra environment variables; `security`: the gateway.security.ClientSecurity its
+    """`env`: extra environment variables; `security`: the rpc.security.ClientSecurity its
     health is checked with (a TLS / mTLS server)."""
 
     def __init__(self, name: str, argv: list[str], log_dir: Path, port: int | None = None, metrics_port: int | None = None,

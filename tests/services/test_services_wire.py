@@ -6,7 +6,7 @@ import grpc
 import pytest
 import torch
 
-from gateway import wire
+from rpc import wire
 from gateway.service import Limits, build_request
 from gateway.text import TextStream
 from protos.specsplit.v1 import gateway_pb2
@@ -30,6 +30,20 @@ def test_rows_pack_dense_and_sparse_exactly():
 def test_malformed_rows_are_engine_errors():
     m = wire.pack_row("s", torch.ones(8))
     m.size = 9
+    with pytest.raises(EngineError):
+        wire.unpack_row(m)
+
+
+@pytest.mark.parametrize("size, sparse, expected", [(2**32 - 1, True, None), (2**31, True, None), (0, False, None),
+                                                     (301, True, 300), (299, False, 300)])
+def test_peer_row_sizes_are_checked_before_allocating(size, sparse, expected):
+    """A peer's PackedRow.size reaches np.zeros only within MAX_ROW_SIZE or the vocabulary."""
+    from protos.specsplit.v1 import common_pb2
+
+    m = common_pb2.PackedRow(seq_id="s", size=size, sparse=sparse, values=b"\0\0\x80?", indices=b"\0\0\0\0" if sparse else b"")
+    with pytest.raises(EngineError, match="size"):
+        wire.unpack_row(m, expected)
+    m.values = b"\0\0\x80"  # not a whole float32
     with pytest.raises(EngineError):
         wire.unpack_row(m)
 
@@ -122,6 +136,12 @@ class _Tok:
     (dict(prompt="w1", max_tokens=4, temperature=-1, top_p=1), "temperature"),
     (dict(prompt="w1", max_tokens=4, top_p=-0.5), "top_p"),
     (dict(prompt="w1", max_tokens=4, top_p=1.01), "top_p"),
+    (dict(prompt="w1", max_tokens=4, temperature=1e-40), "temperature must be 0 (greedy) or in [0.01"),
+    (dict(prompt="w1", max_tokens=4, temperature=0.005), "temperature must be 0 (greedy) or in [0.01"),
+    (dict(prompt="w1", max_tokens=4, temperature=float("nan")), "temperature"),
+    (dict(prompt="w1", max_tokens=4, temperature=float("inf")), "temperature"),
+    (dict(prompt="w1", max_tokens=4, top_p=float("nan")), "top_p"),
+    (dict(prompt="w1", max_tokens=4, top_p=float("inf")), "top_p"),
     (dict(prompt_token_ids=[1, 100], max_tokens=4, top_p=1), "outside the vocabulary"),
     (dict(prompt="w1", max_tokens=0, top_p=1), "max_tokens"),
     (dict(prompt="w1", max_tokens=4, top_p=1, stop=[""]), "stop"),
@@ -153,6 +173,9 @@ def test_valid_request():
     (["drafter", "--model", "ngram"], True),
     (["verifier", "--model", "x", "--memory-utilization", "2"], False),
     (["serve", "--target", "x", "--draft", "ngram"], True),
+    (["generate", "--target", "x", "w1", "--temperature", "1e-40"], False),
+    (["generate", "--target", "x", "w1", "--temperature", "nan"], False),
+    (["generate", "--target", "x", "w1", "--temperature", "0.7"], True),
     (["up", "--target", "x", "--draft", "ngram", "--port", "0"], True),
 ])
 def test_cli_check(argv, ok, capsys):

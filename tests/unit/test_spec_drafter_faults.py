@@ -74,3 +74,31 @@ def test_drafter_outage_keeps_greedy_output_and_resumes(tiny_llama, tiny_draft_c
     assert [s.output for s in states] == [s.output for s in ref_states]
     assert colo.drafter.block_manager.num_free_blocks == colo.drafter.block_manager.num_blocks
     assert colo.target.block_manager.num_free_blocks == colo.target.block_manager.num_blocks
+
+
+def test_sequences_finished_while_the_drafter_was_down_are_released_there(tiny_llama, tiny_draft_close):
+    """A drafter call that fails only for us (a timeout) leaves the drafter holding our sequences;
+    those that finish before it answers again must still be released there on re-sync."""
+    tc = EngineConfig(model=str(tiny_llama), max_model_len=128, max_num_seqs=4)
+    dc = EngineConfig(model=str(tiny_draft_close), max_model_len=128, max_num_seqs=4)
+    colo = build_colocated(tc, dc, SpecConfig(num_speculative_tokens=3), show_progress=False)
+    flaky = FlakyDrafter(colo.drafter)
+    colo.decoder.drafter = flaky
+    colo.decoder.drafter_retry_s = 0.0
+    gen = Generator(colo.decoder, colo.eos_token_ids, 4)
+    short = [GenerationRequest(f"s{i}", tuple(range(5 + i, 12 + i)), 6, ignore_eos=True) for i in range(2)]
+    long = GenerationRequest("long", tuple(range(30, 40)), 40, ignore_eos=True)
+    states = [gen.submit(r) for r in [*short, long]]
+    gen.step()
+    flaky.down = True  # transient: the engine keeps every sequence (no restart)
+    while not all(s.finished for s in states[:2]):
+        gen.step()
+    assert not states[2].finished
+    flaky.down = False
+    while gen.running:
+        gen.step()
+    assert colo.drafter.num_running == 0, sorted(colo.drafter.seqs)
+    assert colo.target.num_running == 0
+    assert colo.drafter.block_manager.num_free_blocks == colo.drafter.block_manager.num_blocks
+    assert colo.target.block_manager.num_free_blocks == colo.target.block_manager.num_blocks
+    colo.close()

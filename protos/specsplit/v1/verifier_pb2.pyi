@@ -31,6 +31,12 @@ class ResolveBatch(_message.Message):
     rows: _containers.RepeatedCompositeFieldContainer[_common_pb2.PackedRow]
     def __init__(self, rows: _Optional[_Iterable[_Union[_common_pb2.PackedRow, _Mapping]]] = ...) -> None: ...
 
+class AbandonStep(_message.Message):
+    __slots__ = ("seq_ids",)
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, seq_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class VerifyResult(_message.Message):
     __slots__ = ("seq_id", "num_accepted", "token_ids", "pending_position")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
@@ -50,18 +56,20 @@ class VerifyResults(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[VerifyResult, _Mapping]]] = ...) -> None: ...
 
 class VerifierRequest(_message.Message):
-    __slots__ = ("id", "add", "verify", "resolve", "release")
+    __slots__ = ("id", "add", "verify", "resolve", "release", "abandon")
     ID_FIELD_NUMBER: _ClassVar[int]
     ADD_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
     RESOLVE_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    ABANDON_FIELD_NUMBER: _ClassVar[int]
     id: int
     add: _common_pb2.AddSeqs
     verify: VerifyBatch
     resolve: ResolveBatch
     release: _common_pb2.Release
-    def __init__(self, id: _Optional[int] = ..., add: _Optional[_Union[_common_pb2.AddSeqs, _Mapping]] = ..., verify: _Optional[_Union[VerifyBatch, _Mapping]] = ..., resolve: _Optional[_Union[ResolveBatch, _Mapping]] = ..., release: _Optional[_Union[_common_pb2.Release, _Mapping]] = ...) -> None: ...
+    abandon: AbandonStep
+    def __init__(self, id: _Optional[int] = ..., add: _Optional[_Union[_common_pb2.AddSeqs, _Mapping]] = ..., verify: _Optional[_Union[VerifyBatch, _Mapping]] = ..., resolve: _Optional[_Union[ResolveBatch, _Mapping]] = ..., release: _Optional[_Union[_common_pb2.Release, _Mapping]] = ..., abandon: _Optional[_Union[AbandonStep, _Mapping]] = ...) -> None: ...
 
 class VerifierResponse(_message.Message):
     __slots__ = ("id", "error", "compute_s", "ack", "results")

@@ -23,11 +23,18 @@ def test_default_k(draft, k):
     assert spec_config(_args([]), draft).num_speculative_tokens == k
 
 
+def test_k_policy_is_auto_and_needs_no_threshold():
+    cfg = spec_config(_args([]), "ngram")
+    assert cfg.k_policy == "auto" and cfg.disable_by_batch_size == 0  # the policy turns it off itself
+    assert spec_config(_args(["--k-policy", "fixed"]), "ngram").k_policy == "fixed"
+    assert default_disable_by_batch_size("cpu") == 0
+
+
 def test_disable_threshold_follows_the_target_device_unless_given():
-    assert default_disable_by_batch_size("cpu") == 1
-    assert default_disable_by_batch_size("cuda:0") == 0
-    assert spec_config(_args([]), "ngram").disable_by_batch_size == 1  # --device defaults to cpu
-    assert spec_config(_args(["--device", "cuda:1"]), "ngram").disable_by_batch_size == 0
+    assert default_disable_by_batch_size("cpu", "fixed") == 1
+    assert default_disable_by_batch_size("cuda:0", "fixed") == 0
+    assert spec_config(_args(["--k-policy", "fixed"]), "ngram").disable_by_batch_size == 1  # --device defaults to cpu
+    assert spec_config(_args(["--k-policy", "fixed", "--device", "cuda:1"]), "ngram").disable_by_batch_size == 0
     assert spec_config(_args(["--disable-by-batch-size", "6"]), "ngram").disable_by_batch_size == 6
     assert spec_config(_args(["--disable-by-batch-size", "0"]), "ngram").disable_by_batch_size == 0
 

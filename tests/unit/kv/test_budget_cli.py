@@ -38,8 +38,7 @@ def test_too_small_a_budget_exits_non_zero_naming_the_numbers(tiny_llama, tiny_d
     assert proc.stdout == ""
 
 
-def test_budget_below_max_model_len_exits_non_zero(tiny_llama, capsys, monkeypatch):
-    monkeypatch.setenv("SPECSPLIT_LINEAR_KERNEL", "dense")  # one copy of each weight, as sized below
+def test_budget_below_max_model_len_exits_non_zero(tiny_llama, capsys):
     # 640 KiB: the weights (~450 KiB of parameters) fit, but weights + one 512-token sequence of KV
     # (256 KiB) do not, whatever the (noisy, RSS-based) non-torch and activation terms measure.
     rc = main(["profile", "--target", str(tiny_llama), "--memory-budget", "640KiB", "--json",

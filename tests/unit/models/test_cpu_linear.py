@@ -108,11 +108,18 @@ def test_calibration_times_every_row_count_and_keeps_the_faster():
     ws = [torch.randn(96, 64, generator=g) for _ in range(4)]
     table = cpu_linear.calibrate(ws, [cpu_linear.pack(w) for w in ws], budget_s=0.05)
     assert table.rows == cpu_linear.CALIBRATION_ROWS and len(table.timings_us) == len(table.rows)
-    for kernel, (dense_us, packed_us) in zip(table.by_rows, table.timings_us):
-        assert dense_us > 0 and packed_us > 0
-        assert kernel == ("dense" if dense_us <= packed_us else "packed")
+    assert all(d > 0 and p > 0 for d, p in table.timings_us)
+    assert table.by_rows == cpu_linear.crossover(table.timings_us)
     # past the last timed row count (prefill): dense where the table keeps dense
     assert table.kernel(1000) == ("dense" if "dense" in table.by_rows else "packed")
+
+
+def test_crossover_minimizes_the_summed_time():
+    # a noisy middle row count does not split the table: one switch point, the cheapest in sum
+    t = [(100, 140), (200, 150), (210, 150), (150, 160), (300, 170)]
+    assert cpu_linear.crossover(t) == ("dense", "packed", "packed", "packed", "packed")
+    assert cpu_linear.crossover([(1, 2), (1, 2)]) == ("dense", "dense")
+    assert cpu_linear.crossover([(3, 2), (3, 2)]) == ("packed", "packed")
 
 
 def test_row_table_lookup_and_summary():

@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from gateway import metrics
-from gateway.engines import BuiltEngine
-from gateway.security import ServerSecurity
-from gateway.serving import Server, wait_until
-from gateway.sessions import SessionHost, kv_stats
+from rpc import metrics
+from rpc.engines import BuiltEngine
+from rpc.security import ServerSecurity
+from rpc.serving import Server, wait_until
+from rpc.sessions import SessionHost, kv_stats
 from protos.specsplit.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -25,7 +25,18 @@ def info_pb(built: BuiltEngine, role: str, host: SessionHost) -> common_pb2.Serv
         kv=kv_stats(built.engine, common_pb2.KvStats), num_running=host.num_running,
         num_sessions=len(host.sessions), memory_plan_json=built.plan_json, serving=not host.draining,
         num_speculative_tokens=built.lookahead - 1,
+        step_costs=step_costs_pb(built.engine),
     )
+
+
+def step_costs_pb(engine) -> list:
+    """The engine's start-up calibration (specsplit/calibration.py) as StepCost messages:
+    the verifier's (batch, rows) steps, or the drafter's cost of one drafted token per batch."""
+    costs = getattr(getattr(engine, "model", engine), "step_costs", None)  # HybridDrafter: its model's
+    if costs is None:
+        return []
+    kind = "draft" if costs.draft else "verify"
+    return [common_pb2.StepCost(batch=b, rows=r, seconds=t) for b, r, t in costs.as_rows(kind)]
 
 
 def log_startup(role: str, built: BuiltEngine) -> None:

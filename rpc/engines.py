@@ -11,7 +11,7 @@ import json
 import logging
 from dataclasses import dataclass
 
-from specsplit.cli.common import DEFAULT_K_NGRAM, engine_config
+from specsplit.defaults import DEFAULT_K_NGRAM, DEFAULT_K_POLICY, engine_config
 from specsplit.config import EngineConfig, SpecConfig
 from specsplit.factory import build_draft_engine, build_target_engine
 from specsplit.models.loader import hf_dir_for
@@ -69,7 +69,8 @@ def _spec(args) -> SpecConfig:
     """The K a service is sized for: --num-speculative-tokens, else the largest default (n-gram's)."""
     k = args.num_speculative_tokens
     return SpecConfig(num_speculative_tokens=DEFAULT_K_NGRAM if k is None else k,
-                      draft_model_tokens=getattr(args, "draft_model_tokens", SpecConfig.draft_model_tokens))
+                      draft_model_tokens=getattr(args, "draft_model_tokens", SpecConfig.draft_model_tokens),
+                      k_policy=getattr(args, "k_policy", None) or DEFAULT_K_POLICY)
 
 
 def build_engine(args, role: str) -> BuiltEngine:

@@ -12,8 +12,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from gateway import security as sec
-from gateway.metrics import start_metrics_server
+from rpc import security as sec
+from rpc.metrics import start_metrics_server
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +22,7 @@ MAX_MESSAGE_BYTES = sec.MAX_INTERNAL_MESSAGE_BYTES  # a batch of dense q rows ca
 
 class Server:
     """A grpc.aio server with health and (unless turned off) reflection for `service_names` (full
-    proto names); TLS, mTLS, the bearer token and keepalive as gateway.security builds them."""
+    proto names); TLS, mTLS, the bearer token and keepalive as rpc.security builds them."""
 
     def __init__(self, name: str, host: str, port: int, service_names: Iterable[str],
                  security: sec.ServerSecurity | None = None, max_receive_bytes: int = MAX_MESSAGE_BYTES):

@@ -115,11 +115,23 @@ def pack_row(seq_id: str, row: torch.Tensor) -> common_pb2.PackedRow:
     return common_pb2.PackedRow(seq_id=seq_id, size=arr.size, values=arr.astype("<f4").tobytes())
 
 
-def unpack_row(m: common_pb2.PackedRow) -> torch.Tensor:
+MAX_ROW_SIZE = 1 << 22  # no vocabulary is larger (4,194,304 entries = 16 MiB of float32)
+
+
+def unpack_row(m: common_pb2.PackedRow, expected_size: int | None = None) -> torch.Tensor:
+    """PackedRow -> [size] float32. The peer's `size` is checked (against the vocabulary when the
+    caller knows it, else MAX_ROW_SIZE) before anything is allocated for it."""
+    limit = MAX_ROW_SIZE if expected_size is None else expected_size
+    if expected_size is not None and m.size != expected_size:
+        raise EngineError(f"sequence {m.seq_id!r}: q row of size {m.size}, expected the vocabulary size {expected_size}")
+    if not 0 < m.size <= limit:
+        raise EngineError(f"sequence {m.seq_id!r}: q row of size {m.size} (must be in [1, {limit}])")
+    if len(m.values) % 4 or len(m.indices) % 4:
+        raise EngineError(f"sequence {m.seq_id!r}: malformed q row (values and indices are 4-byte numbers)")
     values = np.frombuffer(m.values, dtype="<f4")
     if m.sparse:
         idx = np.frombuffer(m.indices, dtype="<i4")
-        if len(idx) != len(values) or (len(idx) and (idx.min() < 0 or idx.max() >= m.size)):
+        if len(idx) != len(values) or len(idx) > m.size or (len(idx) and (idx.min() < 0 or idx.max() >= m.size)):
             raise EngineError(f"sequence {m.seq_id!r}: malformed sparse q row")
         dense = np.zeros(m.size, dtype=np.float32)
         dense[idx] = values
@@ -167,8 +179,8 @@ def rows_to_pb(rows: Sequence[QRow], rename=lambda s: s) -> list[common_pb2.Pack
     return [pack_row(rename(r.seq_id), r.row) for r in rows]
 
 
-def rows_from_pb(rows, rename=lambda s: s) -> list[QRow]:
-    return [QRow(rename(r.seq_id), unpack_row(r)) for r in rows]
+def rows_from_pb(rows, rename=lambda s: s, expected_size: int | None = None) -> list[QRow]:
+    return [QRow(rename(r.seq_id), unpack_row(r, expected_size)) for r in rows]
 
 
 # ---- verifier --------------------------------------------------------------------------------

@@ -6,6 +6,11 @@ is one peer: its sequence ids are namespaced ("<session>:<seq_id>") so two strea
 and everything a stream added is freed when the stream ends, however it ends (client gone,
 cancelled, network). Every request gets exactly one response; a failed request carries a Status
 and changes nothing, and the stream goes on.
+
+Isolation: a session sees only its own sequences (namespace), holds at most
+`max_seqs_per_session` of them (RESOURCE_EXHAUSTED past it), and an engine call that drops
+per-step state (the drafter's finish_step) is scoped to the session's own sequences, so two
+gateways sharing one engine never touch each other's KV, q rows or random streams.
 """
 from __future__ import annotations
 
@@ -18,8 +23,8 @@ from typing import AsyncIterator, Callable
 
 import grpc
 
-from gateway import metrics
-from gateway.wire import ServiceError, status_pb
+from rpc import metrics
+from rpc.wire import ServiceError, status_pb
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +48,10 @@ class PeerSession:
 class SessionHost:
     """Runs an engine's session messages on one worker thread."""
 
-    def __init__(self, role: str, engine, threads: int = 0):
+    def __init__(self, role: str, engine, threads: int = 0, max_seqs_per_session: int | None = None):
         self.role = role
         self.engine = engine
+        self.max_seqs_per_session = max_seqs_per_session
         self._counter = itertools.count(1)
         self.sessions: dict[int, PeerSession] = {}
         self.draining = False
@@ -69,6 +75,12 @@ class SessionHost:
         """Engine add under the session's namespace (worker thread)."""
         if self.draining:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"the {self.role} is shutting down; it takes no new sequences")
+        limit = self.max_seqs_per_session
+        if limit is not None and len(session.owned) + len(seqs) > limit:
+            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"session {session.number} holds {len(session.owned)} sequences on the {self.role} and "
+                               f"adds {len(seqs)}: each session may hold at most {limit} (the {self.role}'s "
+                               f"--max-num-seqs); release finished sequences first")
         self.engine.add(seqs)
         session.owned.update(s.seq_id for s in seqs)
 

@@ -1,0 +1,74 @@
+"""Server defaults (K per kind of draft, the speculation-off threshold) and the conversion of a
+parsed command line (an argparse namespace, or anything with the same attributes) into config
+objects.
+
+They sit below the CLI on purpose: the engine services (rpc.engines) and the gateway need the same
+defaults the parsers print, and must not import specsplit.cli (the layering contracts in
+pyproject.toml forbid it). Nothing here imports torch at module level, so the parsers stay cheap.
+"""
+from __future__ import annotations
+
+DEFAULT_K_MODEL = 2
+DEFAULT_K_HYBRID = 3  # MODEL+ngram: lookup drafts up to 3, the model DEFAULT_DRAFT_MODEL_TOKENS
+DEFAULT_DRAFT_MODEL_TOKENS = 1
+DEFAULT_K_NGRAM = 4
+DISABLE_BY_BATCH_SIZE_CPU = 1  # with --k-policy fixed; measured: `specsplit bench` concurrency sweep (README)
+DISABLE_BY_BATCH_SIZE_OTHER = 0  # never: on a GPU the verify pass stays memory-bound far longer
+K_POLICIES = ("auto", "fixed")
+DEFAULT_K_POLICY = "auto"  # K per step from calibrated costs and acceptance (specsplit/k_policy.py)
+
+
+def default_disable_by_batch_size(target_device: str | None, k_policy: str = DEFAULT_K_POLICY) -> int:
+    """The threshold a server uses when --disable-by-batch-size is not given: none with the K
+    policy (it turns speculation off where it cannot pay); with a fixed K, 1 on a CPU."""
+    if k_policy == "auto":
+        return 0
+    return DISABLE_BY_BATCH_SIZE_CPU if (target_device or "cpu").startswith("cpu") else DISABLE_BY_BATCH_SIZE_OTHER
+
+
+def disable_by_batch_size(args, target_device: str | None) -> int:
+    value = getattr(args, "disable_by_batch_size", None)
+    policy = getattr(args, "k_policy", None) or DEFAULT_K_POLICY
+    return default_disable_by_batch_size(target_device, policy) if value is None else value
+
+
+def default_k_for(draft: str | None) -> int:
+    """The K a server uses for this draft when --num-speculative-tokens is not given."""
+    if draft is None:
+        return 0
+    if draft == "ngram":
+        return DEFAULT_K_NGRAM
+    return DEFAULT_K_HYBRID if draft.endswith("+ngram") else DEFAULT_K_MODEL
+
+
+def spec_config(args, draft: str | None):
+    from specsplit.config import SpecConfig
+
+    k = args.num_speculative_tokens
+    if k is None:
+        k = default_k_for(draft)
+    return SpecConfig(num_speculative_tokens=k, disable_by_batch_size=disable_by_batch_size(args, getattr(args, "device", None)),
+                      draft_model_tokens=getattr(args, "draft_model_tokens", DEFAULT_DRAFT_MODEL_TOKENS),
+                      k_policy=getattr(args, "k_policy", None) or DEFAULT_K_POLICY)
+
+
+def engine_config(args, model: str, device: str | None = None):
+    # Imported here: the parser (and `specsplit health`, a container healthcheck) must not pay
+    # for importing torch.
+    from specsplit.config import EngineConfig, parse_dtype
+
+    return EngineConfig(
+        model=model,
+        device=device or args.device,
+        dtype=parse_dtype(args.dtype),
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_prefill_tokens=args.max_prefill_tokens,
+        num_blocks=args.num_blocks,
+        memory_budget_bytes=args.memory_budget,
+        memory_utilization=args.memory_utilization,
+        extra={"tensor_parallel_size": getattr(args, "tensor_parallel_size", 1),
+               # the target's numerics; a draft's do not change the output
+               "deterministic": bool(getattr(args, "deterministic", False)) and model != getattr(args, "draft", None)},
+    )

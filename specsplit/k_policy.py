@@ -1,0 +1,93 @@
+"""The K policy: how many tokens to draft this step, 0 included, from measured costs and acceptance.
+
+Vocabulary:
+  a_j     the acceptance rate of draft position j given positions 0..j-1 were accepted, estimated
+          online per request (a Beta prior plus that request's own counts).
+  E(k)    expected tokens a step emits with k drafts: 1 + a_0 + a_0 a_1 + ... (the bonus or
+          recovered token always comes).
+  T(k)    the step's time: the verifier's calibrated forward of k+1 rows per sequence at this
+          batch size, plus drafting (k model tokens, or `model_tokens` of them when prompt lookup
+          drafts first), plus the network round trips in split mode.
+The policy picks the k in 0..K that maximizes the batch's sum of E(k) over T(k): speculation turns
+itself off (k = 0) wherever it cannot pay, at batch 1 or 32 alike. With k = 0 it still drafts one
+token every `probe_every` steps while speculation could pay at all, so a request whose text turns
+predictable is noticed. Greedy output does not depend on k (verification is exact for any k).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specsplit.calibration import StepCosts
+
+
+@dataclass
+class Acceptance:
+    """Per-position acceptance of one request's drafts (counted once, here)."""
+
+    prior_rate: float = 0.6
+    prior_weight: float = 2.0
+    tried: list[int] = field(default_factory=list)  # steps that verified position j (all before it accepted)
+    accepted: list[int] = field(default_factory=list)
+
+    def update(self, num_drafts: int, num_accepted: int) -> None:
+        for j in range(min(num_drafts, num_accepted + 1)):
+            if j >= len(self.tried):
+                self.tried.append(0)
+                self.accepted.append(0)
+            self.tried[j] += 1
+            self.accepted[j] += int(j < num_accepted)
+
+    def rate(self, j: int) -> float:
+        tried = self.tried[j] if j < len(self.tried) else 0
+        acc = self.accepted[j] if j < len(self.accepted) else 0
+        return (acc + self.prior_rate * self.prior_weight) / (tried + self.prior_weight)
+
+    def expected_tokens(self, k: int) -> float:
+        total, p = 1.0, 1.0
+        for j in range(k):
+            p *= self.rate(j)
+            total += p
+        return total
+
+
+class KPolicy:
+    def __init__(self, costs: StepCosts, max_k: int, model_tokens: int | None = None, probe_every: int = 16):
+        self.costs = costs
+        self.max_k = max_k
+        self.model_tokens = model_tokens  # hybrid drafter: the model drafts at most this many
+        self.probe_every = probe_every
+        self._since_probe = 0
+
+    def step_time(self, batch: int, k: int) -> float:
+        """Seconds of one step: the verify call, and with k > 0 the propose call (split mode: one
+        network round trip each)."""
+        t = self.costs.verify_s(batch, k + 1) + self.costs.network_s
+        if k > 0:
+            drafted = k if self.model_tokens is None else min(k, self.model_tokens)
+            t += drafted * self.costs.draft_s(batch) + self.costs.network_s
+        return t
+
+    def rates(self, accs: list[Acceptance], caps: list[int] | None = None) -> list[float]:
+        """Expected tokens per second of the batch for k = 0..max_k."""
+        caps = caps or [self.max_k] * len(accs)
+        b = len(accs)
+        return [sum(a.expected_tokens(min(k, c)) for a, c in zip(accs, caps)) / self.step_time(b, k)
+                for k in range(self.max_k + 1)]
+
+    def choose(self, accs: list[Acceptance], caps: list[int] | None = None) -> int:
+        if not accs or self.max_k <= 0:
+            return 0
+        rates = self.rates(accs, caps)
+        k = max(range(len(rates)), key=lambda i: (rates[i], -i))  # ties: the smaller k
+        if k > 0:
+            self._since_probe = 0
+            return k
+        self._since_probe += 1
+        if self._since_probe >= self.probe_every and self._could_pay(len(accs)):
+            self._since_probe = 0
+            return 1
+        return 0
+
+    def _could_pay(self, batch: int) -> bool:
+        """Whether one draft could pay with every draft accepted (else probing is pointless)."""
+        return 2 * self.step_time(batch, 0) > self.step_time(batch, 1)

@@ -1,0 +1,145 @@
+"""The K policy (specsplit/k_policy.py): the K that maximizes expected tokens per second, 0 where
+speculation cannot pay, probes while it could, and greedy output unchanged as K varies per step."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specsplit.calibration import StepCosts
+from specsplit.config import EngineConfig, SpecConfig
+from specsplit.factory import build_colocated
+from specsplit.generation import GenerationRequest, Generator
+from specsplit.k_policy import Acceptance, KPolicy
+
+MAX_LEN = 160
+
+
+def _costs(v, draft=0.05, batches=(1, 2, 4, 8)) -> StepCosts:
+    """Synthetic costs: a target step of 1.0 s per sequence-row-group, v[k] the k-draft step."""
+    return StepCosts(verify={(b, k + 1): b * v[k] for b in batches for k in range(len(v))},
+                     draft={b: draft * b for b in batches})
+
+
+def _acc(rate: float, n: int = 200) -> Acceptance:
+    a = Acceptance()
+    for _ in range(n):  # positions accepted independently with `rate`: conditional rate = rate
+        accepted = 0
+        while accepted < 4 and (accepted + 1) * rate >= 1e-9 and torch.rand(1).item() < rate:
+            accepted += 1
+        a.update(4, accepted)
+    return a
+
+
+def _brute(policy: KPolicy, accs, caps) -> int:
+    best = None
+    for k in range(policy.max_k + 1):
+        tokens = sum(a.expected_tokens(min(k, c)) for a, c in zip(accs, caps))
+        rate = tokens / policy.step_time(len(accs), k)
+        if best is None or rate > best[0] + 1e-12:
+            best = (rate, k)
+    return best[1]
+
+
+def test_acceptance_counts_positions_conditionally():
+    a = Acceptance(prior_rate=0.5, prior_weight=2.0)
+    a.update(3, 1)  # position 0 accepted, position 1 rejected, position 2 never tried
+    a.update(3, 3)
+    assert a.tried == [2, 2, 1] and a.accepted == [2, 1, 1]
+    assert a.rate(0) == pytest.approx((2 + 1) / 4) and a.rate(5) == pytest.approx(0.5)
+    assert a.expected_tokens(0) == 1.0
+    assert a.expected_tokens(2) == pytest.approx(1 + a.rate(0) + a.rate(0) * a.rate(1))
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.3, 0.6, 0.9])
+@pytest.mark.parametrize("v", [[1.0, 1.05, 1.1, 1.15, 1.2], [1.0, 1.7, 2.2, 2.4, 2.6], [1.0, 1.2, 1.5, 2.5, 3.0]])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_policy_picks_the_k_with_the_most_tokens_per_second(rate, v, batch):
+    torch.manual_seed(0)
+    policy = KPolicy(_costs(v), max_k=4)
+    accs = [_acc(rate) for _ in range(batch)]
+    caps = [4] * batch
+    assert policy.choose(accs, caps) == _brute(policy, accs, caps)
+
+
+def test_policy_turns_speculation_off_where_it_cannot_pay_and_on_where_it_does():
+    steep = KPolicy(_costs([1.0, 1.9, 2.8, 3.7, 4.6]), max_k=4)
+    assert steep.choose([_acc(0.9)]) == 0  # verifying costs almost a step per draft
+    flat = KPolicy(_costs([1.0, 1.02, 1.04, 1.06, 1.08], draft=0.01), max_k=4)
+    assert flat.choose([_acc(0.9)]) == 4
+    assert flat.choose([_acc(0.0)]) == 0  # nothing is ever accepted
+    # a costly draft model: one draft token costs half a target step
+    pricey = KPolicy(_costs([1.0, 1.02, 1.04, 1.06, 1.08], draft=0.5), max_k=4)
+    assert pricey.choose([_acc(0.4)]) == 0
+    # the hybrid drafter's model drafts at most one token: lookup tokens are free
+    assert KPolicy(_costs([1.0, 1.02, 1.04, 1.06, 1.08], draft=0.5), 4, model_tokens=1).choose([_acc(0.9)]) == 4
+
+
+def test_probe_only_while_speculation_could_pay():
+    flat = KPolicy(_costs([1.0, 1.02, 1.04, 1.06, 1.08]), max_k=4, probe_every=4)
+    picks = [flat.choose([_acc(0.0)]) for _ in range(12)]
+    assert picks.count(1) == 3 and set(picks) == {0, 1}
+    steep = KPolicy(_costs([1.0, 2.5, 3.5, 4.5, 5.5]), max_k=4, probe_every=4)
+    assert {steep.choose([_acc(0.0)]) for _ in range(12)} == {0}  # even all-accepted could not pay
+
+
+def _requests(n: int, seed: int, max_tokens: int = 24) -> list[GenerationRequest]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        base = torch.randint(3, 256, (int(torch.randint(2, 20, (1,), generator=g)),), generator=g).tolist()
+        out.append(GenerationRequest(f"r{i}", tuple((base * 3)[:40]), max_tokens, ignore_eos=True))
+    return out
+
+
+class _Cycling(KPolicy):
+    """K per step from a fixed cycle (0 included): greedy output must not notice."""
+
+    def __init__(self, cycle=(3, 0, 1, 4, 2, 2, 0, 4)):
+        super().__init__(_costs([1.0] * 5), max_k=4)
+        self.cycle, self.i = cycle, 0
+
+    def choose(self, accs, caps=None) -> int:
+        self.i += 1
+        return self.cycle[self.i % len(self.cycle)]
+
+
+def _run(target, draft, requests, policy=None):
+    tc = EngineConfig(model=str(target), max_model_len=MAX_LEN, max_num_seqs=16)
+    dc = None if draft is None else EngineConfig(model=str(draft), max_model_len=MAX_LEN, max_num_seqs=16)
+    spec = SpecConfig(num_speculative_tokens=4 if draft else 0, k_policy="auto" if draft else "fixed")
+    colo = build_colocated(tc, dc, spec, show_progress=False)
+    if policy is not None:
+        colo.decoder.policy = policy
+    states = Generator(colo.decoder, colo.eos_token_ids, 16).run(requests)
+    bm = colo.target.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    return [s.output for s in states], colo.decoder
+
+
+@pytest.mark.parametrize("batch", [1, 4, 16])
+@pytest.mark.parametrize("draft", ["tiny_draft_close", "tiny_draft_far", "ngram"])
+def test_greedy_equal_with_k_varying_per_step(tiny_llama, draft, batch, request):
+    draft_model = "ngram" if draft == "ngram" else request.getfixturevalue(draft)
+    reference, _ = _run(tiny_llama, None, _requests(batch, seed=batch))
+    out, decoder = _run(tiny_llama, draft_model, _requests(batch, seed=batch), _Cycling())
+    assert out == reference  # exact: the same process, the same kernels; K never changes greedy
+    assert {k for k, n in decoder.k_chosen.items() if n} == {0, 1, 2, 3, 4}, decoder.k_chosen
+    # and with the policy as built (timed costs), the same tokens
+    out, decoder = _run(tiny_llama, draft_model, _requests(batch, seed=batch))
+    assert out == reference and decoder.policy is not None
+
+
+def test_colocated_engines_calibrate_and_report(tiny_llama, tiny_draft_close):
+    tc = EngineConfig(model=str(tiny_llama), max_model_len=MAX_LEN, max_num_seqs=4)
+    colo = build_colocated(tc, EngineConfig(model=str(tiny_draft_close), max_model_len=MAX_LEN, max_num_seqs=4),
+                           SpecConfig(num_speculative_tokens=3, k_policy="auto"), show_progress=False)
+    costs = colo.decoder.policy.costs
+    assert set(costs.verify) == {(b, r) for b in (1, 2, 4) for r in (1, 2, 3, 4)}
+    assert set(costs.draft) == {1, 2, 4}
+    assert all(s > 0 for s in list(costs.verify.values()) + list(costs.draft.values()))
+    assert costs.verify_s(3, 2) > 0 and costs.verify_s(32, 4) > 0  # interpolated, extrapolated
+    for engine in (colo.target, colo.drafter):
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    fixed = build_colocated(tc, EngineConfig(model=str(tiny_draft_close), max_model_len=MAX_LEN, max_num_seqs=4),
+                            SpecConfig(num_speculative_tokens=3, k_policy="fixed"), show_progress=False)
+    assert fixed.decoder.policy is None and fixed.target.step_costs is None

@@ -1,0 +1,143 @@
+"""A drafter's bad answer never reaches the verifier: the proposal is dropped (that sequence decodes
+target-only for the step) and unusable q rows abandon the step; no stream fails, and the other
+sequences go on speculating."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from specsplit.config import EngineConfig, SpecConfig
+from specsplit.factory import build_colocated
+from specsplit.generation import GenerationRequest, Generator
+from specsplit.sampling.params import SamplingParams
+
+VOCAB = 256
+
+CORRUPT = {
+    "one draft too many": lambda p: dataclasses.replace(p, token_ids=p.token_ids + (7,),
+                                                        probs=None if p.probs is None else p.probs + (0.5,)),
+    "id past the vocabulary": lambda p: dataclasses.replace(p, token_ids=(VOCAB,) + p.token_ids[1:]),
+    "negative id": lambda p: dataclasses.replace(p, token_ids=(-1,) + p.token_ids[1:]),
+    "q(x) NaN": lambda p: dataclasses.replace(p, probs=(math.nan,) + p.probs[1:]),
+    "q(x) 0": lambda p: dataclasses.replace(p, probs=(0.0,) + p.probs[1:]),
+    "q(x) above 1": lambda p: dataclasses.replace(p, probs=(1.5,) + p.probs[1:]),
+    "q(x) inf": lambda p: dataclasses.replace(p, probs=(math.inf,) + p.probs[1:]),
+    "no q(x)": lambda p: dataclasses.replace(p, probs=None),
+    "q(x) count": lambda p: dataclasses.replace(p, probs=p.probs[:-1]),
+}
+
+
+class BadDrafter:
+    """A real draft engine whose answers for sequences named `victim*` are corrupted."""
+
+    def __init__(self, engine, corrupt=None, bad_rows: bool = False):
+        self.engine, self.corrupt, self.bad_rows = engine, corrupt, bad_rows
+        self.corrupted = 0
+
+    def add(self, seqs):
+        return self.engine.add(seqs)
+
+    def propose(self, reqs):
+        out = self.engine.propose(reqs)
+        if self.corrupt is None:
+            return out
+        bad = [self.corrupt(p) if p.seq_id.startswith("victim") and p.token_ids else p for p in out]
+        self.corrupted += sum(a is not b for a, b in zip(bad, out))
+        return bad
+
+    def finish_step(self, fetch):
+        rows = self.engine.finish_step(fetch)
+        if self.bad_rows:
+            for r in rows:
+                if r.seq_id.startswith("victim"):
+                    r.row = torch.full_like(r.row, math.nan)
+                    self.corrupted += 1
+        return rows
+
+    def release(self, ids):
+        return self.engine.release(ids)
+
+
+class CheckedVerifier:
+    """The real target engine, asserting that every proposal it is asked to verify is sound."""
+
+    def __init__(self, engine, k: int):
+        self.engine, self.k = engine, k
+        self.vocab_size = engine.vocab_size
+
+    def verify(self, reqs):
+        for r in reqs:
+            assert len(r.draft_token_ids) <= self.k, r
+            assert all(0 <= t < VOCAB for t in r.draft_token_ids), r
+            if r.draft_probs is not None:
+                assert len(r.draft_probs) == len(r.draft_token_ids), r
+                assert all(math.isfinite(q) and 0 < q <= 1 for q in r.draft_probs), r
+        return self.engine.verify(reqs)
+
+    def resolve(self, rows):
+        for r in rows:
+            assert bool(torch.isfinite(r.row).all()) and bool((r.row >= 0).all()), r.seq_id
+        return self.engine.resolve(rows)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+def _requests():
+    sampled = SamplingParams(temperature=1.0, seed=3)
+    return [GenerationRequest("victim-s", (5, 6, 7, 8), 20, sampled, ignore_eos=True),
+            GenerationRequest("victim-g", (9, 10, 11), 20, ignore_eos=True),
+            GenerationRequest("ok-s", (5, 6, 7, 8), 20, SamplingParams(temperature=1.0, seed=4), ignore_eos=True),
+            GenerationRequest("ok-g", (12, 13, 14, 15), 20, ignore_eos=True)]
+
+
+def _run(tiny_llama, tiny_draft, drafter_wrap):
+    tc = EngineConfig(model=str(tiny_llama), max_model_len=64, max_num_seqs=4)
+    dc = EngineConfig(model=str(tiny_draft), max_model_len=64, max_num_seqs=4)
+    colo = build_colocated(tc, dc, SpecConfig(num_speculative_tokens=3, disable_by_batch_size=0), show_progress=False)
+    wrapped = drafter_wrap(colo.drafter)
+    colo.decoder.drafter = wrapped
+    colo.decoder.verifier = CheckedVerifier(colo.target, 3)
+    colo.decoder.drafter_retry_s = 0.0  # a drafter marked failed is retried at once
+    states = {s.request.request_id: s for s in Generator(colo.decoder, colo.eos_token_ids, 4).run(_requests())}
+    return colo, wrapped, states
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    tc = EngineConfig(model=str(tiny_llama), max_model_len=64, max_num_seqs=4)
+    colo = build_colocated(tc, None, SpecConfig(num_speculative_tokens=0), show_progress=False)
+    states = Generator(colo.decoder, colo.eos_token_ids, 4).run([r for r in _requests() if r.params.greedy])
+    yield {s.request.request_id: s.output for s in states}
+    colo.close()
+
+
+def _check(colo, wrapped, states, reference):
+    assert wrapped.corrupted > 0
+    assert all(s.finished and len(s.output) == 20 for s in states.values())
+    for rid, out in reference.items():
+        assert states[rid].output == out, rid  # greedy output is still the target's
+    assert states["ok-s"].proposed > 0 and states["ok-g"].proposed > 0  # the others kept speculating
+    assert colo.target.num_running == 0 and colo.drafter.num_running == 0
+    for bm in (colo.target.block_manager, colo.drafter.block_manager):
+        assert bm.num_free_blocks == bm.num_blocks
+    colo.close()
+
+
+@pytest.mark.parametrize("case", list(CORRUPT))
+def test_bad_proposals_fall_back_to_target_only(tiny_llama, tiny_draft_close, reference, case):
+    def wrap(engine):
+        return BadDrafter(engine, CORRUPT[case])
+
+    if case.startswith("q(x)") or case == "no q(x)":  # only sampled sequences carry q(x)
+        def wrap(engine):  # noqa: F811
+            return BadDrafter(engine, lambda p: CORRUPT[case](p) if p.probs is not None else p)
+    _check(*_run(tiny_llama, tiny_draft_close, wrap), reference)
+
+
+def test_unusable_q_rows_abandon_the_step(tiny_llama, tiny_draft_far, reference):
+    """NaN q rows from finish_step: the sampled sequences discard the step; nothing fails."""
+    _check(*_run(tiny_llama, tiny_draft_far, lambda engine: BadDrafter(engine, bad_rows=True)), reference)
