@@ -75,6 +75,14 @@ def assert_greedy_equal_or_tie(ref_tokens: Sequence[int], next_logits: NextLogit
     return compare_greedy(ref_tokens, out_tokens, prompt, next_logits, bound)
 
 
+def assert_outputs_equal_or_tie(ref_outputs: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
+                                prompts: Sequence[Sequence[int]], next_logits: NextLogits,
+                                bound: float = TIE_BOUND) -> list[Comparison]:
+    """assert_greedy_equal_or_tie for each (reference, output, prompt) of a batch."""
+    assert len(outputs) == len(ref_outputs) == len(prompts), (len(outputs), len(ref_outputs), len(prompts))
+    return [compare_greedy(r, o, p, next_logits, bound) for r, o, p in zip(ref_outputs, outputs, prompts)]
+
+
 def hf_next_logits(hf_model) -> NextLogits:
     """A transformers model (fp32, eval) as a reference: logits after the whole context."""
 

@@ -78,14 +78,9 @@ def reference(tiny_llama):
 
 
 @pytest.fixture(scope="session")
-def target_logits(tiny_llama):
+def target_logits(tiny_llama_logits):
     """The target's next-token logits after a context (transformers, fp32): certifies near-ties."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from tests.helpers.greedy import hf_next_logits
-
-    return hf_next_logits(AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval())
+    return tiny_llama_logits
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ import torch
 from specsplit.config import EngineConfig, SpecConfig
 from specsplit.factory import build_colocated
 from specsplit.generation import GenerationRequest, Generator
-from tests.helpers.greedy import assert_greedy_equal_or_tie, hf_next_logits
+from tests.helpers.greedy import assert_greedy_equal_or_tie
 
 MAX_LEN = 160
 
@@ -43,10 +43,8 @@ def _run(target, draft, k, requests, max_num_seqs=16):
 
 
 @pytest.fixture(scope="module")
-def target_logits(tiny_llama):
-    from transformers import AutoModelForCausalLM
-
-    return hf_next_logits(AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval())
+def target_logits(tiny_llama_logits):
+    return tiny_llama_logits
 
 
 def _assert_equal(out, ref, batch, target_logits):
