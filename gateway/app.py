@@ -19,7 +19,7 @@ from gateway.scheduler import Scheduler
 from gateway.service import SERVICE_NAME, GatewayServicer, Limits, Tokenizer
 from rpc.security import MAX_REQUEST_BYTES, ClientSecurity, ServerSecurity, keepalive_options
 from rpc.serving import Server, wait_until
-from protos.specsplit.v1 import gateway_pb2, gateway_pb2_grpc
+from protos.specsplit.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from specsplit.defaults import default_k_for, disable_by_batch_size
 from specsplit.calibration import StepCosts
 from specsplit.config import SpecConfig
@@ -45,6 +45,17 @@ class Gateway:
     timing_sources: list = field(default_factory=list)
 
 
+def _costs_fields(decoder) -> dict:
+    """The K policy's calibrated step costs for ServerInfo (empty with a fixed K)."""
+    policy = getattr(decoder, "policy", None)
+    if policy is None:
+        return {}
+    c = policy.costs
+    return {"verify_costs": [common_pb2.StepCost(batch=b, rows=r, seconds=t) for b, r, t in c.as_rows("verify")],
+            "draft_costs": [common_pb2.StepCost(batch=b, rows=r, seconds=t) for b, r, t in c.as_rows("draft")],
+            "network_s": c.network_s}
+
+
 def _kv_pb(kv) -> gateway_pb2.KvBlocks:
     return gateway_pb2.KvBlocks(paged=kv.paged, num_blocks=kv.num_blocks, free_blocks=kv.free_blocks, block_size=kv.block_size)
 
@@ -67,7 +78,7 @@ async def run(gw: Gateway, args) -> int:
             max_num_seqs=gw.max_num_seqs, max_queue=gw.max_queue, vocab_size=gw.limits.vocab_size,
             eos_token_ids=gw.eos_token_ids, drafter_up=gw.decoder.drafter_up,
             num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
-            services=services,
+            services=services, **_costs_fields(gw.decoder),
         )
 
     servicer = GatewayServicer(scheduler, gw.tokenizer, gw.limits, server_info)

@@ -65,6 +65,8 @@ def params_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
     msg = common_pb2.SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k)
     if p.seed is not None:
         msg.seed = p.seed
+    if p.coupling is not None:
+        msg.coupling = p.coupling
     return msg
 
 
@@ -72,6 +74,7 @@ def params_from_pb(m: common_pb2.SamplingParams) -> SamplingParams:
     return SamplingParams(
         temperature=float(m.temperature), top_p=float(m.top_p), top_k=int(m.top_k),
         seed=int(m.seed) if m.HasField("seed") else None,
+        coupling=bool(m.coupling) if m.HasField("coupling") else None,
     )
 
 

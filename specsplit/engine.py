@@ -24,6 +24,7 @@ from specsplit.protocols import (
     VerifyRequest,
     VerifyResult,
 )
+from specsplit.sampling.coupled import coupled_sample
 from specsplit.sampling.ngram import ngram_propose
 from specsplit.sampling.params import SamplingParams
 from specsplit.sampling.probs import logits_to_probs, sampling_tensors
@@ -159,7 +160,7 @@ class TargetEngine(_EngineBase):
             self._check_ids(r.seq_id, r.draft_token_ids)
             if s.p_row is not None:
                 raise EngineError(f"sequence {r.seq_id!r} is waiting for resolve(), not verify()")
-            if not s.params.greedy and r.draft_token_ids and (
+            if not s.params.greedy and not s.params.coupled and r.draft_token_ids and (
                 r.draft_probs is None or len(r.draft_probs) != len(r.draft_token_ids)
             ):
                 raise EngineError(f"sequence {r.seq_id!r} samples, so it needs q(x) for each draft token")
@@ -177,8 +178,10 @@ class TargetEngine(_EngineBase):
             s.undo = (len(s.tokens), s.num_computed)
 
         results: list[VerifyResult | None] = [None] * len(reqs)
-        greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
-        sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        # Greedy and coupled (seeded, specsplit.sampling.coupled) sequences accept while the draft
+        # equals the target's own choice; the others run the rejection sampler.
+        greedy = [i for i, s in enumerate(seqs) if s.params.greedy or s.params.coupled]
+        sampled = [i for i, s in enumerate(seqs) if not (s.params.greedy or s.params.coupled)]
         if greedy:
             self._verify_greedy(greedy, reqs, seqs, logits, results)
         if sampled:
@@ -197,8 +200,14 @@ class TargetEngine(_EngineBase):
     def _verify_greedy(self, idx, reqs, seqs, logits, results) -> None:
         drafts, num_draft, k_max = self._padded_drafts(idx, reqs)
         argmax = torch.full((len(idx), k_max + 1), 0, dtype=torch.int64)  # [B, K+1]
+        coupled = [i for i in idx if seqs[i].params.coupled]
+        probs = dict(zip(coupled, _probs([logits[i] for i in coupled], [seqs[i].params for i in coupled]))) if coupled else {}
         for row, i in enumerate(idx):
-            a = logits[i].argmax(dim=-1).cpu()
+            if i in probs:  # y_j = argmax(log p_j + g_j) with the noise both sides share
+                s, start = seqs[i], len(seqs[i].tokens)
+                a = torch.tensor([coupled_sample(p, s.params.seed, start + j) for j, p in enumerate(probs[i])])
+            else:
+                a = logits[i].argmax(dim=-1).cpu()
             argmax[row, : a.shape[0]] = a
         num_accepted, out = self.sampler.greedy(drafts, num_draft, argmax)
         for row, i in enumerate(idx):
@@ -366,6 +375,9 @@ class DraftEngine(_EngineBase):
                 tokens.append(int(logits[j][0].argmax()))
                 continue
             row = probs[j][0]  # [V]
+            if s.params.coupled:  # x_j = argmax(log q_j + g_j): no q(x), no q rows needed
+                tokens.append(coupled_sample(row, s.params.seed, len(s.tokens) + len(s.drafted)))
+                continue
             u = s.rng.uniforms(len(s.tokens) + len(s.drafted), 1, "draft")  # this draft's position
             t = int(sample_from_probs(row[None], u)[0])
             tokens.append(t)

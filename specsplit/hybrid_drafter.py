@@ -83,7 +83,7 @@ class HybridDrafter:
                 raise EngineError(f"unknown sequence {r.seq_id!r} on the drafter: add it first")
         lookup: dict[str, tuple[int, ...]] = {}
         for r in reqs:
-            if r.k > 0 and self.params[r.seq_id].greedy:
+            if r.k > 0 and (self.params[r.seq_id].greedy or self.params[r.seq_id].coupled):  # no q needed
                 context = self.tokens[r.seq_id] + list(r.new_token_ids)
                 drafts = ngram_propose(context, r.k, self.ngram_min, self.ngram_max)
                 if len(drafts) == r.k:

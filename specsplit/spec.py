@@ -30,7 +30,6 @@ from specsplit.k_policy import Acceptance, KPolicy
 from specsplit.protocols import (
     Drafter,
     ProposeRequest,
-    QRow,
     RowRequest,
     SeqAdd,
     StepStats,
@@ -268,9 +267,10 @@ class SpecDecoder:
         exactly the ones before the step, and the next step (target-only while the drafter is
         down) samples the position from p. Re-using the position-keyed uniforms of the abandoned
         step is as good as fresh, because nothing kept depends on them (specsplit.sampling.rng).
-        Greedy sequences and deterministic (n-gram) drafts never need q rows: their results stand.
+        Greedy and coupled (seeded) sequences never need q rows: their results stand.
         """
-        drop = {sid for sid, p in proposals.items() if p.token_ids and not self.tracks[sid].add.params.greedy}
+        drop = {sid for sid, p in proposals.items()
+                if p.token_ids and not (self.tracks[sid].add.params.greedy or self.tracks[sid].add.params.coupled)}
         drop |= {r.seq_id for r in results if r.pending_position is not None}
         if not drop:
             return results
@@ -333,8 +333,9 @@ def _proposal_problem(p, asked: dict[str, int], vocab: int | None, tracks: dict[
         bad = [t for t in p.token_ids if not 0 <= t < vocab]
         if bad:
             return f"token ids {bad[:3]} outside the vocabulary [0, {vocab})"
-    if p.probs is not None or not tracks[p.seq_id].add.params.greedy:
-        if n and (p.probs is None or len(p.probs) != n):
+    params = tracks[p.seq_id].add.params
+    if p.probs is not None or not (params.greedy or params.coupled):
+        if n and (p.probs is None or len(p.probs) != n) and not params.coupled:
             return f"{0 if p.probs is None else len(p.probs)} q(x) values for {n} drafts"
         if p.probs is not None and not all(math.isfinite(q) and 0.0 < q <= 1.0 for q in p.probs):
             return "q(x) values not all finite numbers in (0, 1]"

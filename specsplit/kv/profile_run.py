@@ -30,7 +30,7 @@ from specsplit.models.runner import ForwardItem
 from specsplit.protocols import ProposeRequest, QRow, RowRequest, SeqAdd, VerifyRequest
 from specsplit.sampling.params import SamplingParams
 
-PROFILE_PARAMS = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=1234)
+PROFILE_PARAMS = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=1234, coupling=False)  # q rows + resolve
 
 
 class ProfileRunner(BoundedRunner):

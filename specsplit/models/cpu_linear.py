@@ -6,6 +6,10 @@ Vocabulary:
   dense   `F.linear` on the plain [out, in] weight (MKL's sgemm/gemv for fp32).
   packed  the same weight reordered once into oneDNN's blocked layout and multiplied with
           `mkldnn._linear_pointwise`; without the reorder, oneDNN would redo it on every call.
+  skinny  fp32, up to SKINNY_ROWS rows: kernels/cpu/skinny_linear.cpp reads a blocked copy of the
+          weight once for all rows (AVX2 + FMA, compiled on first use). The flat-cost kernel:
+          whole SmolLM2-135M forward, 1 thread, verifying 2..5 tokens costs 1.05-1.15 one-token
+          steps with it on both CPU kinds, and its one-row step is ~7% faster than MKL's gemv.
 
 Why both: a decode step reads every weight once whatever M is, so verifying k+1 tokens should
 cost about one step. MKL's fp32 gemv is the fastest kernel for one row, but from two rows on its
@@ -15,13 +19,18 @@ stays nearly flat from 1 to 8 rows. In bf16 on an AMX CPU the packed kernel wins
 dense bf16 call reorders the weight per call). So each weight shape gets a `RowKernels` table,
 rows -> kernel, and a Linear holds only the copies its table uses.
 
+The candidates by dtype: fp32 with the skinny kernel available: skinny for few rows, dense
+(MKL GEMM) for more; fp32 without it: dense for few rows, packed from the crossover on, dense for
+prefill; bf16: packed at every M (AMX; an AVX2-only CPU cannot pack bf16: dense).
+
 Policies (`SPECSPLIT_LINEAR_KERNEL`):
-  auto    (default) time both kernels at load for each weight shape at the row counts the engine
-          runs, cycling through every layer's weight of that shape so the timing streams weights
-          from memory as a real step does, and keep the faster per row count.
-  static  the rule the measurements on both CPU kinds seen here give, with no timing: fp32 dense
-          for one row and packed from two; bf16 packed everywhere. Deterministic, so tests that
-          compare two processes' logits use it.
+  auto    (default) time both candidates at load for each weight shape at the row counts the
+          engine runs, cycling through every layer's weight of that shape so the timing streams
+          weights from memory as a real step does, and switch kernels at the one row count that
+          minimizes the summed time.
+  static  the rule the measurements on both CPU kinds seen here give, with no timing: fp32 skinny
+          for 1..8 rows (else dense for 1 row, packed for 2..16) and dense beyond; bf16 packed.
+          Deterministic, so tests that compare two processes' logits use it.
   dense / packed   one kernel for every row count (A/B benchmarks).
 `SPECSPLIT_CPU_PACK=0` is the older switch for `dense`.
 
@@ -36,10 +45,12 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+
+from kernels import skinny_linear
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +60,8 @@ ROWS_HINT = 8
 ENV_SWITCH = "SPECSPLIT_CPU_PACK"  # "0" = dense only (kept for the earlier A/B scripts)
 ENV_POLICY = "SPECSPLIT_LINEAR_KERNEL"  # auto | static | dense | packed
 POLICIES = ("auto", "static", "dense", "packed")
-DENSE, PACKED = "dense", "packed"
+DENSE, PACKED, SKINNY = "dense", "packed", "skinny"
+SKINNY_ROWS = 8  # the skinny kernel's table; more rows (prefill) take MKL's GEMM
 # Row counts timed by `auto`; a row count between two of them takes the choice of the next larger
 # one; past the last, dense where the table keeps the dense copy (see RowKernels.kernel).
 CALIBRATION_ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
@@ -89,6 +101,36 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
+def run(
+    x: torch.Tensor,  # [M, in]
+    table: "RowKernels | None",
+    dense: torch.Tensor | None,  # [out, in]
+    packed: torch.Tensor | None,  # oneDNN blocked (opaque)
+    skinny: torch.Tensor | None,  # [ceil(out/16), in, 16]
+    out_features: int,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:  # [M, out]
+    """One linear call with the kernel the table gives for M rows (no table: packed if there is
+    a packed copy, else dense)."""
+    kind = table.kernel(x.shape[0]) if table is not None else (PACKED if packed is not None else DENSE)
+    if kind == SKINNY:
+        return skinny_linear.linear(x, skinny, out_features, bias)
+    if kind == PACKED:
+        return packed_linear(x, packed, bias)
+    return F.linear(x, dense, bias)
+
+
+def candidates(device: torch.device | str, dtype: torch.dtype, policy: str) -> tuple[str, ...]:
+    """The kernels worth a copy for this device, dtype and policy; () = dense only, nothing to do."""
+    if policy == DENSE or not supported(device, dtype):
+        return ()
+    if dtype == torch.bfloat16 or policy == PACKED:
+        return (PACKED,)
+    if skinny_linear.load() is not None:
+        return (SKINNY, DENSE)
+    return (DENSE, PACKED)
+
+
 def untracked_bytes(shape: torch.Size, dtype: torch.dtype) -> int:
     """Bytes a packed weight of this dense shape holds (the blocked layout has no padding for the
     shapes Llama-family models use; counting the dense size is what the budget needs)."""
@@ -97,109 +139,93 @@ def untracked_bytes(shape: torch.Size, dtype: torch.dtype) -> int:
 
 @dataclass(frozen=True)
 class RowKernels:
-    """rows -> kernel for one weight shape. `by_rows[i]` is the kernel for CALIBRATION_ROWS[i]
-    (or, for a table built without timing, `by_rows[0]` for one row and `by_rows[1]` above)."""
+    """rows -> kernel for one weight shape: `by_rows[i]` serves row counts up to `rows[i]` (and
+    above `rows[i-1]`); `beyond` serves every row count past the last."""
 
     rows: tuple[int, ...]
     by_rows: tuple[str, ...]
-    timings_us: tuple[tuple[float, float], ...] = ()  # (dense, packed) per row count, auto only
+    beyond: str
+    timings_us: tuple[tuple[float, float], ...] = ()  # (low, high) candidate per row count, auto only
 
     @classmethod
     def single(cls, kernel: str) -> "RowKernels":
-        return cls((1,), (kernel,))
+        return cls((1,), (kernel,), kernel)
 
     def kernel(self, m: int) -> str:
         for r, k in zip(self.rows, self.by_rows):
             if m <= r:
                 return k
-        # Past the table (prefill chunks): dense where the dense copy is kept. MKL's GEMM is
-        # efficient there, and oneDNN would build (and cache, with its scratchpad) one primitive
-        # per distinct row count, memory the start-up profile cannot see.
-        return DENSE if DENSE in self.by_rows else self.by_rows[-1]
+        return self.beyond
 
     @property
     def uses(self) -> set[str]:
-        return set(self.by_rows)
+        return set(self.by_rows) | {self.beyond}
 
     def describe(self) -> str:
-        """'dense 1, packed 2+' style summary."""
-        parts, start = [], 1
-        for i, (r, k) in enumerate(zip(self.rows, self.by_rows)):
-            last = i == len(self.rows) - 1
-            if last or self.by_rows[i + 1] != k:
-                open_end = last and self.kernel(r + 1) == k
-                parts.append(f"{k} {start}+" if open_end else (f"{k} {start}" if start == r else f"{k} {start}-{r}"))
-                start = r + 1
-        if self.kernel(self.rows[-1] + 1) != self.by_rows[-1]:
-            parts.append(f"{self.kernel(self.rows[-1] + 1)} {self.rows[-1] + 1}+")
-        return ", ".join(parts)
+        """'skinny 1-8, dense 9+' style summary."""
+        spans: list[tuple[str, int, int | None]] = []  # (kernel, first row, last row or None)
+        start = 1
+        for r, k in list(zip(self.rows, self.by_rows)) + [(None, self.beyond)]:
+            if spans and spans[-1][0] == k:
+                spans[-1] = (k, spans[-1][1], r)
+            else:
+                spans.append((k, start, r))
+            start = (r or 0) + 1
+        return ", ".join(f"{k} {a}+" if b is None else (f"{k} {a}" if a == b else f"{k} {a}-{b}") for k, a, b in spans)
 
 
-def static_table(dtype: torch.dtype) -> RowKernels:
+def static_table(dtype: torch.dtype, skinny: bool) -> RowKernels:
     if dtype == torch.bfloat16:
         return RowKernels.single(PACKED)
-    return RowKernels((1, CALIBRATION_ROWS[-1]), (DENSE, PACKED))
-
-
-def _median_us(fn, calls: int) -> float:
-    fn()  # warm-up (first-call allocations)
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e6 * statistics.median(times)
+    if skinny:
+        return RowKernels((SKINNY_ROWS,), (SKINNY,), DENSE)
+    return RowKernels((1, CALIBRATION_ROWS[-1]), (DENSE, PACKED), DENSE)
 
 
 def calibrate(
-    dense: Sequence[torch.Tensor],  # every layer's [out, in] weight of one shape
-    packed: Sequence[torch.Tensor],  # the same weights packed
-    rows: Sequence[int] = CALIBRATION_ROWS,
+    low: tuple[str, Callable[[torch.Tensor], None]],  # (kernel, one pass over every weight of the shape)
+    high: tuple[str, Callable[[torch.Tensor], None]],
+    in_features: int,
+    dtype: torch.dtype,
+    num_weights: int,
+    rows: Sequence[int],
+    beyond: str,
     budget_s: float = 0.4,
 ) -> RowKernels:
-    """Time both kernels at each row count and keep the faster. One sample is a pass over every
-    weight of the shape (so weights come from memory, as in a step), repeated within `budget_s`
-    per shape; the two kernels alternate sample by sample so drift hits both alike."""
-    out_f, in_f = dense[0].shape
-    dtype = dense[0].dtype
+    """Time both kernels at each row count; `low` serves the row counts below the crossover,
+    `high` those from it on (see `crossover`). One sample is a pass over every weight of the shape
+    (weights come from memory, as in a step), repeated within `budget_s` per shape; the two
+    kernels alternate sample by sample so drift hits both alike."""
     g = torch.Generator().manual_seed(0)
-    xs = {m: torch.randn(m, in_f, generator=g).to(dtype) for m in rows}
-
-    def dense_pass(x):
-        for w in dense:
-            F.linear(x, w)
-
-    def packed_pass(x):
-        for w in packed:
-            packed_linear(x, w, None)
-
-    # Size the repetition count from one pass at the largest row count.
+    xs = {m: torch.randn(m, in_features, generator=g).to(dtype) for m in rows}
+    (low_kind, low_pass), (high_kind, high_pass) = low, high
     t0 = time.perf_counter()
-    dense_pass(xs[rows[-1]])
-    packed_pass(xs[rows[-1]])
+    low_pass(xs[rows[-1]])
+    high_pass(xs[rows[-1]])
     per_pair = max(time.perf_counter() - t0, 1e-6)
     reps = int(max(3, min(25, budget_s / (per_pair * len(rows)))))
     timings = []
     for m in rows:
         x = xs[m]
-        d, p = [], []
-        dense_pass(x)
-        packed_pass(x)
+        a, b = [], []
+        low_pass(x)
+        high_pass(x)
         for _ in range(reps):
             t = time.perf_counter()
-            dense_pass(x)
-            d.append(time.perf_counter() - t)
+            low_pass(x)
+            a.append(time.perf_counter() - t)
             t = time.perf_counter()
-            packed_pass(x)
-            p.append(time.perf_counter() - t)
-        timings.append((1e6 * statistics.median(d) / len(dense), 1e6 * statistics.median(p) / len(packed)))
-    return RowKernels(tuple(rows), crossover(timings), tuple((round(a, 1), round(b, 1)) for a, b in timings))
+            high_pass(x)
+            b.append(time.perf_counter() - t)
+        timings.append((1e6 * statistics.median(a) / num_weights, 1e6 * statistics.median(b) / num_weights))
+    return RowKernels(tuple(rows), crossover(timings, low_kind, high_kind), beyond,
+                      tuple((round(a, 1), round(b, 1)) for a, b in timings))
 
 
-def crossover(timings: Sequence[tuple[float, float]]) -> tuple[str, ...]:
-    """One switch point: dense below it, packed from it on (or one kernel throughout), the point
+def crossover(timings: Sequence[tuple[float, float]], low: str = DENSE, high: str = PACKED) -> tuple[str, ...]:
+    """One switch point: `low` below it, `high` from it on (or one kernel throughout), the point
     that minimizes the summed time over the timed row counts. Single-row-count comparisons flip
     with timing noise; the kernels' costs are monotone in M, so one crossover is all there is."""
     n = len(timings)
     best = min(range(n + 1), key=lambda c: (sum(t[0] for t in timings[:c]) + sum(t[1] for t in timings[c:]), -c))
-    return tuple(DENSE if i < best else PACKED for i in range(n))
+    return tuple(low if i < best else high for i in range(n))

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specsplit.config import ModelConfig
+from kernels import skinny_linear
 from specsplit.models import cpu_linear
 from specsplit.kv.paged_cache import PagedKVCache
 from specsplit.models.attention import BatchMetadata, paged_attention, store_kv
@@ -22,52 +23,54 @@ log = logging.getLogger(__name__)
 
 
 class Linear(nn.Linear):
-    """nn.Linear that may also hold a oneDNN-prepacked copy of its weight and a rows -> kernel
-    table (see cpu_linear); the copy a table never uses is freed, and `dense_weight()` rebuilds
-    the dense weight on demand."""
+    """nn.Linear that may also hold faster copies of its weight for the CPU (oneDNN-packed, or the
+    skinny kernel's blocked layout) and a rows -> kernel table (see cpu_linear). The copies the
+    table never uses are freed; `dense_weight()` rebuilds the dense weight on demand."""
 
-    packed: torch.Tensor | None = None
+    packed: torch.Tensor | None = None  # oneDNN blocked, opaque
+    skinny: torch.Tensor | None = None  # [ceil(out/16), in, 16] for kernels/cpu/skinny_linear.cpp
     kernels: cpu_linear.RowKernels | None = None  # None: dense, or packed-only when packed is set
 
-    def pack(self) -> None:
-        self.packed = cpu_linear.pack(self.weight)
+    def make_copies(self, kinds: tuple[str, ...]) -> None:
+        if cpu_linear.PACKED in kinds:
+            self.packed = cpu_linear.pack(self.weight)
+        if cpu_linear.SKINNY in kinds:
+            self.skinny = skinny_linear.pack(self.weight)
 
     def keep(self, table: cpu_linear.RowKernels) -> int:
-        """Use `table`; free the copy it never uses. Returns the packed bytes kept."""
+        """Use `table`; free the copies it never uses. Returns the packed (opaque) bytes kept."""
         self.kernels = table
-        if cpu_linear.DENSE not in table.uses:
-            shape, dtype = self.weight.shape, self.weight.dtype
-            self.weight = nn.Parameter(torch.empty(0, dtype=dtype, device=self.weight.device), requires_grad=False)
-            return cpu_linear.untracked_bytes(shape, dtype)
+        shape, dtype = self.weight.shape, self.weight.dtype
+        if cpu_linear.SKINNY not in table.uses:
+            self.skinny = None
         if cpu_linear.PACKED not in table.uses:
             self.packed = None
-            return 0
-        return cpu_linear.untracked_bytes(self.weight.shape, self.weight.dtype)
+        if cpu_linear.DENSE not in table.uses and self.packed is not None:
+            self.weight = nn.Parameter(torch.empty(0, dtype=dtype, device=self.weight.device), requires_grad=False)
+        return cpu_linear.untracked_bytes(shape, dtype) if self.packed is not None else 0
 
     def dense_weight(self) -> torch.Tensor:  # [out, in]
         return self.weight if self.weight.numel() or self.packed is None else self.packed.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out]
-        if self.packed is not None and (self.kernels is None or self.kernels.kernel(x.shape[0]) == cpu_linear.PACKED):
-            return cpu_linear.packed_linear(x, self.packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return cpu_linear.run(x, self.kernels, self.weight, self.packed, self.skinny, self.out_features, self.bias)
 
 
 class _Head:
-    """The LM head as the forward runs it: the matrix [V or vocab subset, hidden] dense, packed,
-    or both, with its rows -> kernel table. Not a module: for a tied head the dense matrix IS the
-    embedding, which must not appear twice in state_dict or the memory count."""
+    """The LM head as the forward runs it: the matrix [V or vocab subset, hidden] and its copies,
+    with its rows -> kernel table. Not a module: for a tied head the dense matrix IS the embedding,
+    which must not appear twice in state_dict or the memory count."""
 
     def __init__(self, dense: torch.Tensor, owns_dense: bool):
         self.dense: torch.Tensor | None = dense
         self.owns_dense = owns_dense  # False: the tied embedding or lm_head's own weight
+        self.rows = dense.shape[0]
         self.packed: torch.Tensor | None = None
+        self.skinny: torch.Tensor | None = None
         self.kernels: cpu_linear.RowKernels | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V or subset]
-        if self.packed is not None and (self.kernels is None or self.kernels.kernel(x.shape[0]) == cpu_linear.PACKED):
-            return cpu_linear.packed_linear(x, self.packed, None)
-        return F.linear(x, self.dense)
+        return cpu_linear.run(x, self.kernels, self.dense, self.packed, self.skinny, self.rows, None)
 
 
 class RMSNorm(nn.Module):
@@ -200,15 +203,17 @@ class LlamaForCausalLM(nn.Module):
         self._subset_head: torch.Tensor | None = None  # [N, hidden]
         self._head: _Head | None = None  # set by select_kernels(): the head with its kernel table
         self.kernel_tables: dict[str, cpu_linear.RowKernels] = {}  # "qkv 960x576" -> rows -> kernel
+        self.head_skinny: torch.Tensor | None = None  # the head's skinny copy (counted as weights)
         self.untracked_weight_bytes = 0  # bytes of prepacked weights (opaque to storage tracking)
         self.requires_grad_(False)
 
     def select_kernels(self, policy: str | None = None) -> bool:
         """Choose each linear layer's and the head's CPU kernel by row count (see cpu_linear),
-        packing weights where a table uses the packed kernel. A no-op off the CPU or where
-        oneDNN cannot pack this dtype. Returns whether anything was packed."""
+        making the weight copies the chosen kernels read. A no-op off the CPU, for dense-only
+        policies, or where no faster kernel exists. Returns whether any copy was made."""
         policy = policy or cpu_linear.policy()
-        if policy == cpu_linear.DENSE or not cpu_linear.supported(self.device, self.dtype) or self._head is not None:
+        kinds = cpu_linear.candidates(self.device, self.dtype, policy)
+        if not kinds or self._head is not None:
             return False
         groups: dict[str, list[Linear]] = {}
         names = {"qkv_proj": "qkv", "o_proj": "o", "gate_up_proj": "gate_up", "down_proj": "down"}
@@ -218,34 +223,45 @@ class LlamaForCausalLM(nn.Module):
                 groups.setdefault(f"{short} {m.out_features}x{m.in_features}", []).append(m)
         for ms in groups.values():
             for m in ms:
-                m.pack()
+                m.make_copies(kinds)
         head = self._make_head()
-        head.packed = cpu_linear.pack(head.dense)
+        if cpu_linear.PACKED in kinds:
+            head.packed = cpu_linear.pack(head.dense)
+        if cpu_linear.SKINNY in kinds:
+            head.skinny = skinny_linear.pack(head.dense)
         total = 0
         for name, ms in groups.items():
-            table = self._table(policy, [m.weight for m in ms], [m.packed for m in ms])
+            table = self._table(policy, kinds, ms)
             self.kernel_tables[name] = table
             total += sum(m.keep(table) for m in ms)
-        table = self._table(policy, [head.dense], [head.packed])
-        self.kernel_tables[f"head {head.dense.shape[0]}x{head.dense.shape[1]}"] = table
-        head.kernels = table
-        if cpu_linear.PACKED not in table.uses:
-            head.packed = None
-        else:
-            total += cpu_linear.untracked_bytes(head.dense.shape, head.dense.dtype)
-            if cpu_linear.DENSE not in table.uses and self.lm_head is not None and not head.owns_dense:
-                self.lm_head.packed = head.packed  # untied: lm_head keeps only the packed copy
-                self.lm_head.keep(table)
-                head.dense = None
-            elif cpu_linear.DENSE not in table.uses and head.owns_dense:
-                head.dense = None  # the draft's subset head: only the packed copy is used
-                self._subset_head = None
+        table = self._table(policy, kinds, [head])
+        self.kernel_tables[f"head {head.rows}x{self.cfg.hidden_size}"] = table
+        total += self._keep_head(head, table)
         self._head = head
         self.untracked_weight_bytes = total
         self._warm_packed(groups, head)
         log.info("CPU linear kernels (%s, %s): %s", policy, str(self.dtype).replace("torch.", ""),
                  "; ".join(f"{n}: {t.describe()}" for n, t in self.kernel_tables.items()))
-        return any(cpu_linear.PACKED in t.uses for t in self.kernel_tables.values())
+        return True
+
+    def _keep_head(self, head: _Head, table: cpu_linear.RowKernels) -> int:
+        """Free the head copies `table` never uses; returns the packed (opaque) bytes kept."""
+        head.kernels = table
+        if cpu_linear.SKINNY not in table.uses:
+            head.skinny = None
+        self.head_skinny = head.skinny  # a tensor attribute, so the memory count sees it
+        if cpu_linear.PACKED not in table.uses:
+            head.packed = None
+            return 0
+        if cpu_linear.DENSE not in table.uses:
+            if self.lm_head is not None and not head.owns_dense:
+                self.lm_head.packed = head.packed  # untied: lm_head keeps only the packed copy
+                self.lm_head.keep(table)
+                head.dense = None
+            elif head.owns_dense:
+                head.dense = None  # the draft's subset head: only the packed copy is used
+                self._subset_head = None
+        return cpu_linear.untracked_bytes((head.rows, self.cfg.hidden_size), self.dtype)
 
     def _warm_packed(self, groups: dict[str, list[Linear]], head: _Head) -> None:
         """Call every packed kernel once at each row count its table gives it: oneDNN builds and
@@ -259,12 +275,28 @@ class LlamaForCausalLM(nn.Module):
                 if table is None or table.kernel(m) == cpu_linear.PACKED:
                     cpu_linear.packed_linear(torch.zeros(m, in_features, dtype=self.dtype), packed, None)
 
-    def _table(self, policy: str, dense: list[torch.Tensor], packed: list[torch.Tensor]) -> cpu_linear.RowKernels:
-        if policy == cpu_linear.PACKED:
-            return cpu_linear.RowKernels.single(cpu_linear.PACKED)
+    def _table(self, policy: str, kinds: tuple[str, ...], layers: list) -> cpu_linear.RowKernels:
+        """The rows -> kernel table for one weight shape (`layers`: Linears or the _Head)."""
+        if len(kinds) == 1:
+            return cpu_linear.RowKernels.single(kinds[0])
         if policy == "static":
-            return cpu_linear.static_table(self.dtype)
-        return cpu_linear.calibrate(dense, packed)
+            return cpu_linear.static_table(self.dtype, cpu_linear.SKINNY in kinds)
+        in_features = self.cfg.hidden_size if isinstance(layers[0], _Head) else layers[0].in_features
+
+        def pass_of(kind: str):
+            def run(x: torch.Tensor) -> None:
+                for m in layers:
+                    table = cpu_linear.RowKernels.single(kind)
+                    weight = m.dense if isinstance(m, _Head) else m.weight
+                    out = m.rows if isinstance(m, _Head) else m.out_features
+                    cpu_linear.run(x, table, weight, m.packed, m.skinny, out, None)
+            return run
+
+        low, high = kinds
+        rows = tuple(r for r in cpu_linear.CALIBRATION_ROWS if r <= cpu_linear.SKINNY_ROWS) if low == cpu_linear.SKINNY \
+            else cpu_linear.CALIBRATION_ROWS
+        return cpu_linear.calibrate((low, pass_of(low)), (high, pass_of(high)), in_features, self.dtype, len(layers),
+                                    rows, beyond=cpu_linear.DENSE)
 
     def _make_head(self) -> _Head:
         if self._subset_head is not None:  # a draft's FR-Spec head: its own copy of some rows

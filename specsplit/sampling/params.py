@@ -21,10 +21,21 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    # How a seeded sampled request speculates. None (the default): coupled -- the drafter and the
+    # target share per-position Gumbel noise (specsplit.sampling.coupled), so the tokens are the
+    # target-only tokens of that seed whatever the speculation does. False: rejection sampling
+    # (highest acceptance; reproducible only under the same speculation schedule). Unseeded
+    # requests always use rejection sampling.
+    coupling: bool | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def coupled(self) -> bool:
+        """Sampled with shared noise: the verifier needs no q(x) and no q rows."""
+        return self.temperature != 0.0 and self.seed is not None and self.coupling is not False
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError with a message a client can act on. The one place these rules live:

@@ -31,10 +31,10 @@ uniform, so re-using its positions' uniforms is again as good as fresh. The draf
 verifier's streams are different keys of the same seed: the accept test's uniforms are independent
 of the ones that drew the drafts, as the rejection sampler's losslessness needs.
 
-What this does NOT give: the same tokens with speculation on and off, or with another K (the
-speculative step's token at a position comes from the drafter's noise when the draft is accepted,
-from the verifier's otherwise). That needs a coupling of the two paths (e.g. shared Gumbel noise);
-see the note in specsplit/spec.py.
+What keying alone does not give, for rejection sampling: the same tokens with speculation on and
+off, or at another K (a position's token comes from the drafter's noise when its draft is
+accepted, from the verifier's otherwise). Seeded requests therefore use the coupled scheme of
+specsplit.sampling.coupled (shared Gumbel noise), which gives exactly that.
 """
 
 from __future__ import annotations

@@ -39,6 +39,16 @@ def _running(stack) -> tuple[int, int]:
             service_info(stack["drafter"].address, "drafter").num_running)
 
 
+def _assert_nothing_left(stack) -> None:
+    """No sequence on either engine and every KV block free (also the ones of sequences that
+    finished while the drafter was unreachable)."""
+    def idle():
+        infos = [service_info(stack[r].address, r) for r in ("verifier", "drafter")]
+        return all(i.num_running == 0 and i.kv.free_blocks == i.kv.num_blocks for i in infos)
+
+    assert wait_for(idle, 10.0) is not None, (_running(stack), _free_blocks(stack))
+
+
 def test_health_serving_everywhere(split_stack, colocated_stack):
     for p in list(split_stack.procs.values()) + list(colocated_stack.procs.values()):
         assert health(p.address) == "SERVING", p.name
@@ -200,6 +210,7 @@ def test_drafter_hung_streams_go_on_target_only(split_stack, prompts, reference,
         proposed = out["usage"]["proposed_draft_tokens"]
         time.sleep(0.5)
     assert proposed > 0, "no speculation after the drafter woke up"
+    _assert_nothing_left(split_stack)
 
 def test_drafter_killed_mid_stream_then_back(split_stack, prompts, reference, expect_greedy):
     """kill -9 the drafter while 4 streams run: they finish target-only with the same greedy tokens;
@@ -248,4 +259,5 @@ def test_drafter_killed_mid_stream_then_back(split_stack, prompts, reference, ex
         proposed = out["usage"]["proposed_draft_tokens"]
     assert proposed > 0, "the gateway never speculated again after the drafter came back"
     assert server_info(split_stack.gateway).drafter_up
+    _assert_nothing_left(split_stack)
 

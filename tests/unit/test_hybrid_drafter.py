@@ -56,7 +56,10 @@ def test_sampled_requests_use_the_model_and_stay_seeded(tiny_llama, tiny_draft_c
     gen = Generator(colo.decoder, colo.eos_token_ids, 8)
 
     def req(rid, seed):
-        return GenerationRequest(rid, (5, 6, 7, 8, 9, 5, 6, 7), 24, SamplingParams(0.8, 1.0, 0, seed), ignore_eos=True)
+        # rejection sampling needs the model's q rows (coupled seeded requests may use lookup:
+        # tests/unit/sampling/test_sampling_coupled.py)
+        return GenerationRequest(rid, (5, 6, 7, 8, 9, 5, 6, 7), 24, SamplingParams(0.8, 1.0, 0, seed, coupling=False),
+                                 ignore_eos=True)
 
     (alone,) = gen.run([req("a", 7)])
     batch = gen.run([req("b", 1), req("a", 7)])

@@ -65,7 +65,8 @@ def test_drafter_lost_mid_step_keeps_the_target_distribution(tiny_llama, tiny_dr
     colo.decoder.drafter = lossy
     colo.decoder.drafter_retry_s = 0.0  # re-sync at once: most steps speculate and lose their rows
     gen = Generator(colo.decoder, colo.eos_token_ids, 8)
-    reqs = [GenerationRequest(f"r{i}", PROMPT, 2, SamplingParams(seed=i, **PARAMS), ignore_eos=True)
+    # coupling=False: rejection sampling, the path that needs the q rows (coupled requests need none)
+    reqs = [GenerationRequest(f"r{i}", PROMPT, 2, SamplingParams(seed=i, coupling=False, **PARAMS), ignore_eos=True)
             for i in range(NUM_SAMPLES)]
     states = gen.run(reqs)
     assert lossy.failures > 100

@@ -88,10 +88,10 @@ class CheckedVerifier:
 
 
 def _requests():
-    sampled = SamplingParams(temperature=1.0, seed=3)
+    sampled = SamplingParams(temperature=1.0, seed=3, coupling=False)  # rejection sampling: q(x) and q rows
     return [GenerationRequest("victim-s", (5, 6, 7, 8), 20, sampled, ignore_eos=True),
             GenerationRequest("victim-g", (9, 10, 11), 20, ignore_eos=True),
-            GenerationRequest("ok-s", (5, 6, 7, 8), 20, SamplingParams(temperature=1.0, seed=4), ignore_eos=True),
+            GenerationRequest("ok-s", (5, 6, 7, 8), 20, SamplingParams(temperature=1.0, seed=4, coupling=False), ignore_eos=True),
             GenerationRequest("ok-g", (12, 13, 14, 15), 20, ignore_eos=True)]
 
 

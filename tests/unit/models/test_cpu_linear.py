@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels import skinny_linear
 from specsplit.models import cpu_linear
 from specsplit.models.llama import Linear
 from specsplit.models.loader import load_model
@@ -65,6 +66,9 @@ def test_bf16_packed_equals_dense(fixture, request, monkeypatch):
 
 
 def test_static_fp32_keeps_both_copies_and_counts_the_packed_ones(tiny_llama, monkeypatch):
+    monkeypatch.setenv(skinny_linear.ENV_SWITCH, "0")
+    monkeypatch.setattr(skinny_linear, "_tried", True)  # as on a CPU without AVX2/FMA or a compiler
+    monkeypatch.setattr(skinny_linear, "_module", None)
     dense, both = _load(tiny_llama, monkeypatch, "dense"), _load(tiny_llama, monkeypatch, "static")
     for name, table in both.kernel_tables.items():
         assert table.kernel(1) == table.kernel(17) == "dense" and table.kernel(2) == table.kernel(16) == "packed", name
@@ -103,15 +107,17 @@ def test_draft_subset_head_is_packed_and_subset_order_enforced(tiny_llama, monke
         torch.testing.assert_close(y[:, ::2], x[:, ::2], atol=1e-4, rtol=1e-4)
 
 
-def test_calibration_times_every_row_count_and_keeps_the_faster():
+def test_calibration_times_every_row_count_and_switches_once():
     g = torch.Generator().manual_seed(1)
     ws = [torch.randn(96, 64, generator=g) for _ in range(4)]
-    table = cpu_linear.calibrate(ws, [cpu_linear.pack(w) for w in ws], budget_s=0.05)
+    packed = [cpu_linear.pack(w) for w in ws]
+    table = cpu_linear.calibrate(("dense", lambda x: [F.linear(x, w) for w in ws]),
+                                 ("packed", lambda x: [cpu_linear.packed_linear(x, p, None) for p in packed]),
+                                 64, torch.float32, len(ws), cpu_linear.CALIBRATION_ROWS, "dense", budget_s=0.05)
     assert table.rows == cpu_linear.CALIBRATION_ROWS and len(table.timings_us) == len(table.rows)
     assert all(d > 0 and p > 0 for d, p in table.timings_us)
-    assert table.by_rows == cpu_linear.crossover(table.timings_us)
-    # past the last timed row count (prefill): dense where the table keeps dense
-    assert table.kernel(1000) == ("dense" if "dense" in table.by_rows else "packed")
+    assert table.by_rows == cpu_linear.crossover(table.timings_us, "dense", "packed")
+    assert table.kernel(1000) == "dense"  # prefill past the table: MKL's GEMM
 
 
 def test_crossover_minimizes_the_summed_time():
@@ -123,14 +129,42 @@ def test_crossover_minimizes_the_summed_time():
 
 
 def test_row_table_lookup_and_summary():
-    t = cpu_linear.RowKernels((1, 2, 4, 8), ("dense", "packed", "packed", "dense"))
+    t = cpu_linear.RowKernels((1, 2, 4, 8), ("dense", "packed", "packed", "dense"), "dense")
     assert [t.kernel(m) for m in (1, 2, 3, 4, 5, 8, 9)] == ["dense", "packed", "packed", "packed", "dense", "dense", "dense"]
     assert t.describe() == "dense 1, packed 2-4, dense 5+"
-    t = cpu_linear.RowKernels((1, 4), ("dense", "packed"))
+    t = cpu_linear.RowKernels((1, 4), ("dense", "packed"), "dense")
     assert t.describe() == "dense 1, packed 2-4, dense 5+" and t.kernel(5) == "dense"
     assert cpu_linear.RowKernels.single("packed").describe() == "packed 1+"
+    assert cpu_linear.RowKernels((8,), ("skinny",), "dense").describe() == "skinny 1-8, dense 9+"
     x, w = torch.randn(3, 64), torch.randn(32, 64)
     torch.testing.assert_close(cpu_linear.packed_linear(x, cpu_linear.pack(w), None), F.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(skinny_linear.load() is None, reason="no AVX2/FMA or no compiler: the skinny kernel is off")
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 7, 8, 13])
+@pytest.mark.parametrize("n", [16, 50, 1000])
+def test_skinny_kernel_equals_f_linear(m, n):
+    g = torch.Generator().manual_seed(m * n)
+    x, w, b = torch.randn(m, 96, generator=g), torch.randn(n, 96, generator=g), torch.randn(n, generator=g)
+    packed = skinny_linear.pack(w)
+    assert packed.shape == (-(-n // 16), 96, 16)
+    torch.testing.assert_close(skinny_linear.linear(x, packed, n, b), skinny_linear.reference(x, w, b), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(skinny_linear.linear(x, packed, n), F.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(skinny_linear.load() is None, reason="no AVX2/FMA or no compiler: the skinny kernel is off")
+def test_static_fp32_uses_skinny_for_few_rows_and_counts_its_copies(tiny_llama, monkeypatch):
+    from specsplit.kv.meters import tensor_storage_bytes
+
+    dense, model = _load(tiny_llama, monkeypatch, "dense"), _load(tiny_llama, monkeypatch, "static")
+    for name, table in model.kernel_tables.items():
+        assert table.describe() == "skinny 1-8, dense 9+", name
+    assert model.untracked_weight_bytes == 0  # the skinny copies are ordinary tensors: tracked
+    lin = [m for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head]
+    assert all(m.skinny is not None and m.packed is None and m.weight.numel() for m in lin)
+    extra = tensor_storage_bytes(model) - tensor_storage_bytes(dense)
+    padded = sum(m.skinny.numel() * 4 for m in lin) + model.head_skinny.numel() * 4
+    assert extra == padded  # every blocked copy, the head's included, is seen by the memory count
 
 
 def test_switches(monkeypatch):
