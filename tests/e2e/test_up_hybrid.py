@@ -1,11 +1,13 @@
 """`specsplit up --draft MODEL+ngram`: the drafter service runs the model draft with prompt lookup
-in front; over real gRPC the greedy stream is the local target-only output, token for token."""
+in front; over real gRPC the greedy stream is the local target-only output, token for token (a
+difference only at a certified near-tie of the target, tests/helpers/greedy.py)."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
+from tests.helpers.greedy import assert_greedy_equal_or_tie, hf_next_logits
 from tests.services.procs import REPO, TINY_ENGINE, server_info
 
 # A fixed K: these compare usage (drafts proposed/accepted) across processes, and the K policy's
@@ -40,5 +42,10 @@ def test_hybrid_split_greedy_equals_target_only(up, capsys, tiny_llama):
     common = ["--prompt-token-ids", PROMPT_IDS, "--max-tokens", "24", "--ignore-eos", "--json"]
     remote = _cli_json(capsys, ["generate", "--server", up.address, *common])
     target_only = _cli_json(capsys, ["generate", "--target", str(tiny_llama), *common, *FIXED_K])
-    assert remote["token_ids"] == target_only["token_ids"]
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    prompt = [int(t) for t in PROMPT_IDS.split(",")]
+    assert_greedy_equal_or_tie(target_only["token_ids"], hf_next_logits(hf), remote["token_ids"], prompt=prompt)
     assert remote["usage"]["proposed_draft_tokens"] > 0 and remote["usage"]["accepted_draft_tokens"] > 0
