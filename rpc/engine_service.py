@@ -3,6 +3,7 @@ and serving one engine until SIGTERM (drain: refuse new sessions and sequences, 
 running ones are released, stop)."""
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from rpc import metrics
@@ -55,6 +56,8 @@ async def serve(role: str, servicer, add_to_server, service_name: str, args) -> 
     metrics.watch_kv(role, servicer.built.engine)
     await server.start(metrics_port=args.metrics_port)
     host = servicer.host
+    watch = getattr(servicer, "watch", None)  # e.g. the verifier's tensor-parallel workers
+    watcher = asyncio.ensure_future(watch(server)) if watch is not None else None
 
     async def drain():
         host.draining = True
@@ -63,5 +66,7 @@ async def serve(role: str, servicer, add_to_server, service_name: str, args) -> 
                         args.drain_timeout)
 
     rc = await server.run_until_signal(drain)
+    if watcher is not None:
+        watcher.cancel()
     host.shutdown()
     return rc

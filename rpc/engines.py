@@ -79,7 +79,13 @@ def build_engine(args, role: str) -> BuiltEngine:
     spec = _spec(args)
     lookahead = spec.num_speculative_tokens + 1
     cfg = engine_config(args, args.model)
-    if role == "verifier":
+    tp = getattr(args, "tensor_parallel_size", 1) or 1
+    if role == "verifier" and tp > 1:  # rank 0 here, N-1 supervised workers (specsplit.parallel)
+        from specsplit.parallel.group import TPGroup
+
+        _, engine, plan = TPGroup.launch(cfg, spec, tp, threads=getattr(args, "threads", 0))
+        plan.log()
+    elif role == "verifier":
         engine, plan = build_target_engine(cfg, spec)
     else:
         engine, plan = build_draft_engine(cfg, spec)

@@ -39,7 +39,12 @@ VERIFIER, DRAFTER = "verifier", "drafter"
 
 
 def load_for(cfg: EngineConfig, show_progress: bool = True) -> LoadedModel:
-    return load_model(cfg.model, cfg.device, cfg.dtype, max_positions=cfg.max_model_len + 16, show_progress=show_progress)
+    loaded = load_model(cfg.model, cfg.device, cfg.dtype, max_positions=cfg.max_model_len + 16, show_progress=show_progress)
+    if cfg.extra.get("deterministic"):  # --deterministic: batch-invariant numerics (models/deterministic.py)
+        from specsplit.models.deterministic import make_deterministic
+
+        make_deterministic(loaded.model)
+    return loaded
 
 
 def check_model_len(loaded: LoadedModel, cfg: EngineConfig) -> None:
@@ -295,7 +300,13 @@ def build_colocated(
     """Target (+ draft) in this process. On one device the two share the target's budget flags.
 
     The tokenizer is loaded inside the measured window, so on CPU its memory is part of the
-    verifier's non-torch bytes."""
+    verifier's non-torch bytes. target.extra["tensor_parallel_size"] > 1: a tensor-parallel
+    target (specsplit.parallel.colocated)."""
+    tp = int(target.extra.get("tensor_parallel_size", 1) or 1)
+    if tp > 1:
+        from specsplit.parallel.colocated import build_colocated_tp
+
+        return build_colocated_tp(target, draft, spec, tp, show_progress)
     tokenizer = []
     draft, hybrid = _without_lookup(draft)
     plan, t, d = _plan_models(target, draft, spec, joint=True, show_progress=show_progress,

@@ -23,6 +23,17 @@ def tiny_llama(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_logits(tiny_llama):
+    """tiny_llama's next-token logits after a context (transformers, fp32): what certifies a greedy
+    difference as a near-tie (tests/helpers/greedy.py)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers.greedy import hf_next_logits
+
+    return hf_next_logits(AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval())
+
+
+@pytest.fixture(scope="session")
 def tiny_mistral(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("tiny-mistral"), "mistral", seed=1, sliding_window=None)
 

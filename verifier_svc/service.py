@@ -73,8 +73,38 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.built = built
         self.host = SessionHost("verifier", built.engine, threads, max_seqs_per_session=built.cfg.max_num_seqs)
         self.fault = VerifyFault.from_env()
+        self.tp = getattr(built.engine, "tensor_parallel", None)  # specsplit.parallel.group.TPGroup
+
+    def _tp_unavailable(self) -> wire.ServiceError:
+        return wire.ServiceError(grpc.StatusCode.UNAVAILABLE, f"the verifier cannot serve: {self.tp.failed}")
 
     def _handle(self, session: PeerSession, req: verifier_pb2.VerifierRequest) -> verifier_pb2.VerifierResponse:
+        if self.tp is None:
+            return self._handle_one(session, req)
+        if self.tp.failed:
+            raise self._tp_unavailable()
+        try:
+            return self._handle_one(session, req)
+        except Exception as e:
+            from specsplit.parallel.group import is_group_failure
+
+            if is_group_failure(self.tp, e):  # a worker died mid-forward: the group is broken for good
+                raise self._tp_unavailable() from e
+            raise
+
+    async def watch(self, server) -> None:
+        """Tensor parallel: NOT_SERVING as soon as a worker dies (the streams end UNAVAILABLE on their
+        next step, see _handle)."""
+        if self.tp is None:
+            return
+        from grpc_health.v1 import health_pb2
+
+        while not self.tp.failed:
+            await asyncio.sleep(0.1)
+        for name in ["", *server.service_names]:
+            await server.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    def _handle_one(self, session: PeerSession, req: verifier_pb2.VerifierRequest) -> verifier_pb2.VerifierResponse:
         engine, kind = self.built.engine, req.WhichOneof("kind")
         if kind == "add":
             self.host.add(session, wire.seq_adds_from_pb(req.add, session.to_engine))
@@ -95,11 +125,16 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         raise wire.EngineError("empty VerifierRequest: set add, verify, resolve, abandon or release")
 
     async def Session(self, request_iterator, context):
+        if self.tp is not None and self.tp.failed:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self._tp_unavailable().message)
         async for resp in self.host.session(request_iterator, context, self._handle, verifier_pb2.VerifierResponse):
             yield resp
 
     async def GetInfo(self, request, context):
-        return info_pb(self.built, "verifier", self.host)
+        info = info_pb(self.built, "verifier", self.host)
+        if self.tp is not None and self.tp.failed:
+            info.serving = False
+        return info
 
 
 def main(args) -> int:
@@ -109,4 +144,8 @@ def main(args) -> int:
     built = build_engine(args, "verifier")
     log_startup("verifier", built)
     servicer = VerifierServicer(built, args.threads)
-    return asyncio.run(serve("verifier", servicer, verifier_pb2_grpc.add_VerifierServicer_to_server, SERVICE_NAME, args))
+    try:
+        return asyncio.run(serve("verifier", servicer, verifier_pb2_grpc.add_VerifierServicer_to_server, SERVICE_NAME, args))
+    finally:
+        if servicer.tp is not None:
+            servicer.tp.close()  # no worker outlives the service

@@ -57,6 +57,18 @@ def add_engine_flags(p: argparse.ArgumentParser, device_flag: str = "--device") 
     g.add_argument("--threads", type=nonneg_int, default=0, help="torch CPU threads (0 = torch default)")
 
 
+def add_tensor_parallel_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tensor-parallel-size", type=positive_int, default=1, metavar="N",
+                   help="split the target over N ranks (N-1 worker processes, torch.distributed: gloo on the CPU, "
+                        "NCCL on cuda:base..base+N-1); default 1")
+
+
+def add_deterministic_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant numerics for the target: a sequence's logits do not depend on its batch or "
+                        "on K, so speculative greedy == target-only greedy bit for bit (slower; see README)")
+
+
 def add_spec_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculation")
     g.add_argument("--num-speculative-tokens", type=nonneg_int, default=None,

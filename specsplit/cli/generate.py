@@ -7,7 +7,8 @@ import sys
 import time
 
 from gateway.client import parse_ids
-from specsplit.cli.common import add_engine_flags, add_spec_flags, engine_config, nonneg_int, positive_int, spec_config, validate_engine
+from specsplit.cli.common import (add_deterministic_flag, add_engine_flags, add_spec_flags, engine_config, nonneg_int,
+                                  positive_int, spec_config, validate_engine)
 
 
 def add_arguments(p, name: str) -> None:
@@ -27,6 +28,7 @@ def add_arguments(p, name: str) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.add_argument("--timeout", type=float, default=None, help="--server: deadline in seconds")
     add_engine_flags(p)
+    add_deterministic_flag(p)
     add_spec_flags(p)
     from rpc.security import add_client_security_flags
 

@@ -1,7 +1,8 @@
 """`specsplit serve`: the colocated server (gateway + engines in one process, one memory budget)."""
 from __future__ import annotations
 
-from specsplit.cli.common import add_engine_flags, add_request_size_flag, add_server_flags, add_spec_flags, validate_engine, validate_security
+from specsplit.cli.common import (add_engine_flags, add_request_size_flag, add_server_flags, add_spec_flags,
+                                  add_deterministic_flag, add_tensor_parallel_flag, validate_engine, validate_security)
 
 
 def add_arguments(p, name: str) -> None:
@@ -13,6 +14,8 @@ def add_arguments(p, name: str) -> None:
                    help="on SIGTERM, seconds to let live streams finish before stopping (default 30)")
     add_engine_flags(p)
     add_spec_flags(p)
+    add_tensor_parallel_flag(p)  # the target's; the draft stays at 1
+    add_deterministic_flag(p)
     add_request_size_flag(p)
     add_server_flags(p, 50051)
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from specsplit.cli.common import (add_engine_flags, add_keepalive_flags, add_request_size_flag, add_server_flags, add_spec_flags,
-                                  check_address, positive_int, validate_engine, validate_security)
+                                  add_deterministic_flag, add_tensor_parallel_flag, check_address, positive_int, validate_engine, validate_security)
 
 DEFAULT_PORTS = {"drafter": 50061, "verifier": 50062, "gateway": 50051}
 
@@ -12,6 +12,9 @@ def add_arguments(p, name: str) -> None:
         p.add_argument("--model", required=True, help="alias, Hugging Face directory, .gguf file" + (" or 'ngram'" if name == "drafter" else ""))
         add_engine_flags(p)
         add_spec_flags(p)
+        if name == "verifier":
+            add_tensor_parallel_flag(p)
+            add_deterministic_flag(p)
     else:
         p.add_argument("--drafter", default=None, metavar="HOST:PORT", help="drafter service (omit for target-only)")
         p.add_argument("--verifier", required=True, metavar="HOST:PORT", help="verifier service")

@@ -13,7 +13,8 @@ import sys
 import time
 
 from rpc.health import free_port  # noqa: F401  (re-exported)
-from specsplit.cli.common import (add_engine_flags, add_keepalive_flags, add_request_size_flag, add_server_flags, add_spec_flags, port,
+from specsplit.cli.common import (add_deterministic_flag, add_engine_flags, add_keepalive_flags, add_request_size_flag,
+                                  add_server_flags, add_spec_flags, add_tensor_parallel_flag, port,
                                   spec_config, validate_engine, validate_security)
 
 
@@ -28,6 +29,8 @@ def add_arguments(p, name: str) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0)
     add_engine_flags(p)
     add_spec_flags(p)
+    add_tensor_parallel_flag(p)  # the verifier's; the drafter stays at 1
+    add_deterministic_flag(p)
     add_request_size_flag(p)
     add_keepalive_flags(p)
     add_server_flags(p, 50051)  # with --tls-*, --auth-token-file, --no-reflection: passed to all three
@@ -100,7 +103,10 @@ def commands(args, drafter_port: int, verifier_port: int) -> dict[str, list[str]
 
     return {
         "verifier": base + ["verifier", "--model", args.target, "--port", str(verifier_port), *common,
-                            *_engine_flags(args, args.device), *_spec_flags(args), *metrics(1)],
+                            *_engine_flags(args, args.device), *_spec_flags(args), *metrics(1),
+                            *(["--tensor-parallel-size", str(args.tensor_parallel_size)]
+                              if getattr(args, "tensor_parallel_size", 1) > 1 else []),
+                            *(["--deterministic"] if getattr(args, "deterministic", False) else [])],
         "drafter": base + ["drafter", "--model", args.draft, "--port", str(drafter_port), *common,
                            *_engine_flags(args, args.draft_device or args.device), *_spec_flags(args), *metrics(2)],
         "gateway": base + ["gateway", "--verifier", f"{host}:{verifier_port}", "--drafter", f"{host}:{drafter_port}",

@@ -144,6 +144,9 @@ class RotaryEmbedding(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    # Attention over the paged cache; specsplit.models.deterministic swaps in a batch-invariant one.
+    attention = staticmethod(paged_attention)
+
     def __init__(self, cfg: ModelConfig, dtype, device):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
@@ -175,7 +178,7 @@ class DecoderLayer(nn.Module):
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         store_kv(k, v, k_cache, v_cache, meta)
-        attn = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, H, D]
+        attn = self.attention(q, k_cache, v_cache, meta, self.scale)  # [T, H, D]
         x = x + self.o_proj(attn.reshape(t, self.q_size))
         gate, up = self.gate_up_proj(self.post_attn_norm(x)).chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)

@@ -9,6 +9,10 @@ import pytest
 
 from tests.services.procs import REPO, TINY_ENGINE, free_port, health, server_info
 
+# A fixed K: these compare usage (drafts proposed/accepted) across processes, and the K policy's
+# per-step choice rests on each process's own timings (tests/unit/test_k_policy.py tests it).
+FIXED_K = [*TINY_ENGINE, "--k-policy", "fixed"]
+
 PROMPT_IDS = "5,9,13,5,9,13,5,9"
 
 
@@ -18,7 +22,7 @@ def up(tmp_path_factory, tiny_llama):
 
     log = tmp_path_factory.mktemp("up-logs") / "up.log"
     env = dict(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    with specsplit_up(str(tiny_llama), "ngram", max_num_seqs=4, extra=TINY_ENGINE, log=log, env=env, cwd=REPO,
+    with specsplit_up(str(tiny_llama), "ngram", max_num_seqs=4, extra=FIXED_K, log=log, env=env, cwd=REPO,
                       log_level="INFO", startup_timeout=240) as stack:
         yield stack.proc, stack.addresses, str(log)
 
@@ -37,17 +41,17 @@ def test_up_generate_server_json_equals_local(up, capsys, tiny_llama):
     assert info.mode == "split" and info.draft_model == "ngram" and info.num_speculative_tokens == 4
     common = ["--prompt-token-ids", PROMPT_IDS, "--max-tokens", "24", "--ignore-eos", "--json"]
     remote = _cli_json(capsys, ["generate", "--server", addresses["gateway"], *common])
-    local = _cli_json(capsys, ["generate", "--target", str(tiny_llama), "--draft", "ngram", *common, *TINY_ENGINE])
+    local = _cli_json(capsys, ["generate", "--target", str(tiny_llama), "--draft", "ngram", *common, *FIXED_K])
     assert remote == local
     assert remote["usage"]["proposed_draft_tokens"] > 0  # the repeating prompt gives n-gram drafts
     text_remote = _cli_json(capsys, ["generate", "--server", addresses["gateway"], "w5 w9 w13", "--max-tokens", "8", "--json"])
     text_local = _cli_json(capsys, ["generate", "--target", str(tiny_llama), "w5 w9 w13", "--max-tokens", "8", "--json",
-                                    *TINY_ENGINE])
+                                    *FIXED_K])
     assert text_remote["token_ids"] == text_local["token_ids"] and text_remote["text"] == text_local["text"]
     # Seeded sampling: the server takes the shortest decimal of the API's float32 values, as local does.
     sampled = [*common, "--temperature", "0.7", "--top-p", "0.9", "--seed", "5"]
     assert _cli_json(capsys, ["generate", "--server", addresses["gateway"], *sampled]) == \
-        _cli_json(capsys, ["generate", "--target", str(tiny_llama), "--draft", "ngram", *sampled, *TINY_ENGINE])
+        _cli_json(capsys, ["generate", "--target", str(tiny_llama), "--draft", "ngram", *sampled, *FIXED_K])
 
 
 def test_generate_server_streams_text(up, capsys):

@@ -75,3 +75,21 @@ def reference(tiny_llama):
 
     yield target_only
     colo.close()
+
+
+@pytest.fixture(scope="session")
+def target_logits(tiny_llama_logits):
+    """The target's next-token logits after a context (transformers, fp32): certifies near-ties."""
+    return tiny_llama_logits
+
+
+@pytest.fixture(scope="session")
+def expect_greedy(reference, target_logits):
+    """expect_greedy(prompt_ids, tokens, max_tokens, ignore_eos): tokens are the target alone's greedy
+    output, except from a certified near-tie on (tests/helpers/greedy.py)."""
+    from tests.helpers.greedy import assert_greedy_equal_or_tie
+
+    def check(ids, tokens, max_tokens: int, ignore_eos: bool = False):
+        return assert_greedy_equal_or_tie(reference(ids, max_tokens, ignore_eos), target_logits, tokens, prompt=ids)
+
+    return check

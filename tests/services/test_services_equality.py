@@ -1,5 +1,9 @@
 """Greedy output is the target's, token for token: split (3 processes) == colocated == target-only,
-one stream at a time and 8 concurrent streams (continuous batching)."""
+one stream at a time and 8 concurrent streams (continuous batching).
+
+The reference is the target alone at batch 1; a stream here runs in other batches and verifies
+K+1 tokens per step, so a difference is accepted only at a certified near-tie of the target
+(tests/helpers/greedy.py)."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -7,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from protos.specsplit.v1 import gateway_pb2
+from tests.helpers.greedy import assert_greedy_equal_or_tie
 from tests.services.procs import generate, request
 
 MAX_TOKENS = 24
@@ -19,16 +24,18 @@ def _run_all(address, prompts, concurrency, **kw):
 
 
 @pytest.mark.parametrize("concurrency", [1, 8])
-def test_greedy_split_equals_colocated_equals_target(split_stack, colocated_stack, prompts, reference, concurrency):
+def test_greedy_split_equals_colocated_equals_target(split_stack, colocated_stack, prompts, reference, target_logits,
+                                                     concurrency):
     batch = prompts[:8]
     split = _run_all(split_stack.gateway, batch, concurrency, ignore_eos=True)
     colocated = _run_all(colocated_stack.gateway, batch, concurrency, ignore_eos=True)
     for ids, s, c in zip(batch, split, colocated):
         expected = reference(ids, MAX_TOKENS, ignore_eos=True)
-        assert s["token_ids"] == expected, f"split differs for prompt {ids}"
-        assert c["token_ids"] == expected, f"colocated differs for prompt {ids}"
+        assert_greedy_equal_or_tie(expected, target_logits, s["token_ids"], prompt=ids)
+        assert_greedy_equal_or_tie(expected, target_logits, c["token_ids"], prompt=ids)
         assert s["finish_reason"] == c["finish_reason"] == "length"
-        assert s["text"] == c["text"]
+        if s["token_ids"] == c["token_ids"]:
+            assert s["text"] == c["text"]
         assert s["usage"]["completion_tokens"] == MAX_TOKENS
         assert s["usage"]["prompt_tokens"] == len(ids)
     # The close draft agrees often: speculation really ran in both modes.
@@ -36,24 +43,26 @@ def test_greedy_split_equals_colocated_equals_target(split_stack, colocated_stac
     assert sum(r["usage"]["accepted_draft_tokens"] for r in colocated) > 0
 
 
-def test_streaming_messages_and_eos(split_stack, prompts, reference):
+def test_streaming_messages_and_eos(split_stack, prompts, reference, target_logits):
     """Tokens arrive over several messages; without ignore_eos, generation stops at EOS like the target."""
     for ids in prompts[8:12]:
         out = generate(split_stack.gateway, request(ids, max_tokens=40))
         expected = reference(ids, 40)
-        assert out["token_ids"] == expected
+        cmp = assert_greedy_equal_or_tie(expected, target_logits, out["token_ids"], prompt=ids)
         assert out["messages"] >= 2
-        assert out["finish_reason"] == ("stop" if expected[-1] == 2 and len(expected) < 40 else "length")
+        if cmp.equal:
+            assert out["finish_reason"] == ("stop" if expected[-1] == 2 and len(expected) < 40 else "length")
 
 
-def test_speculation_disabled_and_custom_k(split_stack, prompts, reference):
+def test_speculation_disabled_and_custom_k(split_stack, prompts, reference, target_logits):
     ids = prompts[12]
     off = generate(split_stack.gateway, request(ids, max_tokens=MAX_TOKENS, ignore_eos=True,
                                                 speculation=gateway_pb2.Speculation(disable=True)))
     k1 = generate(split_stack.gateway, request(ids, max_tokens=MAX_TOKENS, ignore_eos=True,
                                                speculation=gateway_pb2.Speculation(num_speculative_tokens=1)))
     expected = reference(ids, MAX_TOKENS, ignore_eos=True)
-    assert off["token_ids"] == k1["token_ids"] == expected
+    assert_greedy_equal_or_tie(expected, target_logits, off["token_ids"], prompt=ids)
+    assert_greedy_equal_or_tie(expected, target_logits, k1["token_ids"], prompt=ids)
     assert off["usage"]["proposed_draft_tokens"] == 0
     assert 0 < k1["usage"]["proposed_draft_tokens"] <= MAX_TOKENS
 

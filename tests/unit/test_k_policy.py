@@ -10,6 +10,7 @@ from specsplit.config import EngineConfig, SpecConfig
 from specsplit.factory import build_colocated
 from specsplit.generation import GenerationRequest, Generator
 from specsplit.k_policy import Acceptance, KPolicy
+from tests.helpers.greedy import assert_outputs_equal_or_tie
 
 MAX_LEN = 160
 
@@ -118,15 +119,19 @@ def _run(target, draft, requests, policy=None):
 
 @pytest.mark.parametrize("batch", [1, 4, 16])
 @pytest.mark.parametrize("draft", ["tiny_draft_close", "tiny_draft_far", "ngram"])
-def test_greedy_equal_with_k_varying_per_step(tiny_llama, draft, batch, request):
+def test_greedy_equal_with_k_varying_per_step(tiny_llama, tiny_llama_logits, draft, batch, request):
     draft_model = "ngram" if draft == "ngram" else request.getfixturevalue(draft)
-    reference, _ = _run(tiny_llama, None, _requests(batch, seed=batch))
-    out, decoder = _run(tiny_llama, draft_model, _requests(batch, seed=batch), _Cycling())
-    assert out == reference  # exact: the same process, the same kernels; K never changes greedy
+    requests = _requests(batch, seed=batch)
+    reference, _ = _run(tiny_llama, None, requests)
+    # K changes the rows of a forward and so, at a row-count boundary, the kernel: a difference is
+    # accepted only at a certified near-tie of the target's logits (tests/helpers/greedy.py)
+    out, decoder = _run(tiny_llama, draft_model, requests, _Cycling())
+    assert_outputs_equal_or_tie(reference, out, [r.prompt_token_ids for r in requests], tiny_llama_logits)
     assert {k for k, n in decoder.k_chosen.items() if n} == {0, 1, 2, 3, 4}, decoder.k_chosen
-    # and with the policy as built (timed costs), the same tokens
-    out, decoder = _run(tiny_llama, draft_model, _requests(batch, seed=batch))
-    assert out == reference and decoder.policy is not None
+    # and with the policy as built (timed costs)
+    out, decoder = _run(tiny_llama, draft_model, requests)
+    assert decoder.policy is not None
+    assert_outputs_equal_or_tie(reference, out, [r.prompt_token_ids for r in requests], tiny_llama_logits)
 
 
 def test_colocated_engines_calibrate_and_report(tiny_llama, tiny_draft_close):

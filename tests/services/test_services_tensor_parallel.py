@@ -1,0 +1,169 @@
+"""`specsplit verifier --tensor-parallel-size 2` as a real process (rank 0 + one worker, gloo) behind
+a gateway with the n-gram drafter:
+
+1. greedy streams equal the target alone (certified near-ties aside), concurrently; the verifier's
+   plan lists both ranks;
+2. a worker killed with SIGKILL: the verifier turns NOT_SERVING and every open stream ends with
+   UNAVAILABLE within 5 s; new requests fail UNAVAILABLE; no hang;
+3. SIGTERM, and SIGKILL of the verifier itself, leave no worker process behind.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+
+from protos.specsplit.v1 import gateway_pb2_grpc
+from tests.helpers.orphans import assert_gone, tp_workers
+from tests.services.procs import HOST, SPECULATE_ALWAYS, TINY_ENGINE, ServiceProcess, Stack, free_port, generate, health, \
+    request, service_info, wait_for
+
+ENDS_WITHIN_S = 5.0
+
+
+def _verifier(log_dir, target, name="verifier") -> ServiceProcess:
+    port = free_port()
+    return ServiceProcess(name, ["verifier", "--model", str(target), "--port", str(port), "--max-num-seqs", "4",
+                                 "--tensor-parallel-size", "2", *TINY_ENGINE], log_dir, port)
+
+
+@pytest.fixture(scope="module")
+def tp_stack(tmp_path_factory, tiny_llama):
+    log_dir = tmp_path_factory.mktemp("tp-logs")
+    stack = Stack()
+    stack.procs["verifier"] = v = _verifier(log_dir, tiny_llama)
+    dport, gport = free_port(), free_port()
+    stack.procs["drafter"] = ServiceProcess("drafter", ["drafter", "--model", "ngram", "--port", str(dport), *TINY_ENGINE],
+                                            log_dir, dport)
+    stack.procs["gateway"] = ServiceProcess(
+        "gateway", ["gateway", "--verifier", v.address, "--drafter", f"{HOST}:{dport}", "--port", str(gport),
+                    "--max-num-seqs", "4", "--drain-timeout", "5", *SPECULATE_ALWAYS], log_dir, gport)
+    workers: list[int] = []
+    try:
+        stack.ready()
+        workers = tp_workers(v.proc.pid)
+        yield stack, workers
+    finally:
+        stack.stop()
+        assert_gone(workers)
+
+
+def test_tp2_greedy_equals_target_only_and_plan_lists_ranks(tp_stack, prompts, expect_greedy):
+    stack, workers = tp_stack
+    assert len(workers) == 1
+    plan = json.loads(service_info(stack["verifier"].address, "verifier").memory_plan_json)
+    assert plan["tensor_parallel"]["size"] == 2 and len(plan["tensor_parallel"]["ranks"]) == 2
+    batch = prompts[:4]
+    outs: list = [None] * len(batch)
+
+    def run(i):
+        outs[i] = generate(stack.gateway, request(batch[i], max_tokens=20, ignore_eos=True))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(batch))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for ids, out in zip(batch, outs):
+        expect_greedy(ids, out["token_ids"], 20, ignore_eos=True)
+    assert sum(o["usage"]["proposed_draft_tokens"] for o in outs) > 0
+
+
+def test_worker_death_ends_streams_unavailable_within_5s(tp_stack, prompts):
+    stack, workers = tp_stack
+    results: list = [None] * 3
+    started = threading.Barrier(len(results) + 1)
+
+    def stream(i):
+        ch = grpc.insecure_channel(stack.gateway)
+        call = gateway_pb2_grpc.GatewayStub(ch).Generate(request(prompts[i], max_tokens=200, ignore_eos=True), timeout=60)
+        code, msgs = "ok", 0
+        try:
+            for _ in call:
+                msgs += 1
+                if msgs == 1:
+                    started.wait(30)
+        except grpc.RpcError as e:
+            code = e.code()
+        finally:
+            ch.close()
+        if msgs == 0:
+            started.wait(30)
+        results[i] = (code, time.monotonic())
+
+    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(len(results))]
+    for t in threads:
+        t.start()
+    started.wait(60)
+    killed_at = time.monotonic()
+    os.kill(workers[0], signal.SIGKILL)
+    for t in threads:
+        t.join(ENDS_WITHIN_S + 5)
+    verifier = stack["verifier"].address
+    assert wait_for(lambda: health(verifier) == "NOT_SERVING", ENDS_WITHIN_S) is not None, stack.logs()
+    for code, ended in results:
+        assert code == grpc.StatusCode.UNAVAILABLE, (results, stack.logs())
+        assert ended - killed_at < ENDS_WITHIN_S, results
+    with pytest.raises(grpc.RpcError) as err:
+        generate(stack.gateway, request(prompts[5], max_tokens=4), timeout=10)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert not service_info(verifier, "verifier").serving
+    assert stack["verifier"].alive()  # it reports the failure; it does not vanish
+
+
+@pytest.mark.parametrize("how", ["sigterm", "sigkill"])
+def test_no_worker_outlives_the_verifier(tmp_path, tiny_llama, how):
+    v = _verifier(tmp_path, tiny_llama, f"verifier-{how}")
+    try:
+        v.wait_serving(180)
+        workers = tp_workers(v.proc.pid)
+        assert len(workers) == 1
+        if how == "sigterm":
+            assert v.stop() == 0
+        else:
+            v.kill9()  # the worker dies with its parent (PR_SET_PDEATHSIG)
+        assert_gone(workers, within_s=10)
+    finally:
+        v.stop()
+
+
+def test_serve_tp2_colocated_greedy_and_no_worker_left(tmp_path, tiny_llama, tiny_draft_close, prompts, expect_greedy):
+    """`specsplit serve --tensor-parallel-size 2`: the colocated server with a 2-rank target and a
+    model draft; greedy == target alone; the plan lists both ranks and the drafter; SIGTERM stops all."""
+    port = free_port()
+    serve = ServiceProcess("serve-tp", ["serve", "--target", str(tiny_llama), "--draft", str(tiny_draft_close),
+                                        "--port", str(port), "--max-num-seqs", "4", "--tensor-parallel-size", "2",
+                                        *TINY_ENGINE, *SPECULATE_ALWAYS], tmp_path, port)
+    try:
+        serve.wait_serving(180)
+        workers = tp_workers(serve.proc.pid)
+        assert len(workers) == 1
+        outs = [generate(serve.address, request(ids, max_tokens=16, ignore_eos=True)) for ids in prompts[:3]]
+        for ids, out in zip(prompts[:3], outs):
+            expect_greedy(ids, out["token_ids"], 16, ignore_eos=True)
+        assert sum(o["usage"]["accepted_draft_tokens"] for o in outs) > 0
+        from tests.services.procs import server_info
+
+        services = {s.name: json.loads(s.memory_plan_json) for s in server_info(serve.address).services}
+        assert len(services["verifier"]["tensor_parallel"]["ranks"]) == 2 and "drafter" in services["verifier"]["services"]
+        assert serve.stop() == 0
+        assert_gone(workers)
+    finally:
+        serve.stop()
+
+
+def test_up_passes_the_size_to_the_verifier_only():
+    from specsplit.cli import build_parser
+    from specsplit.cli.up import commands
+
+    args = build_parser().parse_args(["up", "--target", "t", "--draft", "ngram", "--tensor-parallel-size", "2"])
+    cmds = commands(args, 1, 2)
+    v = cmds["verifier"]
+    assert v[v.index("--tensor-parallel-size") + 1] == "2"
+    assert "--tensor-parallel-size" not in cmds["drafter"] and "--tensor-parallel-size" not in cmds["gateway"]
+    assert "--tensor-parallel-size" not in commands(build_parser().parse_args(["up", "--target", "t", "--draft", "ngram"]), 1, 2)["verifier"]
