@@ -10,8 +10,8 @@ Vocabulary:
           drafts first), plus the network round trips in split mode.
 The policy picks the k in 0..K that maximizes the batch's sum of E(k) over T(k): speculation turns
 itself off (k = 0) wherever it cannot pay, at batch 1 or 32 alike. With k = 0 it still drafts one
-token every `probe_every` steps while speculation could pay at all, so a request whose text turns
-predictable is noticed. Greedy output does not depend on k (verification is exact for any k).
+token for one sequence (in turn) every `probe_every` steps while speculation could pay at all, so
+a request whose text turns predictable is noticed at the cost of one verify row. Greedy output does not depend on k (verification is exact for any k).
 """
 from __future__ import annotations
 
@@ -57,6 +57,7 @@ class KPolicy:
         self.model_tokens = model_tokens  # hybrid drafter: the model drafts at most this many
         self.probe_every = probe_every
         self._since_probe = 0
+        self.probing = False  # the last choice was a probe: the caller drafts for one sequence only
 
     def step_time(self, batch: int, k: int) -> float:
         """Seconds of one step: the verify call, and with k > 0 the propose call (split mode: one
@@ -75,6 +76,7 @@ class KPolicy:
                 for k in range(self.max_k + 1)]
 
     def choose(self, accs: list[Acceptance], caps: list[int] | None = None) -> int:
+        self.probing = False
         if not accs or self.max_k <= 0:
             return 0
         rates = self.rates(accs, caps)
@@ -85,6 +87,7 @@ class KPolicy:
         self._since_probe += 1
         if self._since_probe >= self.probe_every and self._could_pay(len(accs)):
             self._since_probe = 0
+            self.probing = True  # one sequence drafts one token: a row more, not a batch more
             return 1
         return 0
 

@@ -85,6 +85,7 @@ class SpecDecoder:
         self.tracks: dict[str, _Track] = {}
         self.policy: KPolicy | None = None
         self.k_chosen: Counter[int] = Counter()  # steps per K drafted (0: speculation off that step)
+        self._probes = 0  # probe steps so far: which sequence drafts in the next one
         if costs is not None and costs.verify and spec.k_policy == "auto":
             hybrid = spec.draft_model_tokens if getattr(drafter, "is_hybrid", False) else None
             self.policy = KPolicy(costs, spec.num_speculative_tokens, hybrid)
@@ -133,13 +134,14 @@ class SpecDecoder:
         speculate = self.drafter_up and self.spec.enabled_for(len(ids))
         proposals = {}
         k_step = 0
+        only = None
         if speculate:
-            k_step = self._choose_k(ids)
+            k_step, only = self._choose_k(ids)
             speculate = k_step > 0
         self.k_chosen[k_step] += 1
         if speculate:
             t0 = time.perf_counter()
-            proposals = self._propose(ids, budgets or {}, k_step)
+            proposals = self._propose(ids, budgets or {}, k_step, only)
             stats.draft_s = time.perf_counter() - t0
             speculate = bool(proposals)
 
@@ -175,23 +177,28 @@ class SpecDecoder:
                 stats.accepted_per_position[j] += 1
         return StepOutput(out, stats, speculate, drafts, k_step if speculate else 0)
 
-    def _choose_k(self, ids: list[str]) -> int:
-        """The K of this step: the policy's over the sequences that speculate, else the fixed K."""
-        live = [self.tracks[s] for s in ids if self.tracks[s].on_drafter and self.tracks[s].k > 0]
+    def _choose_k(self, ids: list[str]) -> tuple[int, str | None]:
+        """The K of this step (the policy's over the sequences that speculate, else the fixed K),
+        and the one sequence that drafts when the policy probes (None: every sequence)."""
+        live = [s for s in ids if self.tracks[s].on_drafter and self.tracks[s].k > 0]
         if not live:
-            return 0
+            return 0, None
         if self.policy is None:
-            return max(t.k for t in live)
+            return max(self.tracks[s].k for s in live), None
         # Sequences that do not speculate still take a row in the verify forward.
         others = [Acceptance(prior_rate=0.0, prior_weight=1.0)] * (len(ids) - len(live))
-        return self.policy.choose([t.acceptance for t in live] + others,
-                                  [t.k for t in live] + [0] * len(others))
+        k = self.policy.choose([self.tracks[s].acceptance for s in live] + others,
+                               [self.tracks[s].k for s in live] + [0] * len(others))
+        if not self.policy.probing:
+            return k, None
+        self._probes += 1
+        return k, live[self._probes % len(live)]
 
-    def _propose(self, ids: list[str], budgets: dict[str, int], k_step: int):
+    def _propose(self, ids: list[str], budgets: dict[str, int], k_step: int, only: str | None = None):
         reqs = []
         for s in ids:
             t = self.tracks[s]
-            if not t.on_drafter or t.k <= 0:
+            if not t.on_drafter or t.k <= 0 or (only is not None and s != only):
                 continue
             room = self.max_model_len - len(t.tokens) - 1
             k = min(t.k, k_step, room, budgets.get(s, t.k + 1) - 1)

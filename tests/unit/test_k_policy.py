@@ -10,6 +10,7 @@ from specsplit.config import EngineConfig, SpecConfig
 from specsplit.factory import build_colocated
 from specsplit.generation import GenerationRequest, Generator
 from specsplit.k_policy import Acceptance, KPolicy
+from specsplit.protocols import SeqAdd
 from tests.helpers.greedy import assert_outputs_equal_or_tie
 
 MAX_LEN = 160
@@ -77,10 +78,36 @@ def test_policy_turns_speculation_off_where_it_cannot_pay_and_on_where_it_does()
 
 def test_probe_only_while_speculation_could_pay():
     flat = KPolicy(_costs([1.0, 1.02, 1.04, 1.06, 1.08]), max_k=4, probe_every=4)
-    picks = [flat.choose([_acc(0.0)]) for _ in range(12)]
+    picks, probing = [], []
+    for _ in range(12):
+        picks.append(flat.choose([_acc(0.0)]))
+        probing.append(flat.probing)
     assert picks.count(1) == 3 and set(picks) == {0, 1}
+    assert probing == [k == 1 for k in picks]  # every 1 here is a probe: one sequence drafts
     steep = KPolicy(_costs([1.0, 2.5, 3.5, 4.5, 5.5]), max_k=4, probe_every=4)
     assert {steep.choose([_acc(0.0)]) for _ in range(12)} == {0}  # even all-accepted could not pay
+
+
+def test_a_probe_drafts_for_one_sequence_in_turn(tiny_llama, tiny_draft_far):
+    """At batch 4 with nothing ever accepted, K stays 0 and every probe step drafts one token for
+    one sequence, each in turn: one verify row more, never the whole batch."""
+    tc = EngineConfig(model=str(tiny_llama), max_model_len=MAX_LEN, max_num_seqs=4)
+    colo = build_colocated(tc, EngineConfig(model=str(tiny_draft_far), max_model_len=MAX_LEN, max_num_seqs=4),
+                           SpecConfig(num_speculative_tokens=3, k_policy="auto"), show_progress=False)
+    decoder = colo.decoder
+    decoder.policy.costs, decoder.policy.probe_every = _costs([1.0, 1.05, 1.1, 1.15, 1.2], draft=0.0), 2
+    for r in _requests(4, seed=7):
+        decoder.add(SeqAdd(r.request_id, r.prompt_token_ids, r.params))
+        decoder.tracks[r.request_id].acceptance = Acceptance(prior_rate=0.0, prior_weight=1000.0)
+    drafted_by = []
+    for _ in range(16):
+        out = decoder.step()
+        drafting = [s for s, (proposed, _) in out.drafts.items() if proposed]
+        assert out.k in (0, 1) and len(drafting) == (1 if out.k else 0), out
+        drafted_by += drafting
+    assert decoder.k_chosen[0] == 8 and decoder.k_chosen[1] == 8
+    assert sorted(set(drafted_by)) == sorted(decoder.tracks)  # each sequence probed in turn
+    colo.close()
 
 
 def _requests(n: int, seed: int, max_tokens: int = 24) -> list[GenerationRequest]:
