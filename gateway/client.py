@@ -23,14 +23,14 @@ def parse_ids(text: str) -> list[int]:
 
 
 def request_from_args(args) -> gateway_pb2.GenerateRequest:
-    if getattr(args, "chat", False):
-        raise ValueError("--chat needs the tokenizer's chat template; with --server send the templated prompt text")
     req = gateway_pb2.GenerateRequest(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         ignore_eos=args.ignore_eos,
     )
     if args.prompt_token_ids is not None:
         req.prompt_token_ids.extend(parse_ids(args.prompt_token_ids))
+    elif getattr(args, "chat", False):  # the server renders it with the target's chat template
+        req.messages.append(gateway_pb2.ChatMessage(role="user", content=args.prompt))
     else:
         req.prompt = args.prompt
     if args.seed is not None:

