@@ -31,21 +31,29 @@ CORRUPT = {
 }
 
 
+def _is_victim(seq) -> bool:
+    """The victim-* requests of _requests(), as the engines see them: the scheduler gives engines
+    short ids (r<n>), so they are told apart by what they carry (victim-s: seed 3; victim-g: its prompt)."""
+    return seq.params.seed == 3 or tuple(seq.prompt_token_ids[:3]) == (9, 10, 11)
+
+
 class BadDrafter:
-    """A real draft engine whose answers for sequences named `victim*` are corrupted."""
+    """A real draft engine whose answers for the victim sequences are corrupted."""
 
     def __init__(self, engine, corrupt=None, bad_rows: bool = False):
         self.engine, self.corrupt, self.bad_rows = engine, corrupt, bad_rows
         self.corrupted = 0
+        self.victims: set[str] = set()
 
     def add(self, seqs):
+        self.victims |= {s.seq_id for s in seqs if _is_victim(s)}
         return self.engine.add(seqs)
 
     def propose(self, reqs):
         out = self.engine.propose(reqs)
         if self.corrupt is None:
             return out
-        bad = [self.corrupt(p) if p.seq_id.startswith("victim") and p.token_ids else p for p in out]
+        bad = [self.corrupt(p) if p.seq_id in self.victims and p.token_ids else p for p in out]
         self.corrupted += sum(a is not b for a, b in zip(bad, out))
         return bad
 
@@ -53,7 +61,7 @@ class BadDrafter:
         rows = self.engine.finish_step(fetch)
         if self.bad_rows:
             for r in rows:
-                if r.seq_id.startswith("victim"):
+                if r.seq_id in self.victims:
                     r.row = torch.full_like(r.row, math.nan)
                     self.corrupted += 1
         return rows

@@ -35,7 +35,8 @@ def test_bench_quick_json(tmp_path, tiny_llama, tiny_draft_close):
                 continue
             assert len(a["per_position_acceptance"]) >= 1
             assert all(0 <= x <= 1 for x in a["per_position_acceptance"])
-        elif a["arm"].startswith(("specsplit colocated", "specsplit split")):
+        elif a["arm"].startswith(("specsplit colocated", "specsplit split")) and a.get("role") != "policy":
+            # (the K policy may rightly draft nothing: a tiny draft costs what the tiny target does)
             raise AssertionError(f"{a['arm']} proposed nothing")
     # Batch-1 arms run interleaved; greedy spec output is the target's in every arm (fp32), and the
     # native target-only output is transformers' (the bench checks it on every run).
