@@ -1,8 +1,9 @@
 """Start-up calibration: each engine times its own steps, so the K policy can price a step.
 
 Verifier: one forward of `batch` sequences with `rows` new tokens each (rows = k + 1) over a short
-cached context, for every row count up to K+1 and a few batch sizes; the policy interpolates in
-the batch size. Drafter: one forward of `batch` sequences with one new token each, i.e. the cost
+cached context, for every row count up to K+1 and batch sizes 1, 2, 4, ... up to --max-num-seqs
+(32 at most; a large batch's GEMM regime is not a straight line from small ones); the policy
+interpolates in the batch size. Drafter: one forward of `batch` sequences with one new token each, i.e. the cost
 of drafting one token for the batch. Timings are medians of a few runs; the whole calibration
 takes a few seconds on SmolLM2-135M and is logged in one line.
 """
@@ -18,7 +19,7 @@ from specsplit.models.runner import ForwardItem, ModelRunner
 log = logging.getLogger(__name__)
 
 CONTEXT_TOKENS = 64  # cached tokens per dummy sequence: a short chat turn's worth
-BATCH_SIZES = (1, 2, 4, 8)
+BATCH_SIZES = (1, 2, 4, 8, 16, 32)  # up to --max-num-seqs: past the largest, linear extrapolation
 
 
 @dataclass
@@ -80,7 +81,7 @@ def _time(runner: ModelRunner, batch: int, rows: int, reps: int) -> float:
     try:
         runner.forward([ForwardItem(s, 0, context) for s in ids])
         times = []
-        for _ in range(reps + 1):  # the first run warms this shape
+        for _ in range((reps if batch < 16 else 1) + 1):  # the first run warms this shape
             t0 = time.perf_counter()
             runner.forward([ForwardItem(s, CONTEXT_TOKENS, context[:rows], rows) for s in ids])
             times.append(time.perf_counter() - t0)
