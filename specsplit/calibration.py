@@ -38,9 +38,6 @@ class StepCosts:
         """One drafted token for the batch (no network)."""
         return _interp(self.draft, batch)
 
-    def max_rows(self) -> int:
-        return max((r for _, r in self.verify), default=0)
-
     def describe(self) -> str:
         parts = []
         for b in sorted({b for b, _ in self.verify}):

@@ -283,13 +283,16 @@ class LlamaForCausalLM(nn.Module):
             return cpu_linear.static_table(self.dtype, cpu_linear.SKINNY in kinds)
         in_features = self.cfg.hidden_size if isinstance(layers[0], _Head) else layers[0].in_features
 
+        # (dense, packed, skinny, out_features) of each weight, gathered once outside the timing
+        copies = [(m.dense, m.packed, m.skinny, m.rows) if isinstance(m, _Head)
+                  else (m.weight, m.packed, m.skinny, m.out_features) for m in layers]
+
         def pass_of(kind: str):
+            table = cpu_linear.RowKernels.single(kind)
+
             def run(x: torch.Tensor) -> None:
-                for m in layers:
-                    table = cpu_linear.RowKernels.single(kind)
-                    weight = m.dense if isinstance(m, _Head) else m.weight
-                    out = m.rows if isinstance(m, _Head) else m.out_features
-                    cpu_linear.run(x, table, weight, m.packed, m.skinny, out, None)
+                for dense, packed, skinny, out in copies:
+                    cpu_linear.run(x, table, dense, packed, skinny, out, None)
             return run
 
         low, high = kinds
