@@ -21,6 +21,7 @@ from specsplit.sampling.params import SamplingParams
 MAX_REQUEST_ID_BYTES = 128
 MAX_SPECULATIVE_TOKENS = 32
 MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20
 
 
 class RequestError(Exception):
@@ -74,6 +75,9 @@ class GenerationRequest:
     num_speculative_tokens: int = 0  # 0 = the server's default
     disable_speculation: bool = False
     stop: tuple[str, ...] = ()
+    # None: no log-probabilities. n in 0..MAX_LOGPROBS: each emitted token carries its
+    # log-probability under the target and the n most likely alternatives (TokenLogprob).
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,17 @@ def validate(req: GenerationRequest, limits: Limits | None) -> None:
         )
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One emitted token's log-probability under the target (log_softmax of the target's fp32
+    logits at that position, before temperature / top-k / top-p), and the `n` most likely tokens
+    there with theirs, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # ((token_id, logprob), ...), len n
+
+
 @dataclass
 class Event:
     """What one request's stream gets: new tokens, the end (finish_reason + usage), or an error."""
@@ -123,6 +138,11 @@ class Event:
     finish_reason: str | None = None
     usage: dict | None = None
     error: RequestError | None = None
+    # One per token in token_ids when the request asked for logprobs; else None.
+    logprobs: list[TokenLogprob] | None = None
+    # The speculative step(s) behind this event: drafts proposed and accepted for this request.
+    proposed: int = 0
+    accepted: int = 0
 
 
 class Request:
