@@ -54,9 +54,9 @@ class Gateway:
 HEALTH_PROBE_S = 1.0
 
 
-async def _watch_verifier(gw: Gateway, server: Server) -> None:
+async def _watch_verifier(gw: Gateway, server: Server, on_change: Callable[[bool], None] = lambda up: None) -> None:
     """Health follows the verifier: NOT_SERVING while it does not answer (until the drain, which
-    sets NOT_SERVING for good)."""
+    sets NOT_SERVING for good). on_change(up): the HTTP API's /health follows it too."""
     loop = asyncio.get_running_loop()
     serving = True
     while not server.draining:
@@ -65,6 +65,7 @@ async def _watch_verifier(gw: Gateway, server: Server) -> None:
             return
         if up != serving:
             serving = up
+            on_change(up)
             status = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
             for name in ("", SERVICE_NAME):
                 await server.health.set(name, status)
@@ -114,6 +115,13 @@ async def run(gw: Gateway, args) -> int:
                     max_receive_bytes=getattr(args, "max_request_bytes", MAX_REQUEST_BYTES))
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server.server)
     scheduler.start()
+    verifier_up = [True]
+    http = None
+    if getattr(args, "http_port", None):  # bound before gRPC reports SERVING: ready means both are
+        from gateway.http_api import build_http_server
+
+        http = build_http_server(servicer, gw.target_model, args, lambda: verifier_up[0] and not server.draining)
+        await http.start()
     await server.start(metrics_port=args.metrics_port)
     log.info("gateway (%s): target %s, draft %s, K=%d, disable_by_batch_size=%d, max_num_seqs %d, max_queue %d, "
              "max_model_len %d", gw.mode, gw.target_model, gw.draft_model or "none",
@@ -122,7 +130,11 @@ async def run(gw: Gateway, args) -> int:
     for b in scheduler.core.kv:
         log.info("gateway: KV-aware admission over the %s's cache: %d blocks x %d tokens", b.name, b.num_blocks,
                  b.block_size)
-    watcher = asyncio.ensure_future(_watch_verifier(gw, server)) if gw.verifier_reachable else None
+
+    def on_change(up: bool) -> None:
+        verifier_up[0] = up
+
+    watcher = asyncio.ensure_future(_watch_verifier(gw, server, on_change)) if gw.verifier_reachable else None
 
     async def drain():
         servicer.draining = True
@@ -136,6 +148,8 @@ async def run(gw: Gateway, args) -> int:
     rc = await server.run_until_signal(drain)
     if watcher is not None:
         watcher.cancel()
+    if http is not None:
+        await http.stop()
     scheduler.stop()
     return rc
 

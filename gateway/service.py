@@ -167,7 +167,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.draining = False
         self._tokenize = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
-    async def _prompt_ids(self, msg) -> list[int]:
+    async def prompt_ids(self, msg) -> list[int]:
+        """The prompt's ids, tokenized on the worker thread (the gRPC and the HTTP API both come here)."""
         if msg.prompt_token_ids:
             return list(msg.prompt_token_ids)
         loop = asyncio.get_running_loop()
@@ -187,7 +188,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
         try:
             check_before_tokenizing(request, self.limits)
-            ids = await self._prompt_ids(request)
+            ids = await self.prompt_ids(request)
             live = self.scheduler.submit(build_request(request, ids), sink)
         except ServiceError as e:
             await context.abort(e.code, e.message)

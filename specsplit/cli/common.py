@@ -97,6 +97,20 @@ def add_server_flags(p: argparse.ArgumentParser, default_port: int) -> None:
     add_server_security_flags(p)
 
 
+def add_http_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("OpenAI-compatible HTTP API")
+    g.add_argument("--http-port", type=port, default=None,
+                   help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                        "/v1/models, /health, /metrics) on this port, with the same bearer token and TLS "
+                        "certificate as the gRPC API (0 or unset = off)")
+    g.add_argument("--http-host", default=None, help="address the HTTP API binds (default: --host)")
+
+
+def validate_http(args) -> None:
+    if getattr(args, "http_port", None) and args.http_port == args.port and (args.http_host or args.host) == args.host:
+        raise ValueError(f"--http-port {args.http_port} is the gRPC --port: give the HTTP API a port of its own")
+
+
 def add_request_size_flag(p: argparse.ArgumentParser) -> None:
     from rpc.security import MAX_REQUEST_BYTES
 

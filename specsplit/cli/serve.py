@@ -1,8 +1,8 @@
 """`specsplit serve`: the colocated server (gateway + engines in one process, one memory budget)."""
 from __future__ import annotations
 
-from specsplit.cli.common import (add_engine_flags, add_request_size_flag, add_server_flags, add_spec_flags,
-                                  add_deterministic_flag, add_tensor_parallel_flag, validate_engine, validate_security)
+from specsplit.cli.common import (add_engine_flags, add_http_flags, add_request_size_flag, add_server_flags, add_spec_flags,
+                                  add_deterministic_flag, add_tensor_parallel_flag, validate_engine, validate_http, validate_security)
 
 
 def add_arguments(p, name: str) -> None:
@@ -18,10 +18,12 @@ def add_arguments(p, name: str) -> None:
     add_deterministic_flag(p)
     add_request_size_flag(p)
     add_server_flags(p, 50051)
+    add_http_flags(p)
 
 
 def validate(args) -> None:
     validate_security(args)
+    validate_http(args)
     validate_engine(args)
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")

@@ -1,8 +1,8 @@
 """`specsplit drafter | verifier | gateway`: one gRPC service per process."""
 from __future__ import annotations
 
-from specsplit.cli.common import (add_engine_flags, add_keepalive_flags, add_request_size_flag, add_server_flags, add_spec_flags,
-                                  add_deterministic_flag, add_tensor_parallel_flag, check_address, positive_int, validate_engine, validate_security)
+from specsplit.cli.common import (add_engine_flags, add_http_flags, add_keepalive_flags, add_request_size_flag, add_server_flags, add_spec_flags,
+                                  add_deterministic_flag, add_tensor_parallel_flag, check_address, positive_int, validate_engine, validate_http, validate_security)
 
 DEFAULT_PORTS = {"drafter": 50061, "verifier": 50062, "gateway": 50051}
 
@@ -36,6 +36,8 @@ def add_arguments(p, name: str) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let live streams finish before stopping (default 30)")
     add_server_flags(p, DEFAULT_PORTS[name])
+    if name == "gateway":
+        add_http_flags(p)
 
 
 def validate(args) -> None:
@@ -43,6 +45,7 @@ def validate(args) -> None:
     if args.command in ("drafter", "verifier"):
         validate_engine(args)
     else:
+        validate_http(args)
         if args.max_queue < 0:
             raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
         for flag in ("drafter_timeout", "verifier_timeout", "connect_timeout"):

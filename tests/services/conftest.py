@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from tests.services.procs import start_colocated, start_split
+from tests.services.procs import free_port, start_colocated, start_split
 
 PROMPT_SEED = 1234
 
@@ -19,11 +19,14 @@ def tiny_servers(tmp_path_factory, tiny_llama, tiny_draft_close):
     colocated: `specsplit serve` with the same pair
     small:     verifier + gateway, no drafter, max_num_seqs 2, max_queue 1 (test_services_verifier_down
                kills its verifier and stops its gateway)
+    The split and small gateways also serve the OpenAI-compatible HTTP API (Stack.http_port).
     """
     stacks = {
-        "split": start_split(tmp_path_factory.mktemp("split-logs"), tiny_llama, tiny_draft_close),
+        "split": start_split(tmp_path_factory.mktemp("split-logs"), tiny_llama, tiny_draft_close,
+                             gateway_extra=("--http-port", str(free_port()))),
         "colocated": start_colocated(tmp_path_factory.mktemp("colocated-logs"), tiny_llama, tiny_draft_close),
-        "small": start_split(tmp_path_factory.mktemp("small-logs"), tiny_llama, None, max_num_seqs=2, max_queue=1),
+        "small": start_split(tmp_path_factory.mktemp("small-logs"), tiny_llama, None, max_num_seqs=2, max_queue=1,
+                             gateway_extra=("--http-port", str(free_port()))),
     }
     try:
         yield stacks

@@ -111,6 +111,12 @@ class Stack:
     def gateway(self) -> str:
         return self.procs["gateway"].address
 
+    @property
+    def http_port(self) -> int | None:
+        """The gateway's --http-port (the OpenAI-compatible API), if it was given one."""
+        argv = self.procs["gateway"].argv
+        return int(argv[argv.index("--http-port") + 1]) if "--http-port" in argv else None
+
     def wait_serving(self, timeout: float = 240.0) -> None:
         for p in self.procs.values():
             p.wait_serving(timeout)

@@ -1,17 +1,39 @@
 """A gateway in front of a verifier alone, with tiny limits (the `small_stack` fixture): a full
 server refuses with RESOURCE_EXHAUSTED; a verifier killed mid-stream ends every stream with
 UNAVAILABLE promptly and the gateway recovers when it is back; SIGTERM drains (NOT_SERVING, new
-streams refused, live ones finish, exit 0)."""
+streams refused, live ones finish, exit 0). Its OpenAI-compatible HTTP API follows: 429 when
+full, /health 503 and requests 503 while the verifier is down or the gateway drains."""
 from __future__ import annotations
 
+import json
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import grpc
 import pytest
 
 from protos.specsplit.v1 import gateway_pb2_grpc
 from tests.services.procs import generate, health, request, wait_for
+
+
+def _http(stack, path: str, body: dict | None = None) -> tuple[int, dict]:
+    """(status, JSON body) of a GET, or a POST of `body`, to the gateway's HTTP API."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{stack.http_port}{path}", data=data,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _completion(stack, ids, max_tokens: int = 4) -> tuple[int, dict]:
+    model = _http(stack, "/v1/models")[1]["data"][0]["id"]
+    return _http(stack, "/v1/completions", {"model": model, "prompt": list(ids), "max_tokens": max_tokens,
+                                            "temperature": 0})
 
 
 def _stream(address, req, timeout=60):
@@ -33,6 +55,8 @@ def test_full_server_is_resource_exhausted(small_stack, prompts):
             generate(small_stack.gateway, request(prompts[3], max_tokens=8), timeout=10)
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "max_queue" in err.value.details()
+        status, body = _completion(small_stack, prompts[3])
+        assert status == 429 and body["error"]["code"] == "rate_limit_exceeded", body
     finally:
         for ch, call in opened:
             call.cancel()
@@ -85,9 +109,14 @@ def test_verifier_killed_ends_streams_unavailable_then_recovers(small_stack, pro
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "verifier" in err.value.details()
     assert time.monotonic() - t0 < 5.0
+    status, body = _completion(small_stack, prompts[7])
+    assert status == 503 and body["error"]["type"] == "server_error" and "verifier" in body["error"]["message"]
+    assert wait_for(lambda: _http(small_stack, "/health")[0] == 503, timeout=5, poll=0.1) is not None
     verifier.start()
     verifier.wait_serving()
     assert wait_for(lambda: _ok(small_stack, prompts[8]), timeout=20, poll=0.3) is not None
+    assert wait_for(lambda: _http(small_stack, "/health")[0] == 200, timeout=5, poll=0.1) is not None
+    assert _completion(small_stack, prompts[8])[0] == 200
 
 
 def test_sigterm_drains(small_stack, prompts):
@@ -111,6 +140,9 @@ def test_sigterm_drains(small_stack, prompts):
     with pytest.raises(grpc.RpcError) as err:
         generate(small_stack.gateway, request(prompts[11], max_tokens=4), timeout=5)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert _http(small_stack, "/health") == (503, {"status": "draining"})
+    status, body = _completion(small_stack, prompts[11])
+    assert status == 503 and "shutting down" in body["error"]["message"]
     tokens = 1
     last = None
     for msg in call:

@@ -1,0 +1,712 @@
+"""The OpenAI-compatible HTTP API of the gateway (`specsplit gateway` and `specsplit serve` with
+--http-port): FastAPI on uvicorn, in the gateway's own asyncio loop, beside the gRPC server.
+
+It is a second front door to the same path, not a second path: a JSON body becomes the
+GenerateRequest the gRPC API takes, and goes through the gRPC servicer's own steps (the cheap
+checks before tokenizing, tokenization on its worker thread, build_request, the Scheduler's
+validation and admission); the scheduler's Events stream back as OpenAI objects or SSE chunks.
+
+  GET  /v1/models                    the served target
+  POST /v1/completions               prompt: a string, a list of one string, or token ids
+  POST /v1/chat/completions          messages, rendered with the target's chat template
+  GET  /health                       200 while serving; 503 while the verifier is down or draining
+  GET  /metrics                      Prometheus text, the process's registry (rpc.metrics)
+
+Defaults follow OpenAI: temperature 1.0 and top_p 1.0 when unset (the gRPC API's default is
+greedy: send temperature 0 for greedy here); max_tokens 16 for completions and the rest of
+max_model_len for chat. Extensions: top_k, ignore_eos. One choice per request (n = 1).
+
+Errors are OpenAI's JSON, {"error": {"message", "type", "param", "code"}}, with the HTTP status
+of the RequestError kind (invalid_argument 400, resource_exhausted 429, unavailable 503, other
+500), 401 without the server's bearer token (--auth-token-file, the gRPC API's token; /health and
+/metrics stay open like gRPC health and --metrics-port), 404 for an unknown model or route.
+A client that disconnects has its request aborted: nothing stays allocated.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import json
+import logging
+import socket
+import ssl
+import time
+import uuid
+from contextlib import contextmanager
+from typing import Any, Callable
+
+import grpc
+import uvicorn
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from pydantic import BaseModel, ConfigDict
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gateway.scheduler import status_of
+from gateway.service import GatewayServicer, build_request, check_before_tokenizing
+from protos.specsplit.v1 import gateway_pb2
+from rpc.security import ServerSecurity, read_token
+from rpc.wire import ServiceError
+from specsplit.request import MAX_LOGPROBS, Event, TokenLogprob
+
+log = logging.getLogger(__name__)
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's default (the gRPC API's is 0, greedy)
+SHUTDOWN_GRACE_S = 5.0
+
+# gRPC status (what the shared helpers raise) -> HTTP status, OpenAI error type, code
+_HTTP = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error", None),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "invalid_request_error", "invalid_api_key"),
+    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", None),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_exceeded", "rate_limit_exceeded"),
+    grpc.StatusCode.UNAVAILABLE: (503, "server_error", "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error", "timeout"),
+}
+# Request fields a validation message may start with: the error's `param`.
+_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs", "prompt", "messages",
+           "request_id")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def api_error(e: ServiceError) -> ApiError:
+    status, type_, code = _HTTP.get(e.code, (500, "server_error", None))
+    param = next((p for p in _PARAMS if e.message.startswith(p)), None)
+    if param == "prompt" and "max_model_len" in e.message:
+        param = None
+    if status >= 500 and code is None:
+        code = e.code.name.lower()
+    return ApiError(status, e.message, type_, param, code)
+
+
+def _invalid(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param)
+
+
+# ---- request bodies (unknown fields are accepted and ignored, as OpenAI-compatible servers do) --
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # extension: 0 = off
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: dict | None = None
+    n: int | None = None
+    ignore_eos: bool | None = False  # extension
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+
+class CompletionBody(_Body):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatMessageBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict] | None = None
+
+
+class ChatBody(_Body):
+    messages: list[ChatMessageBody]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list | None = None
+
+
+def _check_unsupported(body: _Body) -> None:
+    if body.n not in (None, 1):
+        raise _invalid("n must be 1: this server returns one choice per request", "n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name):
+            raise _invalid(f"{name} is not supported (leave it unset or 0)", name)
+    if body.logit_bias:
+        raise _invalid("logit_bias is not supported", "logit_bias")
+    if isinstance(body, CompletionBody):
+        if body.echo:
+            raise _invalid("echo is not supported", "echo")
+        if body.suffix:
+            raise _invalid("suffix is not supported", "suffix")
+        if body.best_of not in (None, 1):
+            raise _invalid("best_of must be 1", "best_of")
+    if isinstance(body, ChatBody):
+        if body.tools:
+            raise _invalid("tools are not supported", "tools")
+        fmt = (body.model_extra or {}).get("response_format")
+        if isinstance(fmt, dict) and fmt.get("type", "text") != "text":
+            raise _invalid("response_format other than text is not supported", "response_format")
+
+
+def _content(m: ChatMessageBody, i: int) -> str:
+    if m.content is None or isinstance(m.content, str):
+        return m.content or ""
+    parts = []
+    for part in m.content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise _invalid(f"messages[{i}].content: only text parts are supported", "messages")
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def _generate_request(body: _Body, request_id: str, max_tokens: int) -> gateway_pb2.GenerateRequest:
+    """The sampling and stop fields of a GenerateRequest, as the gRPC API takes them."""
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    try:
+        msg = gateway_pb2.GenerateRequest(
+            request_id=request_id, max_tokens=max_tokens,
+            temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
+            top_k=body.top_k or 0, ignore_eos=bool(body.ignore_eos), stop=stop,
+        )
+        if body.top_p is not None:
+            if body.top_p == 0.0:  # the proto reads an explicit 0 as unset (1.0): refuse it here instead
+                raise _invalid("top_p must be in (0, 1], got 0.0", "top_p")
+            msg.top_p = body.top_p
+        if body.seed is not None:
+            msg.seed = body.seed % 2**64  # OpenAI's seeds are signed 64-bit; the same seed, the same stream
+    except (ValueError, TypeError) as e:
+        raise _invalid(f"a request field is out of range: {e}") from None
+    return msg
+
+
+# ---- responses ------------------------------------------------------------------------------
+class _Tokens:
+    """Token id -> its text, cached (logprobs name every token and its alternatives)."""
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self.decode = decode
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        s = self.cache.get(token_id)
+        if s is None:
+            s = self.cache[token_id] = self.decode([token_id])
+        return s
+
+
+def _completion_logprobs(lps: list[TokenLogprob], tok: _Tokens, offset: int) -> tuple[dict, int]:
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for lp in lps:
+        s = tok(lp.token_id)
+        out["tokens"].append(s)
+        out["token_logprobs"].append(lp.logprob)
+        out["top_logprobs"].append({tok(t): v for t, v in lp.top})
+        out["text_offset"].append(offset)
+        offset += len(s)
+    return out, offset
+
+
+def _chat_logprobs(lps: list[TokenLogprob], tok: _Tokens) -> dict:
+    def entry(token_id: int, logprob: float) -> dict:
+        s = tok(token_id)
+        return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+
+    return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                        for lp in lps], "refusal": None}
+
+
+def _usage(usage: dict | None) -> dict | None:
+    if usage is None:
+        return None
+    p, c = int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0))
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+# ---- one live request -----------------------------------------------------------------------
+class _Live:
+    """A request submitted to the scheduler and its event queue; `close()` aborts it unless it
+    finished (client disconnect, cancellation, server error)."""
+
+    def __init__(self, scheduler, http_request: Request):
+        self.scheduler = scheduler
+        self.http = http_request
+        self.loop = asyncio.get_running_loop()
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self.request = None
+        self.finished = False
+        self._getter: asyncio.Future | None = None
+        self._gone: asyncio.Future | None = None
+
+    def sink(self, ev: Event) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, ev)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    async def next(self, watch_disconnect: bool) -> Event:
+        """The next event; with watch_disconnect, ClientGone as soon as the client goes away."""
+        if self._getter is None:
+            self._getter = asyncio.ensure_future(self.events.get())
+        waiting = {self._getter}
+        if watch_disconnect:
+            if self._gone is None:
+                self._gone = asyncio.ensure_future(self._disconnect())
+            waiting.add(self._gone)
+        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        if self._getter.done():
+            ev = self._getter.result()
+            self._getter = None
+            if ev.error is not None or ev.finish_reason is not None:
+                self.finished = True
+            return ev
+        raise ClientGone()
+
+    async def _disconnect(self) -> None:
+        """Returns when the client disconnects (the body is read: the next ASGI message is that)."""
+        while (await self.http.receive())["type"] != "http.disconnect":
+            pass
+
+    def stop_watching(self) -> None:
+        """A stream's response listens for the disconnect itself (and cancels the body)."""
+        if self._gone is not None:
+            self._gone.cancel()
+            self._gone = None
+
+    def close(self) -> None:
+        for task in (self._getter, self._gone):
+            if task is not None:
+                task.cancel()
+        self._getter = self._gone = None
+        if self.request is not None and not self.finished:
+            self.finished = True
+            self.scheduler.abort(self.request)
+
+
+class ClientGone(Exception):
+    pass
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response that aborts its request however it ends, even if the client is gone
+    before the body is ever iterated."""
+
+    def __init__(self, live: _Live, content, **kw):
+        super().__init__(content, **kw)
+        self.live = live
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.live.close()
+
+
+@contextmanager
+def _aborting(live: _Live):
+    try:
+        yield live
+    finally:
+        live.close()
+
+
+# ---- the app --------------------------------------------------------------------------------
+@dataclasses.dataclass
+class HttpBackend:
+    """What the HTTP API needs from the gateway: its gRPC servicer (scheduler, tokenizer, limits,
+    draining), the served model's name, the bearer token, and whether the verifier answers."""
+
+    servicer: GatewayServicer
+    model: str
+    token: str | None = None
+    serving: Callable[[], bool] = lambda: True
+    max_request_bytes: int | None = None
+
+
+def create_app(backend: HttpBackend) -> FastAPI:
+    servicer = backend.servicer
+    scheduler, limits = servicer.scheduler, servicer.limits
+    tok = _Tokens(servicer.tokenizer.decode)
+    created = int(time.time())
+    expected = f"Bearer {backend.token}".encode() if backend.token else None
+
+    app = FastAPI(title="specsplit", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError):
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError):
+        errors = e.errors()
+        first = errors[0] if errors else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        if first.get("type") == "json_invalid":
+            return _invalid("the request body is not valid JSON").response()
+        where = ".".join(loc) or "body"
+        return _invalid(f"{where}: {first.get('msg', 'invalid value')}", loc[0] if loc else None).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        message = (f"Invalid URL ({request.method} {request.url.path})" if e.status_code in (404, 405)
+                   else str(e.detail))
+        return ApiError(e.status_code, message, code="not_found" if e.status_code == 404 else None).response()
+
+    @app.middleware("http")
+    async def _limit_size(request: Request, call_next):
+        n = request.headers.get("content-length")
+        if backend.max_request_bytes and n and n.isdigit() and int(n) > backend.max_request_bytes:
+            return ApiError(413, f"the request body is {n} bytes; at most {backend.max_request_bytes} are allowed "
+                            "(--max-request-bytes)").response()
+        return await call_next(request)
+
+    async def authorized(request: Request) -> None:
+        if expected is None:
+            return
+        got = request.headers.get("authorization")
+        if got is None:
+            raise ApiError(401, "missing bearer token: send the header 'Authorization: Bearer <token>' "
+                           "(the server's --auth-token-file)", code="invalid_api_key")
+        if not hmac.compare_digest(got.encode(), expected):
+            raise ApiError(401, "wrong bearer token", code="invalid_api_key")
+
+    def check_model(model: str) -> None:
+        if model != backend.model:
+            raise ApiError(404, f"The model `{model}` does not exist: this server serves `{backend.model}` "
+                           "(GET /v1/models)", param="model", code="model_not_found")
+
+    def model_card() -> dict:
+        return {"id": backend.model, "object": "model", "created": created, "owned_by": "specsplit",
+                "max_model_len": limits.max_model_len}
+
+    @app.get("/health")
+    async def health():
+        if servicer.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if not backend.serving():
+            return JSONResponse({"status": "verifier unreachable"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}", dependencies=[Depends(authorized)])
+    async def model(model: str):
+        check_model(model)
+        return model_card()
+
+    async def submit(body: _Body, msg: gateway_pb2.GenerateRequest, logprobs: int | None, default_max: bool,
+                     http_request: Request) -> _Live:
+        """The gRPC servicer's steps: checks, tokenization, build_request, the scheduler."""
+        check_model(body.model)
+        _check_unsupported(body)
+        if servicer.draining:
+            raise ApiError(503, "the server is shutting down; send the request to another one", "server_error",
+                           code="service_unavailable")
+        try:
+            check_before_tokenizing(msg, limits)
+            try:
+                ids = await servicer.prompt_ids(msg)
+            except ServiceError:
+                raise
+            except Exception as e:  # e.g. a chat template that refuses these roles
+                raise _invalid(f"cannot tokenize the prompt: {e}", "messages" if msg.messages else "prompt") from None
+            if default_max:  # chat without max_tokens: the rest of the context
+                msg.max_tokens = max(1, limits.max_model_len - len(ids))
+            req = build_request(msg, ids)
+            if logprobs is not None:
+                req = dataclasses.replace(req, logprobs=logprobs)
+            live = _Live(scheduler, http_request)
+            live.request = scheduler.submit(req, live.sink)
+        except ServiceError as e:
+            raise api_error(e) from None
+        return live
+
+    async def first_event(live: _Live) -> Event:
+        """Wait for the first event before answering: an error before any token is a status code."""
+        try:
+            ev = await live.next(watch_disconnect=True)
+        except BaseException:
+            live.close()
+            raise
+        if ev.error is not None:
+            live.close()
+            raise api_error(status_of(ev.error))
+        return ev
+
+    async def events(live: _Live, first: Event):
+        """The request's events, from the first one on; raises ApiError on a stream error."""
+        ev = first
+        while True:
+            if ev.error is not None:
+                raise api_error(status_of(ev.error))
+            yield ev
+            if ev.finish_reason is not None:
+                return
+            ev = await live.next(watch_disconnect=False)  # streamed: Starlette listens, and cancels us
+
+    def stream(live: _Live, first: Event, chunks, include_usage: bool, usage_chunk: Callable[[dict], dict]):
+        live.stop_watching()
+
+        async def body():
+            with _aborting(live):
+                usage = None
+                try:
+                    async for ev in events(live, first):
+                        for c in chunks(ev):
+                            if include_usage:
+                                c["usage"] = None
+                            yield _sse(c)
+                        usage = ev.usage if ev.finish_reason is not None else usage
+                except ApiError as e:
+                    yield _sse(e.body())
+                    yield SSE_DONE
+                    return
+                if include_usage:
+                    yield _sse(usage_chunk(_usage(usage)))
+                yield SSE_DONE
+
+        return _EventStream(live, body(), media_type="text/event-stream",
+                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def collect(live: _Live, first: Event) -> tuple[list[Event], Event]:
+        with _aborting(live):
+            out, ev = [first], first
+            while ev.finish_reason is None and ev.error is None:
+                try:
+                    ev = await live.next(watch_disconnect=True)
+                except ClientGone:
+                    log.info("http: %s: the client went away; request aborted", live.request.request_id)
+                    raise
+                out.append(ev)
+            if ev.error is not None:
+                raise api_error(status_of(ev.error))
+            return out, ev
+
+    # ---- /v1/completions ---------------------------------------------------------------
+    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    async def completions(body: CompletionBody, http_request: Request):
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
+            raise _invalid(f"logprobs must be in [0, {MAX_LOGPROBS}], got {body.logprobs}", "logprobs")
+        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        msg = _generate_request(body, rid, max_tokens)
+        p = body.prompt
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+            p = p[0]
+        if isinstance(p, str):
+            msg.prompt = p
+        elif isinstance(p, list) and all(isinstance(t, int) for t in p):
+            try:
+                msg.prompt_token_ids.extend(p)
+            except ValueError as e:
+                raise _invalid(f"prompt token ids: {e}", "prompt") from None
+        else:
+            raise _invalid("prompt must be one string or one list of token ids (batches are not supported)", "prompt")
+        if not p:
+            raise _invalid("the prompt is empty", "prompt")
+        live = await submit(body, msg, body.logprobs, False, http_request)
+        first = await first_event(live)
+        state = {"offset": 0}
+
+        def choice(ev: Event) -> dict:
+            lp = None
+            if body.logprobs is not None and ev.logprobs is not None:
+                lp, state["offset"] = _completion_logprobs(ev.logprobs, tok, state["offset"])
+            return {"index": 0, "text": ev.text, "logprobs": lp, "finish_reason": ev.finish_reason}
+
+        def envelope(choices: list, usage=None, chunk: bool = False) -> dict:
+            out = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": backend.model,
+                   "choices": choices, "system_fingerprint": None}
+            if not chunk or usage is not None:
+                out["usage"] = usage
+            return out
+
+        if body.stream:
+            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            return stream(live, first, lambda ev: [envelope([choice(ev)], chunk=True)], include_usage,
+                          lambda u: envelope([], u, chunk=True))
+        evs, last = await collect(live, first)
+        merged = [choice(ev) for ev in evs]
+        lp = None
+        if body.logprobs is not None and any(ev.logprobs is not None for ev in evs):
+            lp = {k: [x for c in merged if c["logprobs"] for x in c["logprobs"][k]]
+                  for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+        text = "".join(c["text"] for c in merged)
+        return envelope([{"index": 0, "text": text, "logprobs": lp, "finish_reason": last.finish_reason}],
+                        _usage(last.usage))
+
+    # ---- /v1/chat/completions ----------------------------------------------------------
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    async def chat_completions(body: ChatBody, http_request: Request):
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        logprobs = None
+        if body.top_logprobs is not None:
+            if not body.logprobs:
+                raise _invalid("top_logprobs needs logprobs: true", "top_logprobs")
+            if not 0 <= body.top_logprobs <= MAX_LOGPROBS:
+                raise _invalid(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {body.top_logprobs}", "top_logprobs")
+        if body.logprobs:
+            logprobs = body.top_logprobs or 0
+        if not body.messages:
+            raise _invalid("messages must hold at least one message", "messages")
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        msg = _generate_request(body, rid, 1 if max_tokens is None else max_tokens)
+        for i, m in enumerate(body.messages):
+            msg.messages.append(gateway_pb2.ChatMessage(role=m.role, content=_content(m, i)))
+        live = await submit(body, msg, logprobs, max_tokens is None, http_request)
+        first = await first_event(live)
+
+        def envelope(choices: list, usage=None, chunk: bool = False) -> dict:
+            out = {"id": rid, "object": "chat.completion.chunk" if chunk else "chat.completion",
+                   "created": int(time.time()), "model": backend.model, "choices": choices, "system_fingerprint": None}
+            if not chunk or usage is not None:
+                out["usage"] = usage
+            return out
+
+        def lp_of(ev: Event):
+            return _chat_logprobs(ev.logprobs, tok) if logprobs is not None and ev.logprobs is not None else None
+
+        if body.stream:
+            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            started = {"role": False}
+
+            def chunks(ev: Event) -> list[dict]:
+                out = []
+                if not started["role"]:
+                    started["role"] = True
+                    out.append(envelope([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                          "logprobs": None, "finish_reason": None}], chunk=True))
+                if ev.text or ev.token_ids:
+                    out.append(envelope([{"index": 0, "delta": {"content": ev.text}, "logprobs": lp_of(ev),
+                                          "finish_reason": None}], chunk=True))
+                if ev.finish_reason is not None:
+                    out.append(envelope([{"index": 0, "delta": {}, "logprobs": None,
+                                          "finish_reason": ev.finish_reason}], chunk=True))
+                return out
+
+            return stream(live, first, chunks, include_usage, lambda u: envelope([], u, chunk=True))
+        evs, last = await collect(live, first)
+        lp = None
+        if logprobs is not None and any(ev.logprobs is not None for ev in evs):
+            lp = {"content": [c for ev in evs if (x := lp_of(ev)) for c in x["content"]], "refusal": None}
+        message = {"role": "assistant", "content": "".join(ev.text for ev in evs), "refusal": None}
+        return envelope([{"index": 0, "message": message, "logprobs": lp, "finish_reason": last.finish_reason}],
+                        _usage(last.usage))
+
+    @app.exception_handler(ClientGone)
+    async def _gone(request: Request, e: ClientGone):
+        return Response(status_code=499)  # nobody reads it
+
+    return app
+
+
+# ---- the server -----------------------------------------------------------------------------
+class _Uvicorn(uvicorn.Server):
+    """uvicorn inside the gateway's loop: the gateway's own signal handling drains both servers."""
+
+    @contextmanager
+    def capture_signals(self):
+        yield
+
+
+class HttpServer:
+    def __init__(self, app: FastAPI, host: str, port: int, security: ServerSecurity | None = None):
+        self.app, self.host, self.port = app, host, port
+        self.security = security or ServerSecurity()
+        self.server: _Uvicorn | None = None
+        self.task: asyncio.Task | None = None
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.security.tls_cert else "http"
+
+    async def start(self) -> int:
+        family = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.host, self.port))
+        except OSError as e:
+            sock.close()
+            raise RuntimeError(f"http: cannot listen on {self.host}:{self.port} ({e.strerror}); is the port in use?") from None
+        sock.listen(2048)
+        sock.setblocking(False)
+        self.port = sock.getsockname()[1]
+        sec = self.security
+        kw = {}
+        if sec.tls_cert:
+            kw = dict(ssl_certfile=sec.tls_cert, ssl_keyfile=sec.tls_key)
+            if sec.tls_ca:
+                kw.update(ssl_ca_certs=sec.tls_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+        config = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=SHUTDOWN_GRACE_S, **kw)
+        if not log.isEnabledFor(logging.DEBUG):
+            logging.getLogger("uvicorn.error").setLevel(logging.WARNING)  # its start/stop lines: ours say it
+        self.server = _Uvicorn(config)
+        self.task = asyncio.ensure_future(self.server.serve(sockets=[sock]))
+        while not self.server.started:
+            if self.task.done():
+                exc = self.task.exception() if not self.task.cancelled() else None
+                raise RuntimeError(f"http: the server on {self.host}:{self.port} did not start: {exc!r}")
+            await asyncio.sleep(0.01)
+        auth = "bearer token" if sec.auth_token_file else "no token"
+        log.info("OpenAI-compatible HTTP API on %s://%s:%d/v1 (%s; /health, /metrics)", self.scheme, self.host,
+                 self.port, auth)
+        return self.port
+
+    async def stop(self) -> None:
+        if self.server is None or self.task is None:
+            return
+        self.server.should_exit = True
+        try:
+            await asyncio.wait_for(self.task, SHUTDOWN_GRACE_S + 5.0)
+        except (asyncio.TimeoutError, Exception) as e:  # noqa: BLE001: stopping anyway
+            log.warning("http: stopping: %r", e)
+            self.task.cancel()
+        log.info("http: stopped")
+
+
+def build_http_server(servicer: GatewayServicer, model: str, args, serving: Callable[[], bool]) -> HttpServer | None:
+    """The HTTP API the flags ask for (--http-port; 0 or unset = none), with the gRPC API's bearer
+    token and TLS certificate."""
+    port = getattr(args, "http_port", None)
+    if not port:
+        return None
+    security = ServerSecurity.from_args(args)
+    backend = HttpBackend(servicer, model, read_token(security.auth_token_file), serving,
+                          getattr(args, "max_request_bytes", None))
+    return HttpServer(create_app(backend), getattr(args, "http_host", None) or args.host, port, security)
+
+
+__all__ = ["ApiError", "HttpBackend", "HttpServer", "build_http_server", "create_app"]
