@@ -213,7 +213,9 @@ class _Tokens:
         return s
 
 
-def _completion_logprobs(lps: list[TokenLogprob], tok: _Tokens, offset: int) -> tuple[dict, int]:
+def _completion_logprobs(lps: list[TokenLogprob], tok: _Tokens, offset: int) -> dict:
+    """text_offset: where each token starts in the completion's text; exact at the first token of
+    each event (`offset`, the text streamed before it), then advanced by the tokens' own text."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for lp in lps:
         s = tok(lp.token_id)
@@ -222,7 +224,7 @@ def _completion_logprobs(lps: list[TokenLogprob], tok: _Tokens, offset: int) -> 
         out["top_logprobs"].append({tok(t): v for t, v in lp.top})
         out["text_offset"].append(offset)
         offset += len(s)
-    return out, offset
+    return out
 
 
 def _chat_logprobs(lps: list[TokenLogprob], tok: _Tokens) -> dict:
@@ -259,6 +261,7 @@ class _Live:
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.request = None
+        self.ignore_eos = False
         self.finished = False
         self._getter: asyncio.Future | None = None
         self._gone: asyncio.Future | None = None
@@ -447,6 +450,7 @@ def create_app(backend: HttpBackend) -> FastAPI:
             if logprobs is not None:
                 req = dataclasses.replace(req, logprobs=logprobs)
             live = _Live(scheduler, http_request)
+            live.ignore_eos = req.ignore_eos
             live.request = scheduler.submit(req, live.sink)
         except ServiceError as e:
             raise api_error(e) from None
@@ -464,13 +468,24 @@ def create_app(backend: HttpBackend) -> FastAPI:
             raise api_error(status_of(ev.error))
         return ev
 
+    eos_ids = frozenset(getattr(getattr(scheduler, "core", None), "eos_token_ids", ()))
+
+    def without_eos(ev: Event, ignore_eos: bool) -> Event:
+        """OpenAI's text never holds the end-of-sequence token's own text (`<|im_end|>`, `</s>`)."""
+        if ev.finish_reason == "stop" and ev.token_ids and ev.token_ids[-1] in eos_ids and not ignore_eos:
+            eos = tok(ev.token_ids[-1])
+            if eos and ev.text.endswith(eos):
+                ev = dataclasses.replace(ev, text=ev.text[:-len(eos)])
+        return ev
+
     async def events(live: _Live, first: Event):
         """The request's events, from the first one on; raises ApiError on a stream error."""
         ev = first
+        ignore_eos = live.ignore_eos
         while True:
             if ev.error is not None:
                 raise api_error(status_of(ev.error))
-            yield ev
+            yield without_eos(ev, ignore_eos)
             if ev.finish_reason is not None:
                 return
             ev = await live.next(watch_disconnect=False)  # streamed: Starlette listens, and cancels us
@@ -511,7 +526,8 @@ def create_app(backend: HttpBackend) -> FastAPI:
                 out.append(ev)
             if ev.error is not None:
                 raise api_error(status_of(ev.error))
-            return out, ev
+            out[-1] = without_eos(ev, live.ignore_eos)
+            return out, out[-1]
 
     # ---- /v1/completions ---------------------------------------------------------------
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
@@ -542,7 +558,8 @@ def create_app(backend: HttpBackend) -> FastAPI:
         def choice(ev: Event) -> dict:
             lp = None
             if body.logprobs is not None and ev.logprobs is not None:
-                lp, state["offset"] = _completion_logprobs(ev.logprobs, tok, state["offset"])
+                lp = _completion_logprobs(ev.logprobs, tok, state["offset"])
+            state["offset"] += len(ev.text)
             return {"index": 0, "text": ev.text, "logprobs": lp, "finish_reason": ev.finish_reason}
 
         def envelope(choices: list, usage=None, chunk: bool = False) -> dict:

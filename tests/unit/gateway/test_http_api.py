@@ -1,0 +1,215 @@
+"""gateway/http_api.py against a scripted scheduler (no model): the exact SSE bytes, the mapping of
+Event.logprobs to OpenAI's completions and chat shapes, what a request becomes (GenerationRequest
+fields, OpenAI's defaults), and errors raised mid-stream. The real server: tests/services/test_services_http.py."""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from gateway.http_api import HttpBackend, HttpServer, create_app
+from specsplit.request import Event, Limits, RequestError, TokenLogprob
+
+openai = pytest.importorskip("openai")
+
+MODEL = "tiny"
+
+
+class _Tok:
+    """Token i is the word "w<i>"; a chat turn is its role's word, then its words."""
+
+    def decode(self, ids):
+        return " ".join(f"w{i}" for i in ids)
+
+
+class _Scheduler:
+    """Emits each request's script: OUTPUT tokens in events of two, logprobs when asked; the
+    last one, 9, is the end-of-sequence token when `finish` is "stop"."""
+
+    OUTPUT = [5, 6, 7, 8, 9]
+
+    def __init__(self):
+        self.requests, self.aborted = [], []
+        self.fail_after: int | None = None
+        self.finish = "length"
+        self.core = type("Core", (), {"eos_token_ids": (9,)})()
+
+    def submit(self, req, sink):
+        self.requests.append(req)
+        threading.Thread(target=self._run, args=(req, sink), daemon=True).start()
+        return req
+
+    def _run(self, req, sink):
+        out = self.OUTPUT[: req.max_tokens]
+        for i in range(0, len(out), 2):
+            time.sleep(0.01)
+            if self.fail_after is not None and i >= self.fail_after:
+                sink(Event(error=RequestError(RequestError.UNAVAILABLE, "the verifier does not answer")))
+                return
+            ids = out[i:i + 2]
+            last = i + 2 >= len(out)
+            lps = None
+            if req.logprobs is not None:
+                lps = [TokenLogprob(t, -0.5 * t / 10, tuple((t + j, -0.5 * (t + j) / 10) for j in range(req.logprobs)))
+                       for t in ids]
+            text = " ".join(f"w{t}" for t in ids) + ("" if last else " ")
+            usage = {"prompt_tokens": len(req.prompt_token_ids), "completion_tokens": len(out)} if last else None
+            sink(Event(ids, text, self.finish if last else None, usage, logprobs=lps))
+
+    def abort(self, request, reason="cancelled"):
+        self.aborted.append(request)
+
+
+class _Servicer:
+    def __init__(self):
+        self.scheduler = _Scheduler()
+        self.tokenizer = _Tok()
+        self.limits = Limits(vocab_size=256, max_model_len=64)
+        self.draining = False
+
+    async def prompt_ids(self, msg):
+        if msg.prompt_token_ids:
+            return list(msg.prompt_token_ids)
+        if msg.prompt:
+            return [int(w[1:]) for w in msg.prompt.split()]
+        return [t for m in msg.messages for t in [2, *(int(w[1:]) for w in m.content.split())]] + [3]
+
+
+@pytest.fixture(scope="module")
+def server():
+    servicer = _Servicer()
+    http = HttpServer(create_app(HttpBackend(servicer, MODEL)), "127.0.0.1", 0)
+    loop = asyncio.new_event_loop()
+    started = threading.Event()
+
+    def run():
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(http.start())
+        started.set()
+        loop.run_forever()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    assert started.wait(10)
+    yield servicer, http
+    asyncio.run_coroutine_threadsafe(http.stop(), loop).result(15)
+    loop.call_soon_threadsafe(loop.stop)
+    t.join(5)
+
+
+def _client(http):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{http.port}/v1", api_key="x", max_retries=0, timeout=10)
+
+
+def _post_raw(http, path: str, body: dict) -> bytes:
+    req = urllib.request.Request(f"http://127.0.0.1:{http.port}{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        return r.read()
+
+
+def test_defaults_follow_openai(server):
+    servicer, http = server
+    _client(http).completions.create(model=MODEL, prompt="w1 w2")
+    req = servicer.scheduler.requests[-1]
+    assert req.max_tokens == 16 and req.params.temperature == 1.0 and req.params.top_p == 1.0
+    assert req.params.seed is None and req.logprobs is None and req.prompt_token_ids == (1, 2)
+    _client(http).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w4"}], seed=-1,
+                                          temperature=0.7, top_p=0.9, stop="w9", extra_body={"top_k": 5})
+    req = servicer.scheduler.requests[-1]
+    assert req.prompt_token_ids == (2, 4, 3) and req.max_tokens == 64 - 3  # chat: the rest of the context
+    assert (req.params.temperature, req.params.top_p, req.params.top_k) == (0.7, 0.9, 5)
+    assert req.params.seed == 2**64 - 1 and req.stop == ("w9",)
+
+
+def test_sse_bytes_are_openai_s(server):
+    _, http = server
+    raw = _post_raw(http, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "w1"}],
+                                                    "max_tokens": 3, "stream": True,
+                                                    "stream_options": {"include_usage": True}})
+    frames = raw.split(b"\n\n")
+    assert frames[-1] == b"" and frames[-2] == b"data: [DONE]"
+    chunks = [json.loads(f[len(b"data: "):]) for f in frames[:-2]]
+    assert all(f.startswith(b"data: ") for f in frames[:-1])
+    assert [c["choices"][0]["delta"] if c["choices"] else None for c in chunks] == [
+        {"role": "assistant", "content": ""}, {"content": "w5 w6 "}, {"content": "w7"}, {}, None]
+    assert [c["choices"][0]["finish_reason"] if c["choices"] else "-" for c in chunks] == [None, None, None, "length", "-"]
+    assert all(c["object"] == "chat.completion.chunk" and c["model"] == MODEL for c in chunks)
+    assert all(c["usage"] is None for c in chunks[:-1])
+    assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+
+
+def test_completion_logprobs_shape(server):
+    _, http = server
+    res = _client(http).completions.create(model=MODEL, prompt="w1", max_tokens=3, logprobs=2)
+    lp = res.choices[0].logprobs
+    assert lp.tokens == ["w5", "w6", "w7"]
+    assert lp.token_logprobs == [-0.25, -0.3, -0.35]
+    assert lp.top_logprobs == [{"w5": -0.25, "w6": -0.3}, {"w6": -0.3, "w7": -0.35}, {"w7": -0.35, "w8": -0.4}]
+    assert lp.text_offset == [0, 2, 6]  # exact at each event's first token ("w5 w6 ", "w7")
+    streamed = list(_client(http).completions.create(model=MODEL, prompt="w1", max_tokens=3, logprobs=2, stream=True))
+    assert [t for c in streamed for t in c.choices[0].logprobs.tokens] == lp.tokens
+    assert [o for c in streamed for o in c.choices[0].logprobs.text_offset] == lp.text_offset
+
+
+def test_chat_logprobs_shape(server):
+    _, http = server
+    res = _client(http).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w1"}],
+                                                max_tokens=2, logprobs=True, top_logprobs=1)
+    content = res.choices[0].logprobs.content
+    assert [(c.token, c.logprob, c.bytes) for c in content] == [("w5", -0.25, [119, 53]), ("w6", -0.3, [119, 54])]
+    assert [[(t.token, t.logprob) for t in c.top_logprobs] for c in content] == [[("w5", -0.25)], [("w6", -0.3)]]
+    plain = _client(http).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w1"}], max_tokens=2)
+    assert plain.choices[0].logprobs is None
+
+
+def test_an_error_before_any_token_is_a_status_and_mid_stream_an_error_event(server):
+    servicer, http = server
+    servicer.scheduler.fail_after = 0
+    try:
+        with pytest.raises(openai.InternalServerError) as err:
+            _client(http).completions.create(model=MODEL, prompt="w1", max_tokens=5, stream=True)
+        assert err.value.status_code == 503 and "verifier" in err.value.body["message"]
+        servicer.scheduler.fail_after = 2
+        raw = _post_raw(http, "/v1/completions", {"model": MODEL, "prompt": "w1", "max_tokens": 5, "stream": True})
+        frames = raw.split(b"\n\n")
+        assert json.loads(frames[-3][6:])["error"]["code"] == "service_unavailable"
+        assert frames[-2] == b"data: [DONE]"
+    finally:
+        servicer.scheduler.fail_after = None
+
+
+def test_draining_refuses_with_503(server):
+    servicer, http = server
+    servicer.draining = True
+    try:
+        with pytest.raises(openai.InternalServerError) as err:
+            _client(http).completions.create(model=MODEL, prompt="w1", max_tokens=2)
+        assert err.value.status_code == 503
+        with urllib.request.urlopen(f"http://127.0.0.1:{http.port}/health", timeout=5) as r:
+            pytest.fail(f"/health answered {r.status} while draining")
+    except urllib.error.HTTPError as e:
+        assert e.code == 503
+    finally:
+        servicer.draining = False
+
+
+def test_the_eos_token_s_text_is_not_content(server):
+    servicer, http = server
+    servicer.scheduler.finish = "stop"
+    try:
+        kw = dict(model=MODEL, messages=[{"role": "user", "content": "w1"}], max_tokens=5)
+        full = _client(http).chat.completions.create(**kw)
+        assert full.choices[0].message.content == "w5 w6 w7 w8 " and full.choices[0].finish_reason == "stop"
+        streamed = list(_client(http).chat.completions.create(**kw, stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in streamed) == "w5 w6 w7 w8 "
+        kept = _client(http).completions.create(model=MODEL, prompt="w1", max_tokens=5, extra_body={"ignore_eos": True})
+        assert kept.choices[0].text == "w5 w6 w7 w8 w9"  # ignore_eos: 9 is an ordinary token
+    finally:
+        servicer.scheduler.finish = "length"
