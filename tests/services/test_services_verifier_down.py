@@ -130,11 +130,25 @@ def test_sigterm_drains(small_stack, prompts):
         except grpc.RpcError as e:
             result["error"] = e
 
+    def run_http():  # queued behind the two gRPC streams (max_num_seqs 2) when the signal comes
+        model = _http(small_stack, "/v1/models")[1]["data"][0]["id"]
+        body = {"model": model, "prompt": list(prompts[12]), "max_tokens": 50, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        req = urllib.request.Request(f"http://127.0.0.1:{small_stack.http_port}/v1/completions",
+                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                result["http"] = r.read()
+        except Exception as e:  # noqa: BLE001: reported by the assertion below
+            result["http"] = repr(e).encode()
+
     ch, call = _stream(small_stack.gateway, request(prompts[10], max_tokens=200, ignore_eos=True))
     next(call)  # live before the signal
     t = threading.Thread(target=run)
     t.start()
-    time.sleep(0.2)
+    t_http = threading.Thread(target=run_http)
+    t_http.start()
+    time.sleep(0.3)
     gw.proc.send_signal(15)
     assert wait_for(lambda: health(gw.address) != "SERVING", timeout=5, poll=0.05) is not None
     with pytest.raises(grpc.RpcError) as err:
@@ -153,5 +167,7 @@ def test_sigterm_drains(small_stack, prompts):
     t.join(60)
     assert "out" in result, result.get("error")
     assert result["out"]["finish_reason"] == "length"
+    t_http.join(60)  # the HTTP stream, admitted during the drain, finishes too
+    assert result["http"].endswith(b"data: [DONE]\n\n") and b'"finish_reason":"length"' in result["http"], result["http"][-300:]
     assert gw.proc.wait(30) == 0
     assert small_stack["verifier"].stop() == 0
