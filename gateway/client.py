@@ -1,14 +1,14 @@
 """`specsplit generate --server HOST:PORT`: stream one generation from a gateway.
 
 Prints text as it arrives (and a summary line on stderr), or with --json the same object as the
-local mode: token_ids, text, finish_reason, usage.
+local mode: token_ids, text, finish_reason, usage (and logprobs with --logprobs N).
 """
 from __future__ import annotations
 
 import json
 import sys
 import time
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import grpc
 
@@ -35,6 +35,8 @@ def request_from_args(args) -> gateway_pb2.GenerateRequest:
         req.prompt = args.prompt
     if args.seed is not None:
         req.seed = args.seed
+    if getattr(args, "logprobs", None) is not None:
+        req.logprobs = args.logprobs
     for s in getattr(args, "stop", None) or []:
         req.stop.append(s)
     k = args.num_speculative_tokens
@@ -55,14 +57,24 @@ def stream(address: str, request: gateway_pb2.GenerateRequest, timeout: float | 
         yield from stub.Generate(request, timeout=timeout, wait_for_ready=False)
 
 
+def logprobs_json(lps: Sequence) -> list[dict]:
+    """TokenLogprobs -> JSON: [{token_id, logprob, top: [{token_id, logprob}, ...]}, ...]."""
+    return [{"token_id": t.token_id, "logprob": t.logprob,
+             "top": [{"token_id": i, "logprob": v} for i, v in t.top]} for t in lps]
+
+
 def collect(responses) -> dict:
-    """Responses -> the local mode's JSON object."""
+    """Responses -> the local mode's JSON object (logprobs only when the request asked)."""
+    from rpc.wire import logprobs_from_pb
+
     ids: list[int] = []
     text: list[str] = []
+    lps: list = []
     finish, usage = None, None
     for r in responses:
         ids.extend(r.token_ids)
         text.append(r.text)
+        lps.extend(logprobs_from_pb(r.logprobs))
         if r.finish_reason:
             finish = r.finish_reason
             usage = {
@@ -72,7 +84,10 @@ def collect(responses) -> dict:
                 "accepted_draft_tokens": r.usage.accepted_draft_tokens,
                 "accepted_per_position": list(r.usage.accepted_per_position),
             }
-    return {"token_ids": ids, "text": "".join(text), "finish_reason": finish, "usage": usage}
+    out = {"token_ids": ids, "text": "".join(text), "finish_reason": finish, "usage": usage}
+    if lps:
+        out["logprobs"] = logprobs_json(lps)
+    return out
 
 
 def generate_over_grpc(args) -> int:

@@ -23,7 +23,7 @@ import numpy as np
 
 from gateway.scheduler import Event, GatewayScheduler, status_of
 from protos.specsplit.v1 import gateway_pb2, gateway_pb2_grpc
-from rpc.wire import ServiceError
+from rpc.wire import ServiceError, logprobs_to_pb
 from specsplit.request import MAX_REQUEST_ID_BYTES, GenerationRequest, Limits, RequestError, validate
 from specsplit.sampling.params import SamplingParams
 
@@ -132,6 +132,7 @@ def build_request(msg: gateway_pb2.GenerateRequest, ids: list[int]) -> Generatio
         num_speculative_tokens=int(msg.speculation.num_speculative_tokens),
         disable_speculation=msg.speculation.disable,
         stop=tuple(msg.stop),
+        logprobs=int(msg.logprobs) if msg.HasField("logprobs") else None,
     )
 
 
@@ -151,7 +152,10 @@ def request_from_pb(msg: gateway_pb2.GenerateRequest, encode: Callable[[gateway_
 
 
 def response_pb(ev: Event) -> gateway_pb2.GenerateResponse:
-    msg = gateway_pb2.GenerateResponse(token_ids=ev.token_ids, text=ev.text, finish_reason=ev.finish_reason or "")
+    msg = gateway_pb2.GenerateResponse(token_ids=ev.token_ids, text=ev.text, finish_reason=ev.finish_reason or "",
+                                       proposed_draft_tokens=ev.proposed, accepted_draft_tokens=ev.accepted)
+    if ev.logprobs:
+        msg.logprobs.extend(logprobs_to_pb(ev.logprobs))
     if ev.usage is not None:
         msg.usage.CopyFrom(gateway_pb2.Usage(**ev.usage))
     return msg

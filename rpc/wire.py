@@ -15,7 +15,8 @@ import torch
 from protos.specsplit.v1 import common_pb2, drafter_pb2, verifier_pb2
 from specsplit.kv.block_manager import OutOfBlocks
 from specsplit.engine import EngineError
-from specsplit.protocols import Proposal, ProposeRequest, QRow, RowRequest, SeqAdd, VerifyRequest, VerifyResult
+from specsplit.protocols import (Proposal, ProposeRequest, QRow, RowRequest, SeqAdd, TokenLogprob, VerifyRequest,
+                                 VerifyResult)
 from specsplit.sampling.params import SamplingParams
 
 
@@ -80,13 +81,27 @@ def params_from_pb(m: common_pb2.SamplingParams) -> SamplingParams:
 
 def seq_adds_to_pb(seqs: Sequence[SeqAdd]) -> common_pb2.AddSeqs:
     return common_pb2.AddSeqs(seqs=[
-        common_pb2.SeqAdd(seq_id=s.seq_id, prompt_token_ids=s.prompt_token_ids, params=params_to_pb(s.params))
+        common_pb2.SeqAdd(seq_id=s.seq_id, prompt_token_ids=s.prompt_token_ids, params=params_to_pb(s.params),
+                          logprobs=s.logprobs)  # None: the optional field stays unset
         for s in seqs
     ])
 
 
 def seq_adds_from_pb(m: common_pb2.AddSeqs, rename=lambda s: s) -> list[SeqAdd]:
-    return [SeqAdd(rename(s.seq_id), tuple(s.prompt_token_ids), params_from_pb(s.params)) for s in m.seqs]
+    return [SeqAdd(rename(s.seq_id), tuple(s.prompt_token_ids), params_from_pb(s.params),
+                   int(s.logprobs) if s.HasField("logprobs") else None) for s in m.seqs]
+
+
+# ---- log-probabilities (also the public API's GenerateResponse.logprobs) ------------------------
+def logprobs_to_pb(lps: Sequence[TokenLogprob]) -> list[common_pb2.TokenLogprob]:
+    return [common_pb2.TokenLogprob(token_id=t.token_id, logprob=t.logprob,
+                                    top=[common_pb2.TopLogprob(token_id=i, logprob=v) for i, v in t.top])
+            for t in lps]
+
+
+def logprobs_from_pb(msgs) -> tuple[TokenLogprob, ...]:
+    return tuple(TokenLogprob(int(m.token_id), float(m.logprob), tuple((int(a.token_id), float(a.logprob)) for a in m.top))
+                 for m in msgs)
 
 
 # ---- probabilities ---------------------------------------------------------------------------
@@ -213,6 +228,8 @@ def results_to_pb(results: Sequence[VerifyResult], rename=lambda s: s) -> verifi
         msg = verifier_pb2.VerifyResult(seq_id=rename(r.seq_id), num_accepted=r.num_accepted, token_ids=r.token_ids)
         if r.pending_position is not None:
             msg.pending_position = r.pending_position
+        if r.logprobs:
+            msg.logprobs.extend(logprobs_to_pb(r.logprobs))
         out.append(msg)
     return verifier_pb2.VerifyResults(results=out)
 
@@ -222,6 +239,7 @@ def results_from_pb(m: verifier_pb2.VerifyResults) -> list[VerifyResult]:
         VerifyResult(
             r.seq_id, int(r.num_accepted), tuple(r.token_ids),
             int(r.pending_position) if r.HasField("pending_position") else None,
+            logprobs_from_pb(r.logprobs) if len(r.logprobs) else None,
         )
         for r in m.results
     ]

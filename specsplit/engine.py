@@ -8,7 +8,7 @@ until the step that made them finishes. Nothing else survives a step.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Sequence
 
 import torch
@@ -25,6 +25,7 @@ from specsplit.protocols import (
     VerifyResult,
 )
 from specsplit.sampling.coupled import coupled_sample
+from specsplit.sampling.logprobs import MAX_LOGPROBS, seq_logprobs
 from specsplit.sampling.ngram import ngram_propose
 from specsplit.sampling.params import SamplingParams
 from specsplit.sampling.probs import logits_to_probs, sampling_tensors
@@ -52,6 +53,8 @@ class _Seq:
     pending_drafts: list[int] = field(default_factory=list)  # verifier, pending: those drafts
     pending_u: float = 0.0  # verifier, pending: the step's final uniform
     undo: tuple[int, int] | None = None  # verifier: (len(tokens), num_computed) before the last verify
+    logprobs: int | None = None  # verifier: alternatives per emitted token (None: no logprobs)
+    pending_logits: torch.Tensor | None = None  # verifier, pending + logprobs: [n+1, V] target logits
 
 
 def _probs(logits: list[torch.Tensor], params: Sequence[SamplingParams]) -> list[torch.Tensor]:
@@ -110,13 +113,16 @@ class _EngineBase:
                 s.params.validate()
             except ValueError as e:
                 raise EngineError(f"sequence {s.seq_id!r}: {e}") from None
+            if s.logprobs is not None and not 0 <= s.logprobs <= MAX_LOGPROBS:
+                raise EngineError(f"sequence {s.seq_id!r}: logprobs must be in [0, {MAX_LOGPROBS}], got {s.logprobs}")
         added: list[str] = []
         try:
             for s in seqs:
                 self.block_manager.allocate(s.seq_id, len(s.prompt_token_ids))
                 added.append(s.seq_id)
                 self.seqs[s.seq_id] = _Seq(
-                    tokens=list(s.prompt_token_ids), params=s.params, rng=SeqRandom(s.params.seed, self.side)
+                    tokens=list(s.prompt_token_ids), params=s.params, rng=SeqRandom(s.params.seed, self.side),
+                    logprobs=s.logprobs,
                 )
         except OutOfBlocks:
             self.release(added)
@@ -189,7 +195,28 @@ class TargetEngine(_EngineBase):
             self._verify_greedy(greedy, reqs, seqs, logits, results)
         if sampled:
             self._verify_sampled(sampled, reqs, seqs, logits, results)
+        asked = [i for i, s in enumerate(seqs) if s.logprobs is not None]
+        if asked:
+            self._add_logprobs(asked, seqs, logits, results)
         return results  # type: ignore[return-value]
+
+    def _add_logprobs(self, idx, seqs, logits, results) -> None:
+        """Logprobs of the emitted tokens from the rows this verify already has: row j of a
+        sequence's [k+1, V] logits scored the token emitted at position j. A pending sequence keeps
+        its rows through the rejection for resolve, which emits the recovered token."""
+        done = []
+        for i in idx:
+            res = results[i]
+            if res.pending_position is not None:
+                seqs[i].pending_logits = logits[i][: res.pending_position + 1].clone()  # [n+1, V]
+            else:
+                done.append(i)
+        if not done:
+            return
+        lps = seq_logprobs([logits[i][: len(results[i].token_ids)] for i in done],  # per seq [n+1, V]
+                           [results[i].token_ids for i in done], [seqs[i].logprobs for i in done])
+        for i, lp in zip(done, lps):
+            results[i] = replace(results[i], logprobs=lp)
 
     def _padded_drafts(self, idx: list[int], reqs: Sequence[VerifyRequest]) -> tuple[torch.Tensor, torch.Tensor, int]:
         k_max = max(len(reqs[i].draft_token_ids) for i in idx)
@@ -283,6 +310,13 @@ class TargetEngine(_EngineBase):
             s.p_row = None
             s.pending_drafts = []
             out.append(self._commit(r.seq_id, s, n, emitted))
+        asked = [j for j, s in enumerate(seqs) if s.pending_logits is not None]
+        if asked:
+            lps = seq_logprobs([seqs[j].pending_logits for j in asked], [out[j].token_ids for j in asked],
+                               [seqs[j].logprobs for j in asked])
+            for j, lp in zip(asked, lps):
+                seqs[j].pending_logits = None
+                out[j] = replace(out[j], logprobs=lp)
         return out
 
     def abandon(self, seq_ids: Sequence[str]) -> None:
@@ -298,6 +332,7 @@ class TargetEngine(_EngineBase):
             del s.tokens[length:]
             s.num_computed = num_computed
             s.p_row, s.pending_drafts, s.pending_accepted, s.undo = None, [], 0, None
+            s.pending_logits = None
             self.runner.truncate(seq_id, num_computed)
 
     def _commit(self, seq_id: str, s: _Seq, num_accepted: int, emitted: list[int]) -> VerifyResult:

@@ -31,6 +31,20 @@ class SeqAdd:
     seq_id: str
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams = SamplingParams()
+    # None: no log-probabilities. n (0..20): the verifier returns, for each token it emits for this
+    # sequence, its log-probability under the target and the n most likely alternatives.
+    logprobs: int | None = None
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One emitted token's log-probability under the target (log_softmax of the target's fp32
+    logits at that position, before temperature / top-k / top-p), and the `n` most likely tokens
+    there with theirs, most likely first. (specsplit.request re-exports it: the API's name.)"""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # ((token_id, logprob), ...), len n
 
 
 @dataclass(frozen=True)
@@ -66,6 +80,8 @@ class VerifyResult:
     num_accepted: int  # draft tokens accepted
     token_ids: tuple[int, ...]  # emitted: accepted drafts + one bonus/recovered (empty if pending)
     pending_position: int | None = None  # sampling: first rejected position, awaiting q row
+    # One per token in token_ids when the sequence asked for logprobs (SeqAdd.logprobs); else None.
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass

@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 from specsplit.detokenizer import TextStream
-from specsplit.protocols import SeqAdd
+from specsplit.protocols import SeqAdd, TokenLogprob  # TokenLogprob: defined beside VerifyResult, named here
+from specsplit.sampling.logprobs import MAX_LOGPROBS
 from specsplit.sampling.params import SamplingParams
 
 MAX_REQUEST_ID_BYTES = 128
 MAX_SPECULATIVE_TOKENS = 32
 MAX_STOP_STRINGS = 16
-MAX_LOGPROBS = 20
 
 
 class RequestError(Exception):
@@ -105,6 +105,9 @@ def validate(req: GenerationRequest, limits: Limits | None) -> None:
         raise invalid(f"speculation.num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], got {k}")
     if len(req.stop) > MAX_STOP_STRINGS or any(not s for s in req.stop):
         raise invalid(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings")
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+        raise invalid(f"logprobs must be in [0, {MAX_LOGPROBS}] (alternatives per token; unset = no "
+                      f"log-probabilities), got {req.logprobs}")
     if limits is None:
         return
     bad = [i for i in req.prompt_token_ids if not 0 <= i < limits.vocab_size]
@@ -116,17 +119,6 @@ def validate(req: GenerationRequest, limits: Limits | None) -> None:
             f"prompt ({n} tokens) + max_tokens ({req.max_tokens}) = {n + req.max_tokens} "
             f"exceeds max_model_len {limits.max_model_len}; shorten the prompt or lower max_tokens"
         )
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """One emitted token's log-probability under the target (log_softmax of the target's fp32
-    logits at that position, before temperature / top-k / top-p), and the `n` most likely tokens
-    there with theirs, most likely first."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()  # ((token_id, logprob), ...), len n
 
 
 @dataclass
@@ -162,6 +154,9 @@ class Request:
         self.proposed = 0
         self.accepted = 0
         self.accepted_per_position: list[int] = []  # steps that accepted draft j
+        # One per token in output when the request asked for logprobs (None otherwise).
+        self.logprobs: list[TokenLogprob] | None = [] if request.logprobs is not None else None
+        self._sent = (0, 0, 0)  # (logprobs, proposed, accepted) already streamed
         self.speculative_steps = 0  # steps that verified at least one draft token
         self.preemptions = 0
         self.closed = False
@@ -191,7 +186,8 @@ class Request:
 
     def seq_add(self) -> SeqAdd:
         """The engines' view: on resume after a preemption, the prompt is prompt + output."""
-        return SeqAdd(self.seq_id, tuple(self.request.prompt_token_ids) + tuple(self.output), self.request.params)
+        return SeqAdd(self.seq_id, tuple(self.request.prompt_token_ids) + tuple(self.output), self.request.params,
+                      self.request.logprobs)
 
     def usage(self) -> dict:
         return {
@@ -203,15 +199,19 @@ class Request:
         }
 
     # ---- the step thread ----------------------------------------------------------------
-    def take(self, tokens: Iterable[int], eos_ids: Iterable[int]) -> list[int]:
-        """Append a step's tokens up to max_tokens, EOS or a stop string; returns those kept."""
+    def take(self, tokens: Iterable[int], eos_ids: Iterable[int],
+             logprobs: Sequence[TokenLogprob] | None = None) -> list[int]:
+        """Append a step's tokens up to max_tokens, EOS or a stop string; returns those kept.
+        logprobs: one per token when the request asked for them; cut where the tokens are."""
         eos = set() if self.request.ignore_eos else set(eos_ids)
         kept: list[int] = []
-        for t in tokens:
+        for j, t in enumerate(tokens):
             if self.budget <= 0 or self.finished:
                 break
             kept.append(t)
             self.output.append(t)
+            if self.logprobs is not None and logprobs is not None:
+                self.logprobs.append(logprobs[j])
             if self.text is not None:
                 self.text.add(t)
                 if self.text.stopped:
@@ -234,12 +234,24 @@ class Request:
             for j in range(accepted):
                 per_pos[j] += 1
 
+    def _event(self, tokens: list[int], text: str, **kw) -> Event:
+        """An event for `tokens` (the newest kept ones): their logprobs and the drafts proposed and
+        accepted since the last event, so that the events' counts add up to usage. Under _lock."""
+        lp, proposed, accepted = self._sent
+        logprobs = None
+        if self.logprobs is not None:
+            logprobs = self.logprobs[lp: lp + len(tokens)]
+            lp += len(logprobs)
+        self._sent = (lp, self.proposed, self.accepted)
+        return Event(tokens, text, logprobs=logprobs, proposed=self.proposed - proposed,
+                     accepted=self.accepted - accepted, **kw)
+
     def emit(self, kept: list[int]) -> None:
         """Stream this step's kept tokens (nothing once the request is closed)."""
         with self._lock:
             if self.closed or self.sink is None:
                 return
-            self.sink(Event(list(kept), self.text.take() if self.text is not None else ""))
+            self.sink(self._event(list(kept), self.text.take() if self.text is not None else ""))
 
     # ---- any thread ---------------------------------------------------------------------
     def finish(self, reason: str | None = None, tokens: list[int] | None = None,
@@ -256,7 +268,7 @@ class Request:
             else:
                 self.finish_reason = self.finish_reason or reason
                 text = self.text.take(final=True) if self.text is not None else ""
-                ev = Event(list(tokens or []), text, self.finish_reason, self.usage())
+                ev = self._event(list(tokens or []), text, finish_reason=self.finish_reason, usage=self.usage())
             if self.sink is not None:
                 self.sink(ev)
             return True

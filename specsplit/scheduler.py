@@ -214,7 +214,15 @@ class Scheduler:
             if req.closed:  # aborted while the step ran
                 done.append(sid)
                 continue
-            kept = req.take(tokens, self.eos_token_ids)
+            logprobs = out.logprobs.get(sid)
+            if req.logprobs is not None and tokens and (logprobs is None or len(logprobs) != len(tokens)):
+                # Asked for, not given: a verifier older than the logprobs field (it ignores it).
+                done.append(sid)
+                self._finish(req, error=RequestError(
+                    "unimplemented", "the verifier returned no logprobs for this request (a verifier service "
+                    "older than GenerateRequest.logprobs?); upgrade it or send the request without logprobs"))
+                continue
+            kept = req.take(tokens, self.eos_token_ids, logprobs)
             self.observer.on_tokens(req, kept)
             events.append((req, kept))
             if req.finished:

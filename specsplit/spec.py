@@ -33,6 +33,7 @@ from specsplit.protocols import (
     RowRequest,
     SeqAdd,
     StepStats,
+    TokenLogprob,
     Verifier,
     VerifyRequest,
     VerifyResult,
@@ -58,6 +59,8 @@ class StepOutput:
     speculated: bool
     drafts: dict[str, tuple[int, int]] = field(default_factory=dict)  # seq_id -> (proposed, accepted)
     k: int = 0  # drafts asked per sequence this step (the K policy's choice, or the fixed K)
+    # seq_id -> one TokenLogprob per token in tokens[seq_id], for the sequences that asked
+    logprobs: dict[str, tuple[TokenLogprob, ...]] = field(default_factory=dict)
 
 
 class SpecDecoder:
@@ -159,12 +162,15 @@ class SpecDecoder:
 
         out: dict[str, list[int]] = {}
         drafts: dict[str, tuple[int, int]] = {}
+        logprobs: dict[str, tuple[TokenLogprob, ...]] = {}
         k_max = max((len(r.draft_token_ids) for r in reqs), default=0)
         stats.accepted_per_position = [0] * k_max
         for req, res in zip(reqs, results):
             track = self.tracks[res.seq_id]
             emitted = list(res.token_ids)
             out[res.seq_id] = emitted
+            if res.logprobs is not None:
+                logprobs[res.seq_id] = res.logprobs
             track.tokens.extend(emitted)
             if track.on_drafter:
                 track.unsent.extend(emitted)
@@ -175,7 +181,7 @@ class SpecDecoder:
             stats.accepted += res.num_accepted
             for j in range(res.num_accepted):
                 stats.accepted_per_position[j] += 1
-        return StepOutput(out, stats, speculate, drafts, k_step if speculate else 0)
+        return StepOutput(out, stats, speculate, drafts, k_step if speculate else 0, logprobs)
 
     def _choose_k(self, ids: list[str]) -> tuple[int, str | None]:
         """The K of this step (the policy's over the sequences that speculate, else the fixed K),

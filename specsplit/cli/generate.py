@@ -26,6 +26,9 @@ def add_arguments(p, name: str) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to the prompt")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.add_argument("--logprobs", type=nonneg_int, default=None, metavar="N",
+                   help="with --json: each token's log-probability under the target and the N (0..20) most "
+                        "likely alternatives at its position")
     p.add_argument("--timeout", type=float, default=None, help="--server: deadline in seconds")
     add_engine_flags(p)
     add_deterministic_flag(p)
@@ -42,6 +45,10 @@ def validate(args) -> None:
     ClientSecurity.from_args(args).validate()
     if args.prompt is None and args.prompt_token_ids is None:
         raise ValueError("give a PROMPT or --prompt-token-ids")
+    from specsplit.request import MAX_LOGPROBS
+
+    if args.logprobs is not None and args.logprobs > MAX_LOGPROBS:
+        raise ValueError(f"--logprobs must be in [0, {MAX_LOGPROBS}], got {args.logprobs}")
     if args.prompt_token_ids is not None:
         ids = parse_ids(args.prompt_token_ids)
         if not ids:
@@ -95,7 +102,7 @@ def run_local(args) -> int:
     load_s = time.perf_counter() - t0
     ids = _prompt_ids(args, colo.tokenizer)
     params = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
-    request = GenerationRequest("cli", tuple(ids), args.max_tokens, params, args.ignore_eos)
+    request = GenerationRequest("cli", tuple(ids), args.max_tokens, params, args.ignore_eos, logprobs=args.logprobs)
     # The same Scheduler as the gateway's: it validates the request (vocabulary, max_model_len, the
     # KV cache) and runs it.
     gen = Scheduler(colo.decoder, colo.eos_token_ids, max_num_seqs=1)
@@ -114,6 +121,10 @@ def run_local(args) -> int:
         "finish_reason": state.finish_reason,
         "usage": state.usage(),  # the same dict the gateway streams as Usage
     }
+    if state.logprobs is not None:
+        from gateway.client import logprobs_json
+
+        result["logprobs"] = logprobs_json(state.logprobs)
     if args.json:
         print(json.dumps(result))
     else:

@@ -105,6 +105,30 @@ def test_cli_generate_ngram_reports_drafts(hf_reference, hf_logits, prompt_ids):
     assert 0 <= result["usage"]["accepted_draft_tokens"] <= result["usage"]["proposed_draft_tokens"]
 
 
+def test_cli_generate_logprobs_equal_the_targets_log_softmax(hf_model, prompt_ids):
+    """`--logprobs 3 --json` with n-gram speculation: one entry per token, log_softmax of the
+    target's fp32 logits (transformers, target-only, 1e-4), the 3 best most likely first."""
+    n_new = 16
+    proc = subprocess.run(
+        [sys.executable, "-m", "specsplit.cli", "generate", "--target", "smollm2-135m", "--draft", "ngram",
+         "--max-tokens", str(n_new), "--ignore-eos", "--max-model-len", "256", "--threads", "1", "--json",
+         "--logprobs", "3", PROMPTS[2]],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    ids, prompt = result["token_ids"], prompt_ids[PROMPTS[2]]
+    assert len(result["logprobs"]) == len(ids) == n_new
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([list(prompt) + ids])).logits[0].float()
+    ref = torch.log_softmax(logits[len(prompt) - 1: len(prompt) + n_new - 1], dim=-1)  # [n_new, V]
+    for j, (t, lp) in enumerate(zip(ids, result["logprobs"])):
+        assert lp["token_id"] == t and abs(lp["logprob"] - float(ref[j, t])) < 1e-4, j
+        assert len(lp["top"]) == 3
+        for alt, best in zip(lp["top"], ref[j].topk(3).values.tolist()):
+            assert abs(alt["logprob"] - float(ref[j, alt["token_id"]])) < 1e-4 and abs(alt["logprob"] - best) < 1e-4
+
+
 @pytest.mark.parametrize("draft", ["ngram", "model"])
 def test_speculative_greedy_equals_target_only(target_only, hf_reference, hf_logits, prompt_ids, draft):
     if draft == "model":
@@ -126,6 +150,7 @@ def test_bad_inputs_exit_nonzero_with_one_line():
         (["--target", "no-such-model", "hi"], "unknown model"),
         (["--prompt-token-ids", "1,99999999", "--max-model-len", "256"], "outside the vocabulary"),
         (["--prompt-token-ids", "1,2,3", "--max-tokens", "300", "--max-model-len", "256"], "exceeds --max-model-len"),
+        (["--prompt-token-ids", "1,2,3", "--logprobs", "21"], "--logprobs must be in [0, 20]"),
     ]
     for extra, needle in cases:
         proc = subprocess.run([sys.executable, "-m", "specsplit.cli", "generate", "--json", "--threads", "1", *extra],

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from specsplit.request import GenerationRequest, Limits, Request, RequestError, validate
+from specsplit.request import GenerationRequest, Limits, Request, RequestError, TokenLogprob, validate
 from specsplit.sampling.params import SamplingParams
 
 LIMITS = Limits(vocab_size=100, max_model_len=64)
@@ -27,6 +27,8 @@ def _words(ids):
     (dict(params=SamplingParams(top_p=1.5)), "no nucleus filtering"),
     (dict(num_speculative_tokens=33), "num_speculative_tokens"),
     (dict(stop=("",)), "stop"),
+    (dict(logprobs=21), "logprobs must be in [0, 20]"),
+    (dict(logprobs=-1), "logprobs must be in [0, 20]"),
 ])
 def test_validation_is_one_function(kw, message):
     base = dict(request_id="r", prompt_token_ids=(1, 2, 3), max_tokens=4)
@@ -77,3 +79,65 @@ def test_finish_wins_once_across_threads():
         t.join()
     req.emit([3])  # after the end: dropped
     assert wins.count(True) == 1 and len(events) == 1 and events[0].finish_reason == "abort"
+
+
+def test_logprobs_zero_and_twenty_are_valid():
+    for n in (None, 0, 20):
+        validate(GenerationRequest("r", (1, 2), 4, logprobs=n), LIMITS)
+
+
+def _lp(t: int) -> TokenLogprob:
+    return TokenLogprob(t, -float(t), ((t, -float(t)),))
+
+
+def test_events_carry_their_tokens_logprobs_cut_like_the_tokens():
+    events = []
+    req = Request(GenerationRequest("r", (1,), 5, logprobs=1), "r1", 1, sink=events.append)
+    assert req.seq_add().logprobs == 1
+    req.emit(req.take([2, 3], eos_ids=(), logprobs=[_lp(2), _lp(3)]))
+    kept = req.take([4, 5, 6, 7], eos_ids=(), logprobs=[_lp(t) for t in (4, 5, 6, 7)])  # max_tokens cuts at 3
+    assert kept == [4, 5, 6] and req.finish_reason == "length"
+    req.finish(tokens=kept)
+    assert [e.token_ids for e in events] == [[2, 3], [4, 5, 6]]
+    assert [e.logprobs for e in events] == [[_lp(2), _lp(3)], [_lp(4), _lp(5), _lp(6)]]
+    assert req.logprobs == [_lp(t) for t in (2, 3, 4, 5, 6)]
+    eos = Request(GenerationRequest("e", (1,), 9, logprobs=0), "r2", 2)
+    assert eos.take([3, 9, 4], eos_ids=[9], logprobs=[_lp(3), _lp(9), _lp(4)]) == [3, 9]
+    assert eos.logprobs == [_lp(3), _lp(9)]
+
+
+def test_events_without_logprobs_carry_none():
+    events = []
+    req = Request(GenerationRequest("r", (1,), 5), "r1", 1, sink=events.append)
+    assert req.seq_add().logprobs is None and req.logprobs is None
+    req.emit(req.take([2], eos_ids=()))
+    req.finish("abort")
+    assert [e.logprobs for e in events] == [None, None]
+
+
+def test_each_event_carries_its_steps_draft_counts():
+    """Per event: the drafts of the step(s) since the last event (a step that kept no token is
+    counted with the next event), so the events add up to usage."""
+    events = []
+    req = Request(GenerationRequest("r", (1,), 20), "r1", 1, sink=events.append)
+    req.count_drafts(3, 2)
+    req.emit(req.take([2, 3, 4], eos_ids=()))
+    req.count_drafts(4, 0)  # a step that kept nothing (abandoned): no event
+    req.count_drafts(2, 1)
+    req.emit(req.take([5, 6], eos_ids=()))
+    req.count_drafts(0, 0)
+    req.emit(req.take([7], eos_ids=()))
+    req.count_drafts(3, 3)
+    req.finish("length", req.take([8, 9, 10, 11], eos_ids=()))
+    assert [(e.proposed, e.accepted) for e in events] == [(3, 2), (6, 1), (0, 0), (3, 3)]
+    usage = events[-1].usage
+    assert sum(e.proposed for e in events) == usage["proposed_draft_tokens"] == 12
+    assert sum(e.accepted for e in events) == usage["accepted_draft_tokens"] == 6
+
+
+def test_resume_after_preemption_asks_for_logprobs_again():
+    req = Request(GenerationRequest("r", (1, 2), 10, logprobs=4), "r1", 1)
+    req.take([7], eos_ids=(), logprobs=[_lp(7)])
+    req.seq_id = "r1.1"
+    add = req.seq_add()
+    assert add.prompt_token_ids == (1, 2, 7) and add.logprobs == 4 and add.seq_id == "r1.1"

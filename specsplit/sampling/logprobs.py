@@ -1,0 +1,62 @@
+"""Log-probabilities of emitted tokens under the target (GenerationRequest.logprobs).
+
+The verifier already holds the target's logits of every position it emits a token at (the rows of
+one verify: accepted drafts + the bonus / recovered token). For the sequences that asked, their
+rows are stacked and go through one log_softmax and one topk, whatever the batch:
+
+    rows   [R, V]  the target's logits (fp32), R = tokens emitted by the sequences that asked
+    ids    [R]     the token emitted at each row
+    n      [R]     alternatives wanted at each row (the sequence's `logprobs`, 0..20)
+
+The values are the log_softmax of the raw logits: before temperature, top-k and top-p (what the
+model thinks of the token, whatever the request sampled it with). Ties in topk are broken as
+torch breaks them.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from specsplit.protocols import TokenLogprob
+
+MAX_LOGPROBS = 20  # alternatives per token at most (the API's limit: specsplit.request.validate)
+
+
+def token_logprobs(rows: torch.Tensor, ids: Sequence[int], n: Sequence[int]) -> list[TokenLogprob]:
+    """rows [R, V] logits, ids [R], n [R] -> R TokenLogprobs (top: n[r] pairs, most likely first)."""
+    if rows.dim() != 2 or rows.shape[0] != len(ids) or len(ids) != len(n):
+        raise ValueError(f"rows {tuple(rows.shape)}, {len(ids)} ids, {len(n)} counts: expected [R, V], R, R")
+    if not len(ids):
+        return []
+    lsm = torch.log_softmax(rows.float(), dim=-1)  # [R, V]
+    index = torch.as_tensor(list(ids), dtype=torch.int64, device=lsm.device)  # [R]
+    chosen = lsm.gather(1, index[:, None])[:, 0].cpu().tolist()  # [R]
+    n_max = min(max(n), lsm.shape[1])
+    if n_max > 0:
+        top_lp, top_id = lsm.topk(n_max, dim=-1)  # [R, n_max] each, sorted most likely first
+        top_lp, top_id = top_lp.cpu().tolist(), top_id.cpu().tolist()
+    out = []
+    for r, (t, lp) in enumerate(zip(ids, chosen)):
+        top = tuple(zip(top_id[r][: n[r]], top_lp[r][: n[r]])) if n_max > 0 and n[r] > 0 else ()
+        out.append(TokenLogprob(int(t), float(lp), top))
+    return out
+
+
+def seq_logprobs(rows: Sequence[torch.Tensor], ids: Sequence[Sequence[int]],
+                 n: Sequence[int]) -> list[tuple[TokenLogprob, ...]]:
+    """Per sequence: rows[i] [m_i, V] logits of the m_i positions where ids[i] (m_i tokens) were
+    emitted, n[i] alternatives -> its m_i TokenLogprobs. One log_softmax + topk over all rows."""
+    if not rows:
+        return []
+    sizes = [len(x) for x in ids]
+    for r, m in zip(rows, sizes):
+        if r.shape[0] != m:
+            raise ValueError(f"{r.shape[0]} logit rows for {m} tokens")
+    flat = token_logprobs(torch.cat(list(rows)), [t for x in ids for t in x],  # [sum m_i, V]
+                          [k for k, m in zip(n, sizes) for _ in range(m)])
+    out, at = [], 0
+    for m in sizes:
+        out.append(tuple(flat[at: at + m]))
+        at += m
+    return out
