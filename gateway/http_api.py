@@ -446,9 +446,9 @@ def create_app(backend: HttpBackend) -> FastAPI:
                 raise _invalid(f"cannot tokenize the prompt: {e}", "messages" if msg.messages else "prompt") from None
             if default_max:  # chat without max_tokens: the rest of the context
                 msg.max_tokens = max(1, limits.max_model_len - len(ids))
-            req = build_request(msg, ids)
             if logprobs is not None:
-                req = dataclasses.replace(req, logprobs=logprobs)
+                msg.logprobs = logprobs
+            req = build_request(msg, ids)
             live = _Live(scheduler, http_request)
             live.ignore_eos = req.ignore_eos
             live.request = scheduler.submit(req, live.sink)

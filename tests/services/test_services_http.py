@@ -154,8 +154,6 @@ def test_completions_with_logprobs(http_server):
     res = _client(http_server).completions.create(model=http_server.model, prompt="w5 w6 w7", max_tokens=6,
                                                   temperature=0, logprobs=3, extra_body={"ignore_eos": True})
     lp = res.choices[0].logprobs
-    if lp is None:
-        pytest.skip("the engines do not compute logprobs yet (branch h-logprobs not merged)")
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
     assert " ".join(lp.tokens) == res.choices[0].text.strip()
     for tok, p, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
@@ -170,8 +168,6 @@ def test_chat_logprobs(http_server):
                                                        temperature=0, logprobs=True, top_logprobs=2,
                                                        extra_body={"ignore_eos": True})
     lp = res.choices[0].logprobs
-    if lp is None:
-        pytest.skip("the engines do not compute logprobs yet (branch h-logprobs not merged)")
     assert len(lp.content) == 4
     for c in lp.content:
         assert c.logprob <= 0.0 and len(c.top_logprobs) == 2 and c.bytes == list(c.token.encode())
@@ -288,13 +284,16 @@ def test_a_non_streamed_client_that_disconnects_frees_its_request(http_server):
 
 
 def test_split_gateway_serves_http_like_grpc(split_stack, prompts):
-    """`specsplit gateway --http-port`: the same scheduler behind both APIs, the same greedy text."""
+    """`specsplit gateway --http-port`: the same scheduler behind both APIs, the same greedy text
+    and log-probabilities."""
     from tests.services.procs import generate, request
 
     ids = prompts[0]
-    grpc_out = generate(split_stack.gateway, request(ids, max_tokens=10, ignore_eos=True))
+    grpc_out = generate(split_stack.gateway, request(ids, max_tokens=10, ignore_eos=True, logprobs=2))
     client = openai.OpenAI(base_url=f"http://{HOST}:{split_stack.http_port}/v1", api_key="unused", max_retries=0)
     model = client.models.list().data[0].id
-    res = client.completions.create(model=model, prompt=ids, max_tokens=10, temperature=0,
+    res = client.completions.create(model=model, prompt=ids, max_tokens=10, temperature=0, logprobs=2,
                                     extra_body={"ignore_eos": True})
     assert res.choices[0].text == grpc_out["text"] and res.usage.completion_tokens == 10
+    want = [lp["logprob"] for lp in grpc_out["logprobs"]]
+    assert res.choices[0].logprobs.token_logprobs == pytest.approx(want, abs=1e-5)
