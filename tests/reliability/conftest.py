@@ -2,7 +2,8 @@
 the session; built from tests/services/procs.py.
 
 secure:     drafter + verifier + gateway, each with mTLS (--tls-cert/--tls-key/--tls-ca), a bearer
-            token and --no-reflection; the gateway reaches the other two over mTLS with the token
+            token and --no-reflection; the gateway reaches the other two over mTLS with the token,
+            and serves its OpenAI-compatible HTTP API too (HTTPS, mTLS, the token)
 tls_only:   an n-gram drafter serving plain TLS (no client certificates)
 plain:      drafter + verifier + gateway without security, --disable-by-batch-size 4, max_queue 128
 faulty:     verifier + gateway, the verifier's test-only fault hook armed
@@ -42,7 +43,8 @@ def rel_servers(tmp_path_factory, tiny_llama, tiny_draft_close, pki):
     tport = free_port()
     stacks = {
         "secure": start_split(tmp_path_factory.mktemp("secure-logs"), tiny_llama, tiny_draft_close, max_num_seqs=4,
-                              gateway_extra=(*server, *internal, *KEEPALIVE), service_extra=tuple(server), security=mtls),
+                              gateway_extra=(*server, *internal, *KEEPALIVE, "--http-port", str(free_port())),
+                              service_extra=tuple(server), security=mtls),
         "plain": start_split(tmp_path_factory.mktemp("plain-logs"), tiny_llama, tiny_draft_close, max_num_seqs=8,
                              max_queue=128, gateway_extra=("--disable-by-batch-size", "4", *KEEPALIVE)),
         "faulty": start_split(tmp_path_factory.mktemp("faulty-logs"), tiny_llama, None, max_num_seqs=4, max_queue=16,

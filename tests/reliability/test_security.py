@@ -146,3 +146,47 @@ def test_cli_health_and_generate_over_mtls(secure_stack, pki):
                   "--json", *tls)
     assert denied.returncode == 1 and "UNAUTHENTICATED" in denied.stderr, denied.stderr
 
+
+
+def _https(stack, pki, path: str, body: dict | None = None, token: str | None = None, client_cert: bool = True):
+    """(status, JSON) of the gateway's HTTP API over HTTPS, verified with the test CA."""
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    ctx = ssl.create_default_context(cafile=str(pki.ca))
+    if client_cert:
+        ctx.load_cert_chain(str(pki.client_cert), str(pki.client_key))
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(f"https://127.0.0.1:{stack.http_port}{path}",
+                                 data=None if body is None else json.dumps(body).encode(), headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=10, context=ctx) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_http_api_serves_https_with_mtls_and_the_token(secure_stack, pki, prompts):
+    """The gateway's --http-port takes the gRPC API's certificate, client CA and bearer token."""
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    pki, token_file = pki
+    token = token_file.read_text().strip()
+    status, models = _https(secure_stack, pki, "/v1/models", token=token)
+    assert status == 200
+    body = {"model": models["data"][0]["id"], "prompt": list(prompts[0]), "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True}
+    status, res = _https(secure_stack, pki, "/v1/completions", body, token=token)
+    assert status == 200 and res["usage"]["completion_tokens"] == 6
+    status, res = _https(secure_stack, pki, "/v1/completions", body, token="wrong-token")
+    assert status == 401 and res["error"]["code"] == "invalid_api_key"
+    assert _https(secure_stack, pki, "/health") == (200, {"status": "ok"})  # open, like gRPC health
+    with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError)):  # mTLS: no client certificate
+        _https(secure_stack, pki, "/health", client_cert=False)
+    with pytest.raises((urllib.error.URLError, ConnectionError)):  # plaintext to the HTTPS port
+        urllib.request.urlopen(f"http://127.0.0.1:{secure_stack.http_port}/health", timeout=5).read()
