@@ -181,6 +181,8 @@ def _content(m: ChatMessageBody, i: int) -> str:
 def _generate_request(body: _Body, request_id: str, max_tokens: int) -> gateway_pb2.GenerateRequest:
     """The sampling and stop fields of a GenerateRequest, as the gRPC API takes them."""
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if max_tokens < 1:
+        raise _invalid(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
     try:
         msg = gateway_pb2.GenerateRequest(
             request_id=request_id, max_tokens=max_tokens,

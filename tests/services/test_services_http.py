@@ -176,6 +176,7 @@ def test_chat_logprobs(http_server):
 @pytest.mark.parametrize("kw, param, message", [
     (dict(temperature=-1), "temperature", "temperature"),
     (dict(max_tokens=0), "max_tokens", "max_tokens"),
+    (dict(max_tokens=-3), "max_tokens", "max_tokens must be >= 1"),
     (dict(n=2), "n", "n must be 1"),
     (dict(max_tokens=10_000), None, "max_model_len"),
     (dict(logprobs=50), "logprobs", "logprobs"),
