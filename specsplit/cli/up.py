@@ -13,9 +13,9 @@ import sys
 import time
 
 from rpc.health import free_port  # noqa: F401  (re-exported)
-from specsplit.cli.common import (add_deterministic_flag, add_engine_flags, add_keepalive_flags, add_request_size_flag,
-                                  add_server_flags, add_spec_flags, add_tensor_parallel_flag, port,
-                                  spec_config, validate_engine, validate_security)
+from specsplit.cli.common import (add_deterministic_flag, add_engine_flags, add_http_flags, add_keepalive_flags,
+                                  add_request_size_flag, add_server_flags, add_spec_flags, add_tensor_parallel_flag, port,
+                                  spec_config, validate_engine, validate_http, validate_security)
 
 
 def add_arguments(p, name: str) -> None:
@@ -34,6 +34,7 @@ def add_arguments(p, name: str) -> None:
     add_request_size_flag(p)
     add_keepalive_flags(p)
     add_server_flags(p, 50051)  # with --tls-*, --auth-token-file, --no-reflection: passed to all three
+    add_http_flags(p)  # the gateway's
     from rpc.security import add_client_security_flags
 
     # How the gateway (and `up`'s own health checks) reach the drafter and the verifier; the
@@ -43,6 +44,7 @@ def add_arguments(p, name: str) -> None:
 
 def validate(args) -> None:
     validate_security(args)
+    validate_http(args)
     validate_engine(args)
 
 
@@ -97,6 +99,8 @@ def commands(args, drafter_port: int, verifier_port: int) -> dict[str, list[str]
                 for f in internal]
     gateway_only = ["--keepalive-time", str(args.keepalive_time), "--keepalive-timeout", str(args.keepalive_timeout),
                     "--max-request-bytes", str(args.max_request_bytes), *internal]
+    if getattr(args, "http_port", None):
+        gateway_only += ["--http-port", str(args.http_port), *(["--http-host", args.http_host] if args.http_host else [])]
 
     def metrics(offset: int) -> list[str]:
         return [] if args.metrics_port is None else ["--metrics-port", str(args.metrics_port + offset)]

@@ -31,3 +31,15 @@ def test_the_grpc_port_is_refused(argv):
 def test_engines_have_no_http_api(service):
     with pytest.raises(SystemExit):
         build_parser().parse_args([service, "--model", "ngram", "--http-port", "8000"])
+
+
+def test_up_passes_the_http_flags_to_its_gateway():
+    from specsplit.cli.up import commands
+
+    argv = ["up", "--target", "smollm2-135m", "--draft", "ngram"]
+    cmds = commands(build_parser().parse_args(argv), 1, 2)
+    assert "--http-port" not in cmds["gateway"]
+    cmds = commands(build_parser().parse_args([*argv, "--http-port", "8000"]), 1, 2)
+    gw = cmds["gateway"]
+    assert gw[gw.index("--http-port") + 1] == "8000" and "--http-host" not in gw
+    assert all("--http-port" not in cmds[n] for n in ("drafter", "verifier"))
