@@ -361,6 +361,7 @@ def create_app(backend: HttpBackend) -> FastAPI:
     expected = f"Bearer {backend.token}".encode() if backend.token else None
 
     app = FastAPI(title="specsplit", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.backend = backend
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError):

@@ -213,3 +213,16 @@ def test_the_eos_token_s_text_is_not_content(server):
         assert kept.choices[0].text == "w5 w6 w7 w8 w9"  # ignore_eos: 9 is an ordinary token
     finally:
         servicer.scheduler.finish = "length"
+
+
+def test_a_body_over_max_request_bytes_is_413(server):
+    _, http = server
+    backend = http.app.state.backend
+    backend.max_request_bytes = 200
+    try:
+        with pytest.raises(openai.APIStatusError) as err:
+            _client(http).completions.create(model=MODEL, prompt="w1 " * 100, max_tokens=2)
+        assert err.value.status_code == 413 and "--max-request-bytes" in err.value.body["message"]
+        assert _client(http).completions.create(model=MODEL, prompt="w1", max_tokens=2).choices[0].text
+    finally:
+        backend.max_request_bytes = None
