@@ -4,7 +4,8 @@ Two `specsplit up` stacks, each engine on its own core with one torch thread (ve
 first CPU, drafter and gateway on the second): one with asynchronous pre-drafting (the split
 default), one lockstep (`--no-async-draft`). Beside them, in this process, the colocated engines
 on one thread: target-only, target-only on two threads, and speculative lockstep in the default
-configuration (the served draft, the K policy). Batch 1: every arm runs each prompt in turn,
+configuration (the served draft, the K policy), and pre-drafting in one process (a second
+thread, one torch thread each). Batch 1: every arm runs each prompt in turn,
 repeat by repeat (drift hits all alike); per prompt the median run is kept. Then a concurrency
 sweep through the pre-drafting stack: speculation as served against the same stack with
 speculation disabled per request (`speculation.disable`), batch by batch alternating.
@@ -103,6 +104,9 @@ def run(args, prompts_of: Callable, progress: Callable[[], None] | None = None) 
     prompts = prompts_of(base)
     lock = build_colocated(cfg(args.target), cfg(draft), SpecConfig(num_speculative_tokens=k, k_policy="auto",
                            draft_model_tokens=DEFAULT_DRAFT_MODEL_TOKENS), show_progress=False)
+    # One process, pre-drafting on a second thread (one torch thread each, so two cores).
+    colo_async = build_colocated(cfg(args.target), cfg(draft), SpecConfig(num_speculative_tokens=k, k_policy="auto",
+                                 draft_model_tokens=DEFAULT_DRAFT_MODEL_TOKENS, async_draft=True), show_progress=False)
     vcpu, dcpu = _pinning()
     common = dict(dtype=dtype, max_model_len=args.max_model_len, max_num_seqs=max(top, 1), threads=1)
     pins = ["--verifier-cpus", vcpu, "--drafter-cpus", dcpu, "--gateway-cpus", dcpu,
@@ -119,6 +123,8 @@ def run(args, prompts_of: Callable, progress: Callable[[], None] | None = None) 
                 _threads_arm("target-only, colocated, 2 threads", colocated_arm("t2", base, new_tokens,
                                                                                  mode="colocated"), 2),
                 colocated_arm(f"speculative lockstep, colocated, 1 thread ({draft})", lock, new_tokens, mode="colocated"),
+                colocated_arm(f"colocated async ({draft}), 1 thread per engine", colo_async, new_tokens,
+                              mode="colocated"),
                 _split_arm(f"split async ({draft}), 1 thread per engine", stub_async, new_tokens),
                 _split_arm(f"split lockstep ({draft}), 1 thread per engine", stub_lock, new_tokens),
                 _split_arm("target-only through the split stack", stub_async, new_tokens, disable=True),
@@ -134,8 +140,8 @@ def run(args, prompts_of: Callable, progress: Callable[[], None] | None = None) 
             report["concurrency"] = concurrency_sweep(stub_async, prompts, new_tokens, levels, max(2, repeats // 2 + 1),
                                                       progress) if levels else []
     finally:
-        base.close()
-        lock.close()
+        for colo in (base, lock, colo_async):
+            colo.close()
     return report
 
 
