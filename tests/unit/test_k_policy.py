@@ -209,3 +209,12 @@ def test_async_never_prices_a_k_above_lockstep():
         assert all(a >= b - 1e-12 for a, b in zip(ahead, lock)), (rate, ahead, lock)
         if rate > 0:
             assert all(a > b for a, b in zip(ahead[1:], lock[1:]))
+
+
+def test_extrapolation_never_prices_a_bigger_batch_lower():
+    """Noisy calibration can time batch 8 below batch 4; past the largest batch the cost must not
+    fall (a negative step time made the policy pick nonsense)."""
+    costs = StepCosts(verify={(1, 1): 0.05, (4, 1): 0.09, (8, 1): 0.08}, draft={1: 0.004, 4: 0.006, 8: 0.005})
+    assert costs.verify_s(32, 1) >= costs.verify_s(8, 1) > 0
+    assert costs.draft_s(32) >= costs.draft_s(8) > 0
+    assert costs.verify_s(6, 1) == pytest.approx(0.085)  # inside the points: interpolated as measured
