@@ -19,24 +19,40 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 from protos.specsplit.v1 import gateway_pb2, gateway_pb2_grpc
 from specsplit.bench.arms import ArmResult, Timing, median_timing
 
 
-def generate_request(prompt: list[int], new_tokens: int, k: int) -> gateway_pb2.GenerateRequest:
+def generate_request(prompt: list[int], new_tokens: int, k: int, disable: bool = False) -> gateway_pb2.GenerateRequest:
     req = gateway_pb2.GenerateRequest(max_tokens=new_tokens, temperature=0.0, top_p=1.0, ignore_eos=True)
     req.prompt_token_ids.extend(int(t) for t in prompt)
     req.speculation.num_speculative_tokens = k
+    req.speculation.disable = disable
     return req
 
 
+@contextmanager
+def gateway_stub(address: str, security=None) -> Iterator[gateway_pb2_grpc.GatewayStub]:
+    from rpc.security import channel as make_channel
+
+    with make_channel(address, security) as ch:
+        yield gateway_pb2_grpc.GatewayStub(ch)
+
+
+def branch_counts(stub) -> tuple[int, int]:
+    """The gateway's pre-drafted branches so far: (hits, misses)."""
+    info = stub.GetServerInfo(gateway_pb2.GetServerInfoRequest(), timeout=30)
+    return info.branch_hits, info.branch_misses
+
+
 def timed_generate(stub, prompt: list[int], new_tokens: int, k: int, timeout: float,
-                   t0: float | None = None) -> tuple[Timing, int]:
+                   t0: float | None = None, disable: bool = False) -> tuple[Timing, int]:
     """One streamed generation -> (Timing, decode steps seen). `t0`: the clock start (a batch's
-    common start at concurrency > 1); default now."""
-    req = generate_request(prompt, new_tokens, k)
+    common start at concurrency > 1); default now. `disable`: target-only for this request."""
+    req = generate_request(prompt, new_tokens, k, disable)
     t0 = time.perf_counter() if t0 is None else t0
     first = None
     output: list[int] = []
