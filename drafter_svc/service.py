@@ -32,7 +32,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             proposals = engine.propose(wire.propose_from_pb(req.propose, session.to_engine))
             return drafter_pb2.DrafterResponse(id=req.id, proposals=wire.proposals_to_pb(proposals, session.from_engine))
         if kind == "finish_step":
-            rows = engine.finish_step(wire.finish_step_from_pb(req.finish_step, session.to_engine), scope=session.owned)
+            rows = engine.finish_step(wire.finish_step_from_pb(req.finish_step, session.to_engine))
             return drafter_pb2.DrafterResponse(id=req.id, rows=drafter_pb2.QRows(rows=wire.rows_to_pb(rows, session.from_engine)))
         if kind == "release":
             self.host.release(session, [session.to_engine(s) for s in req.release.seq_ids])

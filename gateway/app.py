@@ -108,6 +108,8 @@ async def run(gw: Gateway, args) -> int:
             eos_token_ids=gw.eos_token_ids, drafter_up=gw.decoder.drafter_up,
             num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
             services=services, **_costs_fields(gw.decoder),
+            async_draft=gw.decoder.async_draft, branch_hits=gw.decoder.branch_hits,
+            branch_misses=gw.decoder.branch_misses,
         )
 
     servicer = GatewayServicer(scheduler, gw.tokenizer, gw.limits, server_info)
@@ -124,9 +126,9 @@ async def run(gw: Gateway, args) -> int:
         await http.start()
     await server.start(metrics_port=args.metrics_port)
     log.info("gateway (%s): target %s, draft %s, K=%d, disable_by_batch_size=%d, max_num_seqs %d, max_queue %d, "
-             "max_model_len %d", gw.mode, gw.target_model, gw.draft_model or "none",
+             "max_model_len %d, pre-drafting %s", gw.mode, gw.target_model, gw.draft_model or "none",
              spec.num_speculative_tokens if gw.decoder.drafter is not None else 0, spec.disable_by_batch_size,
-             gw.max_num_seqs, gw.max_queue, gw.limits.max_model_len)
+             gw.max_num_seqs, gw.max_queue, gw.limits.max_model_len, "on" if gw.decoder.async_draft else "off")
     for b in scheduler.core.kv:
         log.info("gateway: KV-aware admission over the %s's cache: %d blocks x %d tokens", b.name, b.num_blocks,
                  b.block_size)
@@ -226,7 +228,9 @@ def build_split(args) -> Gateway:
     if k is None:
         k = 0 if drafter is None else default_k_for(draft_model)
     spec = SpecConfig(num_speculative_tokens=k, disable_by_batch_size=disable_by_batch_size(args, vinfo.device),
-                      draft_model_tokens=args.draft_model_tokens, k_policy=args.k_policy)
+                      draft_model_tokens=args.draft_model_tokens, k_policy=args.k_policy,
+                      # split: the drafter has its own process, so pre-drafting overlaps by default
+                      async_draft=getattr(args, "async_draft", None) is not False)
     costs = None
     if spec.k_policy == "auto" and drafter is not None and k > 0:
         costs = _split_costs(verifier, drafter, vinfo, dinfo if draft_model else None, args.verifier_timeout)

@@ -5,41 +5,59 @@ Each prompt: `max_tokens=new_tokens`, `ignore_eos`, greedy, `top_p=1`, and
 `speculation.num_speculative_tokens=K`. A warm-up request is discarded (it also opens the
 channel, so connection set-up is never timed); at concurrency 1 each prompt runs `repeats` times
 and the median (by total time) is kept. TTFT = time to the first response that carries tokens;
-total = time to the last response; proposed / accepted come from the final `usage`.
+total = time to the last response; proposed / accepted and the per-position acceptance come from
+the final `usage`.
 
-What the wire does not say: the gateway sends one response per decode step (that step's kept
-tokens), but not whether that step verified drafts (the last step, whose budget is one token,
-drafts nothing; a step whose drafts were all rejected also carries one token). So the number of
-speculative steps, and with it `mean_accepted_length` and the per-position acceptance, stays
-unknown (Timing.steps = 0, per_position = []; ArmResult.summary() reports None / []). The
-count of decode steps (responses that carried tokens) is exact and kept as `decode_steps`.
+Speculative steps: each response carries the drafts proposed and accepted in the step(s) behind
+it (GenerateResponse.proposed_draft_tokens), and greedy requests get one response per decode step,
+so the responses that proposed drafts are the speculative steps (Timing.steps), as the colocated
+arms count them: `mean_accepted_length` and the per-position acceptance are comparable. (A
+gateway older than those fields sends 0: steps = 0, and ArmResult.summary() reports None / [].)
+The count of decode steps (responses that carried tokens) is kept as `decode_steps`.
 """
 from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 from protos.specsplit.v1 import gateway_pb2, gateway_pb2_grpc
 from specsplit.bench.arms import ArmResult, Timing, median_timing
 
 
-def generate_request(prompt: list[int], new_tokens: int, k: int) -> gateway_pb2.GenerateRequest:
+def generate_request(prompt: list[int], new_tokens: int, k: int, disable: bool = False) -> gateway_pb2.GenerateRequest:
     req = gateway_pb2.GenerateRequest(max_tokens=new_tokens, temperature=0.0, top_p=1.0, ignore_eos=True)
     req.prompt_token_ids.extend(int(t) for t in prompt)
     req.speculation.num_speculative_tokens = k
+    req.speculation.disable = disable
     return req
 
 
+@contextmanager
+def gateway_stub(address: str, security=None) -> Iterator[gateway_pb2_grpc.GatewayStub]:
+    from rpc.security import channel as make_channel
+
+    with make_channel(address, security) as ch:
+        yield gateway_pb2_grpc.GatewayStub(ch)
+
+
+def branch_counts(stub) -> tuple[int, int]:
+    """The gateway's pre-drafted branches so far: (hits, misses)."""
+    info = stub.GetServerInfo(gateway_pb2.GetServerInfoRequest(), timeout=30)
+    return info.branch_hits, info.branch_misses
+
+
 def timed_generate(stub, prompt: list[int], new_tokens: int, k: int, timeout: float,
-                   t0: float | None = None) -> tuple[Timing, int]:
+                   t0: float | None = None, disable: bool = False) -> tuple[Timing, int]:
     """One streamed generation -> (Timing, decode steps seen). `t0`: the clock start (a batch's
-    common start at concurrency > 1); default now."""
-    req = generate_request(prompt, new_tokens, k)
+    common start at concurrency > 1); default now. `disable`: target-only for this request."""
+    req = generate_request(prompt, new_tokens, k, disable)
     t0 = time.perf_counter() if t0 is None else t0
     first = None
     output: list[int] = []
     steps = 0
+    spec_steps = 0
     last = None
     for msg in stub.Generate(req, timeout=timeout):
         if msg.token_ids:
@@ -47,6 +65,7 @@ def timed_generate(stub, prompt: list[int], new_tokens: int, k: int, timeout: fl
                 first = time.perf_counter()
             steps += 1
             output.extend(msg.token_ids)
+        spec_steps += msg.proposed_draft_tokens > 0
         last = msg
     done = time.perf_counter()
     if last is None or not last.finish_reason:
@@ -55,7 +74,8 @@ def timed_generate(stub, prompt: list[int], new_tokens: int, k: int, timeout: fl
     if u.completion_tokens != len(output):
         raise RuntimeError(f"usage says {u.completion_tokens} completion tokens, the stream carried {len(output)}")
     timing = Timing(done - t0, (first if first is not None else done) - t0, len(output), u.proposed_draft_tokens,
-                    u.accepted_draft_tokens, steps=0, per_position=[], output=output)
+                    u.accepted_draft_tokens, steps=spec_steps,
+                    per_position=list(u.accepted_per_position) if spec_steps else [], output=output)
     return timing, steps
 
 

@@ -45,8 +45,9 @@ def status_of(err: RequestError) -> ServiceError:
 
 
 class _Metrics(Observer):
-    def __init__(self, timing_sources: Sequence = ()):
+    def __init__(self, timing_sources: Sequence = (), async_draft: bool = False):
         self.timing_sources = list(timing_sources)
+        self.async_draft = async_draft
 
     def on_admit(self, request: Request, resumed: bool) -> None:
         if not resumed:
@@ -70,6 +71,11 @@ class _Metrics(Observer):
             metrics.STEP_SECONDS.labels("draft").observe(max(0.0, st.draft_s - net.get("drafter", 0.0)))
         if net:
             metrics.STEP_SECONDS.labels("network").observe(sum(net.values()))
+        if st.branches:
+            metrics.BRANCHES.labels("hit").inc(st.branch_hits)
+            metrics.BRANCHES.labels("miss").inc(st.branch_misses)
+        if out.speculated and self.async_draft:
+            metrics.DRAFT_WAIT.observe(st.draft_wait_s)
         if st.proposed:
             metrics.DRAFT_PROPOSED.inc(st.proposed)
             metrics.DRAFT_ACCEPTED.inc(st.accepted)
@@ -96,7 +102,8 @@ class GatewayScheduler:
         idle_poll_s: float = 0.05,
     ):
         self.core = CoreScheduler(decoder, eos_token_ids, max_num_seqs, max_queue, kv=kv, limits=limits,
-                                  decode=decode, observer=_Metrics(timing_sources), classify=classify)
+                                  decode=decode, observer=_Metrics(timing_sources, decoder.async_draft),
+                                  classify=classify)
         self.decoder = decoder
         self.idle_poll_s = idle_poll_s
         self._stopping = False

@@ -11,6 +11,9 @@ Served over HTTP by `start_metrics_server` when a service gets --metrics-port. N
   specsplit_step_seconds{phase}                     gateway: draft, verify (engine time), network, total
   specsplit_sequences{service,state}                running / waiting sequences
   specsplit_drafter_up                              gateway: 0 while decoding target-only after a drafter failure
+  specsplit_branches_total{outcome}                 gateway, pre-drafting: branches that came true (hit) or not (miss);
+                                                    hit rate = hit / (hit + miss); branches per step = total / steps
+  specsplit_draft_wait_seconds                      gateway, pre-drafting: per step, the time the verifier waited for drafts
   specsplit_engine_seconds{service,op}              drafter / verifier: engine time per session message
   specsplit_kv_blocks{service,state}                used / free KV blocks of every engine in the process
 """
@@ -36,6 +39,9 @@ POSITION_PROPOSED = Counter("specsplit_draft_position_proposed", "Drafts propose
 POSITION_ACCEPTED = Counter("specsplit_draft_position_accepted", "Drafts accepted at each position", ["position"])
 STEP_SECONDS = Histogram("specsplit_step_seconds", "Step latency by phase", ["phase"], buckets=_STEP_BUCKETS)
 SEQUENCES = Gauge("specsplit_sequences", "Sequences by state", ["service", "state"])
+BRANCHES = Counter("specsplit_branches", "Pre-drafted branches by outcome (hit: the step emitted its prefix)", ["outcome"])
+DRAFT_WAIT = Histogram("specsplit_draft_wait_seconds", "Per step: seconds the verifier waited for drafts (pre-drafting)",
+                       buckets=_STEP_BUCKETS)
 DRAFTER_UP = Gauge("specsplit_drafter_up", "1 while speculation can use the drafter")
 ENGINE_SECONDS = Histogram("specsplit_engine_seconds", "Engine time per session message", ["service", "op"],
                            buckets=_STEP_BUCKETS)

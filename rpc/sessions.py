@@ -8,9 +8,10 @@ cancelled, network). Every request gets exactly one response; a failed request c
 and changes nothing, and the stream goes on.
 
 Isolation: a session sees only its own sequences (namespace), holds at most
-`max_seqs_per_session` of them (RESOURCE_EXHAUSTED past it), and an engine call that drops
-per-step state (the drafter's finish_step) is scoped to the session's own sequences, so two
-gateways sharing one engine never touch each other's KV, q rows or random streams.
+`max_seqs_per_session` of them (RESOURCE_EXHAUSTED past it), and every engine call names only
+the session's own sequences (per-sequence state such as the drafter's q rows lives with each
+sequence), so two gateways sharing one engine never touch each other's KV, q rows or random
+streams.
 """
 from __future__ import annotations
 

@@ -162,12 +162,14 @@ def unpack_row(m: common_pb2.PackedRow, expected_size: int | None = None) -> tor
 # ---- drafter ---------------------------------------------------------------------------------
 def propose_to_pb(reqs: Sequence[ProposeRequest]) -> drafter_pb2.ProposeBatch:
     return drafter_pb2.ProposeBatch(items=[
-        drafter_pb2.ProposeItem(seq_id=r.seq_id, new_token_ids=r.new_token_ids, k=r.k) for r in reqs
+        drafter_pb2.ProposeItem(seq_id=r.seq_id, new_token_ids=r.new_token_ids, k=r.k, after=r.after, ahead=r.ahead)
+        for r in reqs
     ])
 
 
 def propose_from_pb(m: drafter_pb2.ProposeBatch, rename=lambda s: s) -> list[ProposeRequest]:
-    return [ProposeRequest(rename(i.seq_id), tuple(i.new_token_ids), int(i.k)) for i in m.items]
+    return [ProposeRequest(rename(i.seq_id), tuple(i.new_token_ids), int(i.k), tuple(i.after), bool(i.ahead))
+            for i in m.items]
 
 
 def proposals_to_pb(props: Sequence[Proposal], rename=lambda s: s) -> drafter_pb2.Proposals:

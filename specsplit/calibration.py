@@ -56,7 +56,8 @@ class StepCosts:
 
 
 def _interp(points: dict[int, float], x: int) -> float:
-    """Piecewise-linear in the batch size; linear extrapolation past the largest point."""
+    """Piecewise-linear in the batch size; linear extrapolation past the largest point (never
+    decreasing)."""
     if not points:
         return 0.0
     xs = sorted(points)
@@ -68,7 +69,9 @@ def _interp(points: dict[int, float], x: int) -> float:
     if len(xs) == 1:
         return points[xs[0]] * x
     a, b = xs[-2], xs[-1]
-    slope = (points[b] - points[a]) / (b - a)
+    # A larger batch never takes less time: noisy timings can make the last slope negative, and
+    # extrapolating it would price a big batch below zero.
+    slope = max(0.0, (points[b] - points[a]) / (b - a))
     return points[b] + slope * (x - b)
 
 

@@ -83,6 +83,10 @@ class SpecConfig:
     # num_speculative_tokens as the maximum; "fixed": always num_speculative_tokens. The servers
     # and `specsplit generate` default to auto (--k-policy); a library caller asks for it.
     k_policy: str = "fixed"
+    # Pre-draft the next step's likeliest branch while the verifier verifies this one
+    # (specsplit/spec.py). The split gateway turns it on by default; in one process it needs the
+    # drafter on its own core or device (`--async-draft`).
+    async_draft: bool = False
 
     def enabled_for(self, num_running: int) -> bool:
         if self.num_speculative_tokens <= 0:

@@ -49,7 +49,8 @@ def spec_config(args, draft: str | None):
         k = default_k_for(draft)
     return SpecConfig(num_speculative_tokens=k, disable_by_batch_size=disable_by_batch_size(args, getattr(args, "device", None)),
                       draft_model_tokens=getattr(args, "draft_model_tokens", DEFAULT_DRAFT_MODEL_TOKENS),
-                      k_policy=getattr(args, "k_policy", None) or DEFAULT_K_POLICY)
+                      k_policy=getattr(args, "k_policy", None) or DEFAULT_K_POLICY,
+                      async_draft=bool(getattr(args, "async_draft", None)))  # one process: off unless asked
 
 
 def engine_config(args, model: str, device: str | None = None):

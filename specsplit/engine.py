@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field, replace
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -46,8 +46,8 @@ class _Seq:
     params: SamplingParams
     rng: SeqRandom
     num_computed: int = 0  # leading tokens (plus, on the drafter, drafts) whose KV is cached
-    drafted: list[int] = field(default_factory=list)  # drafter: the last proposal
-    q_rows: torch.Tensor | None = None  # drafter, sampled: [k, V] q of the last proposal
+    drafted: list[int] = field(default_factory=list)  # drafter: the chain of drafts past `tokens`
+    q_rows: list = field(default_factory=list)  # drafter: per chain draft, its [V] q row (sampled) or None
     p_row: torch.Tensor | None = None  # verifier, pending: [V] p at the first rejection
     pending_accepted: int = 0  # verifier, pending: accepted drafts awaiting the recovered token
     pending_drafts: list[int] = field(default_factory=list)  # verifier, pending: those drafts
@@ -350,23 +350,25 @@ class DraftEngine(_EngineBase):
     side = "drafter"
 
     def propose(self, reqs: Sequence[ProposeRequest]) -> list[Proposal]:
+        """Per request: ingest new_token_ids, then draft k tokens after them and `after` (the drafts
+        being verified now, when pre-drafting); returns only the k new drafts."""
         seqs = [self._get(r.seq_id) for r in reqs]
         for r, s in zip(reqs, seqs):
-            self._check_ids(r.seq_id, r.new_token_ids)
+            self._check_ids(r.seq_id, tuple(r.new_token_ids) + tuple(r.after))
             if r.k < 0:
                 raise EngineError(f"sequence {r.seq_id!r}: k must be >= 0, got {r.k}")
             # KV positions needed: the context plus k-1 drafts (the last draft is never fed)
-            if len(s.tokens) + len(r.new_token_ids) + max(r.k - 1, 0) > self.runner.max_model_len:
+            if len(s.tokens) + len(r.new_token_ids) + len(r.after) + max(r.k - 1, 0) > self.runner.max_model_len:
                 raise EngineError(f"sequence {r.seq_id!r}: drafting {r.k} tokens passes max_model_len {self.runner.max_model_len}")
         for r, s in zip(reqs, seqs):
-            self._ingest(r.seq_id, s, r.new_token_ids)
+            self._ingest(r.seq_id, s, r.new_token_ids, r.after)
         active = [i for i, r in enumerate(reqs) if r.k > 0]
         for i in active:
             s = seqs[i]
-            if s.num_computed >= len(s.tokens):
+            if s.num_computed >= len(s.tokens) + len(s.drafted):
                 # Every token is in the KV already (the last step emitted nothing: the gateway
                 # abandoned it): feed the last one again to get the logits that draft the next.
-                s.num_computed = len(s.tokens) - 1
+                s.num_computed = len(s.tokens) + len(s.drafted) - 1
                 self.runner.truncate(reqs[i].seq_id, s.num_computed)
         k_max = max((reqs[i].k for i in active), default=0)
         q_x: dict[int, list[float]] = {i: [] for i in active}
@@ -385,22 +387,28 @@ class DraftEngine(_EngineBase):
                 seqs[i].drafted.append(t)
         out = []
         for i, (r, s) in enumerate(zip(reqs, seqs)):
-            sampled = not s.params.greedy and i in rows and rows[i]
-            s.q_rows = torch.stack(rows[i]) if sampled else None  # [k, V]
-            out.append(Proposal(r.seq_id, tuple(s.drafted), tuple(q_x[i]) if sampled else None))
+            new = s.drafted[len(r.after):]
+            sampled = bool(rows.get(i))
+            s.q_rows.extend(rows[i] if sampled else [None] * len(new))  # [V] per draft, kept with the chain
+            out.append(Proposal(r.seq_id, tuple(new), tuple(q_x[i]) if sampled else None))
         return out
 
-    def _ingest(self, seq_id: str, s: _Seq, new: Sequence[int]) -> None:
-        """Take the tokens emitted since the last call; keep KV only for drafts they confirm."""
+    def _ingest(self, seq_id: str, s: _Seq, new: Sequence[int], after: Sequence[int] = ()) -> None:
+        """Take the tokens emitted since the last call (final) and the drafts being verified
+        (`after`, not final): the chain of drafts becomes `after`. KV (and q rows) are kept for the
+        part of the old chain they confirm, so a pre-drafted branch that came true costs nothing."""
+        target = list(new) + list(after)
         matched = 0
-        for d, t in zip(s.drafted, new):
+        for d, t in zip(s.drafted, target):
             if d != t:
                 break
             matched += 1
         s.num_computed = min(s.num_computed, len(s.tokens) + matched)
+        keep = max(0, matched - len(new))  # drafts of `after` whose q rows are still the old chain's
+        rows = s.q_rows[len(new):len(new) + keep]
         s.tokens.extend(new)
-        s.drafted = []
-        s.q_rows = None
+        s.drafted = list(after)
+        s.q_rows = rows + [None] * (len(after) - keep)
         self.runner.truncate(seq_id, s.num_computed)
 
     def _sample(self, seqs: list[_Seq], logits: list[torch.Tensor], q_x, rows, live) -> list[int]:
@@ -423,21 +431,24 @@ class DraftEngine(_EngineBase):
             rows[i].append(row)
         return tokens
 
-    def finish_step(self, fetch: Sequence[RowRequest], scope: Iterable[str] | None = None) -> list[QRow]:
-        """The requested q rows; then drop the q rows of every sequence in `scope` (None: all).
+    @property
+    def num_q_rows(self) -> int:
+        """q rows kept across every sequence (bounded by the chains: see finish_step)."""
+        return sum(1 for s in self.seqs.values() for r in s.q_rows if r is not None)
 
-        A service shares one engine between sessions (several gateways on one drafter), each
-        stepping on its own clock: it passes the session's own sequences as `scope`, so one
-        session's finish_step never drops the rows another session's step still needs."""
+    def finish_step(self, fetch: Sequence[RowRequest]) -> list[QRow]:
+        """The requested q rows: position j is the j-th draft past the sequence's final tokens.
+
+        Nothing is dropped here: a sampled draft's q row lives with the chain of drafts and goes at
+        the next propose that moves past it (at most K + 1 + K rows per sequence while
+        pre-drafting, K otherwise), or at release."""
         out = []
         for r in fetch:
             s = self._get(r.seq_id)
-            if s.q_rows is None or not 0 <= r.position < s.q_rows.shape[0]:
+            row = s.q_rows[r.position] if 0 <= r.position < len(s.q_rows) else None
+            if row is None:
                 raise EngineError(f"sequence {r.seq_id!r} has no q row at draft position {r.position}")
-            out.append(QRow(r.seq_id, s.q_rows[r.position].clone()))
-        targets = self.seqs.values() if scope is None else [self.seqs[i] for i in scope if i in self.seqs]
-        for s in targets:
-            s.q_rows = None
+            out.append(QRow(r.seq_id, row.clone()))
         return out
 
 
@@ -474,11 +485,11 @@ class NgramDrafter:
                 raise EngineError(f"unknown sequence {r.seq_id!r} on the drafter: add it first")
             tokens = self.seqs[r.seq_id]
             tokens.extend(r.new_token_ids)
-            drafts = ngram_propose(tokens, r.k, self.n_min, self.n_max) if r.k > 0 else []
+            drafts = ngram_propose(tokens + list(r.after), r.k, self.n_min, self.n_max) if r.k > 0 else []
             out.append(Proposal(r.seq_id, tuple(drafts), tuple(1.0 for _ in drafts)))
         return out
 
-    def finish_step(self, fetch: Sequence[RowRequest], scope: Iterable[str] | None = None) -> list[QRow]:
+    def finish_step(self, fetch: Sequence[RowRequest]) -> list[QRow]:
         if fetch:
             raise EngineError("the n-gram drafter's q rows are one-hot; the verifier resolves them itself")
         return []

@@ -90,7 +90,9 @@ def _profile_steps(s: _Service):
     bound = forward_bound(cfg, s.k)
     engine_cls = TargetEngine if s.name == VERIFIER else DraftEngine
     run_shape = run_verifier_shape if s.name == VERIFIER else run_drafter_shape
-    k = max(0, min(s.k, cfg.max_model_len - 2))
+    # A drafter keeps the q rows of its chain of drafts: K, or K + 1 + K while a gateway pre-drafts
+    # (specsplit/spec.py); the profile drafts the longer chain so its rows are in the plan.
+    k = max(0, min(s.k if s.name == VERIFIER else 2 * s.k + 1, cfg.max_model_len - 2))
 
     def setup():
         return engine_cls(make_profile_runner(model, cfg.block_size, cfg.max_model_len, bound), bound.max_prefill_tokens)

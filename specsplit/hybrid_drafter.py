@@ -22,7 +22,7 @@ target's token for token whichever proposer drafted (the verifier decides).
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Sequence
 
 from specsplit.engine import DraftEngine, EngineError
 from specsplit.protocols import Proposal, ProposeRequest, QRow, RowRequest, SeqAdd
@@ -84,13 +84,15 @@ class HybridDrafter:
         lookup: dict[str, tuple[int, ...]] = {}
         for r in reqs:
             if r.k > 0 and (self.params[r.seq_id].greedy or self.params[r.seq_id].coupled):  # no q needed
-                context = self.tokens[r.seq_id] + list(r.new_token_ids)
+                context = self.tokens[r.seq_id] + list(r.new_token_ids) + list(r.after)
                 drafts = ngram_propose(context, r.k, self.ngram_min, self.ngram_max)
                 if len(drafts) == r.k:
                     lookup[r.seq_id] = tuple(drafts)
         # The model sees every sequence's new tokens (k = 0: ingest only, where lookup drafted),
-        # so its KV stays in step and it can draft for that sequence next time.
-        model_reqs = [ProposeRequest(r.seq_id, r.new_token_ids, 0 if r.seq_id in lookup else self._model_k(r.k))
+        # so its KV stays in step and it can draft for that sequence next time. A pre-draft runs
+        # off the critical path, so there the model may draft all k.
+        model_reqs = [ProposeRequest(r.seq_id, r.new_token_ids,
+                                     0 if r.seq_id in lookup else (r.k if r.ahead else self._model_k(r.k)), r.after)
                       for r in reqs]
         proposals = self.model.propose(model_reqs)
         out = []
@@ -107,8 +109,8 @@ class HybridDrafter:
     def _model_k(self, k: int) -> int:
         return k if self.model_tokens <= 0 else min(k, self.model_tokens)
 
-    def finish_step(self, fetch: Sequence[RowRequest], scope: Iterable[str] | None = None) -> list[QRow]:
-        return self.model.finish_step(fetch, scope)  # only sampled (model-drafted) sequences have rows
+    def finish_step(self, fetch: Sequence[RowRequest]) -> list[QRow]:
+        return self.model.finish_step(fetch)  # only sampled (model-drafted) sequences have rows
 
     def release(self, seq_ids: Sequence[str]) -> None:
         self.model.release(seq_ids)

@@ -8,6 +8,11 @@ Vocabulary:
   T(k)    the step's time: the verifier's calibrated forward of k+1 rows per sequence at this
           batch size, plus drafting (k model tokens, or `model_tokens` of them when prompt lookup
           drafts first), plus the network round trips in split mode.
+          With asynchronous pre-drafting (specsplit.spec) drafting is paid only when some
+          sequence's pre-drafted branch missed: with probability 1 - prod_s h_s(k), where
+          h_s(k) = a_0 ... a_{k-1} a_k (every draft accepted, then the bonus guessed, taken as
+          likely as one more accepted draft); plus whatever the pre-draft (1 + k model tokens)
+          takes beyond the verify it overlaps.
 The policy picks the k in 0..K that maximizes the batch's sum of E(k) over T(k): speculation turns
 itself off (k = 0) wherever it cannot pay, at batch 1 or 32 alike. With k = 0 it still drafts one
 token for one sequence (in turn) every `probe_every` steps while speculation could pay at all, so
@@ -42,6 +47,17 @@ class Acceptance:
         acc = self.accepted[j] if j < len(self.accepted) else 0
         return (acc + self.prior_rate * self.prior_weight) / (tried + self.prior_weight)
 
+    def branch_hit(self, k: int) -> float:
+        """The chance that a pre-drafted branch comes true: k drafts accepted, then the bonus
+        guessed (taken as likely as one more accepted draft). 1 with no drafts to verify (k = 0
+        has no branch and needs no drafting)."""
+        if k <= 0:
+            return 1.0
+        p = 1.0
+        for j in range(k + 1):
+            p *= self.rate(j)
+        return p
+
     def expected_tokens(self, k: int) -> float:
         total, p = 1.0, 1.0
         for j in range(k):
@@ -51,29 +67,43 @@ class Acceptance:
 
 
 class KPolicy:
-    def __init__(self, costs: StepCosts, max_k: int, model_tokens: int | None = None, probe_every: int = 16):
+    def __init__(self, costs: StepCosts, max_k: int, model_tokens: int | None = None, probe_every: int = 16,
+                 async_draft: bool = False):
         self.costs = costs
+        self.async_draft = async_draft
         self.max_k = max_k
         self.model_tokens = model_tokens  # hybrid drafter: the model drafts at most this many
         self.probe_every = probe_every
         self._since_probe = 0
         self.probing = False  # the last choice was a probe: the caller drafts for one sequence only
 
-    def step_time(self, batch: int, k: int) -> float:
+    def step_time(self, batch: int, k: int, hit: float = 0.0) -> float:
         """Seconds of one step: the verify call, and with k > 0 the propose call (split mode: one
-        network round trip each)."""
-        t = self.costs.verify_s(batch, k + 1) + self.costs.network_s
+        network round trip each). hit: the chance that no sequence needs drafting just in time
+        (asynchronous pre-drafting; 0 in lockstep)."""
+        verify = self.costs.verify_s(batch, k + 1) + self.costs.network_s
+        t = verify
         if k > 0:
             drafted = k if self.model_tokens is None else min(k, self.model_tokens)
-            t += drafted * self.costs.draft_s(batch) + self.costs.network_s
+            just_in_time = drafted * self.costs.draft_s(batch) + self.costs.network_s
+            if not self.async_draft:
+                return t + just_in_time
+            ahead = (1 + k) * self.costs.draft_s(batch) + self.costs.network_s
+            t += (1.0 - hit) * just_in_time + max(0.0, ahead - verify)
         return t
 
     def rates(self, accs: list[Acceptance], caps: list[int] | None = None) -> list[float]:
         """Expected tokens per second of the batch for k = 0..max_k."""
         caps = caps or [self.max_k] * len(accs)
         b = len(accs)
-        return [sum(a.expected_tokens(min(k, c)) for a, c in zip(accs, caps)) / self.step_time(b, k)
-                for k in range(self.max_k + 1)]
+        out = []
+        for k in range(self.max_k + 1):
+            hit = 1.0
+            if self.async_draft:
+                for a, c in zip(accs, caps):
+                    hit *= a.branch_hit(min(k, c))
+            out.append(sum(a.expected_tokens(min(k, c)) for a, c in zip(accs, caps)) / self.step_time(b, k, hit))
+        return out
 
     def choose(self, accs: list[Acceptance], caps: list[int] | None = None) -> int:
         self.probing = False

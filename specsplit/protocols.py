@@ -52,6 +52,11 @@ class ProposeRequest:
     seq_id: str
     new_token_ids: tuple[int, ...]  # tokens emitted since the drafter last saw this sequence
     k: int  # tokens to draft; 0 = only ingest new_token_ids
+    # Pre-drafting (specsplit.spec, async): draft the k tokens that follow new_token_ids + `after`,
+    # where `after` are the drafts being verified right now (not final). The first of the k is the
+    # drafter's guess of the step's bonus token, the rest the next step's drafts on that branch.
+    after: tuple[int, ...] = ()
+    ahead: bool = False  # a pre-draft: off the critical path (a hybrid drafter lets its model draft all k)
 
 
 @dataclass(frozen=True)
@@ -64,7 +69,7 @@ class Proposal:
 @dataclass(frozen=True)
 class RowRequest:
     seq_id: str
-    position: int  # index into the last proposal's drafts (0-based)
+    position: int  # index into the drafter's chain of drafts past the last tokens it was sent (0-based)
 
 
 @dataclass(frozen=True)
@@ -96,7 +101,8 @@ class Drafter(Protocol):
     def propose(self, reqs: Sequence[ProposeRequest]) -> list[Proposal]: ...
 
     def finish_step(self, fetch: Sequence[RowRequest]) -> list[QRow]:
-        """Return the requested q rows and drop every row kept from this step's proposals."""
+        """Return the requested q rows (the drafter keeps a sampled draft's q row until the tokens
+        that follow show it was verified: the next propose)."""
         ...
 
     def release(self, seq_ids: Sequence[str]) -> None: ...
@@ -128,3 +134,10 @@ class StepStats:
     accepted_per_position: list[int] = field(default_factory=list)
     draft_s: float = 0.0
     verify_s: float = 0.0
+    # Asynchronous pre-drafting (specsplit.spec): sequences whose pre-drafted branch matched what
+    # the step emitted (hits) or did not (misses), branches drafted, and the seconds the verifier
+    # waited for drafts (just-in-time drafting after a miss, or a pre-draft slower than the verify).
+    branch_hits: int = 0
+    branch_misses: int = 0
+    branches: int = 0
+    draft_wait_s: float = 0.0

@@ -273,8 +273,13 @@ class Scheduler:
         return max(0, min(k, req.budget - 1, self.decoder.max_model_len - req.num_tokens - 1))
 
     def _blocks(self, budget: KvBudget, req: Request) -> int:
-        """Blocks the request holds at the end of the next step's forward on this engine."""
-        return budget.blocks(req.num_tokens + self._lookahead(req))
+        """Blocks the request holds at the end of the next step's forward on this engine. A
+        pre-drafting drafter (SpecDecoder.async_draft) holds the branch past the k drafts too:
+        the bonus guess and k more."""
+        k = self._lookahead(req)
+        if k and budget.name == "drafter" and self.decoder.async_draft:
+            k = min(2 * k + 1, self.decoder.max_model_len - req.num_tokens)
+        return budget.blocks(req.num_tokens + k)
 
     def _fits(self, reqs: Iterable[Request], headroom: int = 0) -> KvBudget | None:
         """The first cache the requests do not fit in (None: they fit in all)."""

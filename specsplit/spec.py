@@ -2,6 +2,16 @@
 
     propose (drafter) -> verify (target, rejection sampler) -> [finish_step + resolve, sampling only]
 
+Asynchronous pre-drafting (`async_draft`, the default in split mode): while the verifier verifies
+step t's drafts D, the drafter drafts the branch "every draft of D accepted": its guess b of the
+bonus token, then K drafts after D + b. When the step emits exactly D + b (a hit) those K drafts
+are step t+1's and the step starts verifying at once; otherwise (a miss) the drafter drafts just
+in time, as in lockstep. Lossless by construction: a branch's drafts (and q(x), q rows) are drawn
+from q given that branch's prefix, and used only when the emitted tokens equal it; whether they
+are used depends on b and the verifier's draws, never on the branch's own draws (the keyed random
+numbers of the positions after b are used by nothing else). Hits, misses, branches and the
+seconds the verifier waited for drafts are counted in StepStats.
+
 The step never knows whether it talks to in-process engines or gRPC clients. It keeps, per
 sequence, only what the protocol needs: the tokens the drafter has not been told about yet
 (deltas; after speculation was off for a while, several steps' worth) and the full token list so
@@ -19,6 +29,7 @@ import logging
 import math
 import time
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -29,6 +40,7 @@ from specsplit.config import SpecConfig
 from specsplit.k_policy import Acceptance, KPolicy
 from specsplit.protocols import (
     Drafter,
+    Proposal,
     ProposeRequest,
     RowRequest,
     SeqAdd,
@@ -86,12 +98,17 @@ class SpecDecoder:
         self._hold_next: set[str] = set()  # abandoned this step: target-only next step
         self._hold_now: set[str] = set()  # abandoned last step: no proposal verified this step
         self.tracks: dict[str, _Track] = {}
+        self.async_draft = spec.async_draft and drafter is not None
+        self._ready: dict[str, Proposal] = {}  # next step's drafts of the branches that came true
+        self._pool: ThreadPoolExecutor | None = None  # the thread that calls the drafter while the verifier runs
+        self.branch_hits = 0
+        self.branch_misses = 0
         self.policy: KPolicy | None = None
         self.k_chosen: Counter[int] = Counter()  # steps per K drafted (0: speculation off that step)
         self._probes = 0  # probe steps so far: which sequence drafts in the next one
         if costs is not None and costs.verify and spec.k_policy == "auto":
             hybrid = spec.draft_model_tokens if getattr(drafter, "is_hybrid", False) else None
-            self.policy = KPolicy(costs, spec.num_speculative_tokens, hybrid)
+            self.policy = KPolicy(costs, spec.num_speculative_tokens, hybrid, async_draft=self.async_draft)
 
     # ---- lifecycle -----------------------------------------------------------------------
     @property
@@ -118,6 +135,7 @@ class SpecDecoder:
         on_drafter = [s for s in ids if self.tracks[s].on_drafter]
         for s in ids:
             del self.tracks[s]
+            self._ready.pop(s, None)
         if ids:
             self.verifier.release(ids)
         if on_drafter and self.drafter_up:
@@ -133,19 +151,25 @@ class SpecDecoder:
         ids = list(self.tracks)
         if not ids:
             return StepOutput({}, stats, False)
+        budgets = budgets or {}
         self._maybe_resync_drafter()
         speculate = self.drafter_up and self.spec.enabled_for(len(ids))
-        proposals = {}
+        proposals: dict[str, Proposal] = {}
         k_step = 0
         only = None
         if speculate:
             k_step, only = self._choose_k(ids)
             speculate = k_step > 0
         self.k_chosen[k_step] += 1
+        ready, self._ready = self._ready, {}
         if speculate:
+            proposals = self._take_ready(ready, budgets, k_step, only)
+            asks = self._propose_requests([s for s in ids if s not in proposals], budgets, k_step, only)
             t0 = time.perf_counter()
-            proposals = self._propose(ids, budgets or {}, k_step, only)
+            proposals.update(self._propose(asks))
             stats.draft_s = time.perf_counter() - t0
+            if self.async_draft and asks:
+                stats.draft_wait_s = stats.draft_s  # drafted just in time: the verifier waited
             speculate = bool(proposals)
 
         reqs = []
@@ -155,8 +179,12 @@ class SpecDecoder:
                 reqs.append(VerifyRequest(s, p.token_ids, p.probs))
             else:
                 reqs.append(VerifyRequest(s))
+        branches = self._start_predraft(reqs, budgets, k_step, only) if self.async_draft and k_step > 0 else None
         t0 = time.perf_counter()
         results = self.verifier.verify(reqs)
+        verified = time.perf_counter()
+        predrafts = self._join_predraft(branches)
+        stats.draft_wait_s += time.perf_counter() - verified
         results = self._resolve_pending(results, proposals)
         stats.verify_s = time.perf_counter() - t0
 
@@ -181,7 +209,80 @@ class SpecDecoder:
             stats.accepted += res.num_accepted
             for j in range(res.num_accepted):
                 stats.accepted_per_position[j] += 1
-        return StepOutput(out, stats, speculate, drafts, k_step if speculate else 0, logprobs)
+            branch = predrafts.get(res.seq_id)
+            if branch is not None:
+                stats.branches += 1
+                if self._branch_came_true(req, emitted, branch):
+                    stats.branch_hits += 1
+                else:
+                    stats.branch_misses += 1
+        self.branch_hits += stats.branch_hits
+        self.branch_misses += stats.branch_misses
+        return StepOutput(out, stats, speculate, drafts, k_step if speculate else 0, logprobs=logprobs)
+
+    # ---- asynchronous pre-drafting -------------------------------------------------------
+    def _take_ready(self, ready: dict[str, Proposal], budgets: dict[str, int], k_step: int, only: str | None) -> dict:
+        """The pre-drafted proposals this step uses, cut to the k each sequence may draft now."""
+        out = {}
+        for s, p in ready.items():
+            t = self.tracks.get(s)
+            if t is None or not t.on_drafter or s in self._hold_now or (only is not None and s != only):
+                continue
+            k = self._k_for(t, budgets.get(s), k_step, extra=0)
+            if k > 0:
+                out[s] = Proposal(s, p.token_ids[:k], None if p.probs is None else p.probs[:k])
+        return out
+
+    def _k_for(self, t: _Track, budget: int | None, k_step: int, extra: int) -> int:
+        """Drafts a sequence may verify in a step that starts `extra` tokens from now."""
+        room = self.max_model_len - len(t.tokens) - extra - 1
+        budget = t.k + 1 if budget is None else budget - extra
+        return min(t.k, k_step, room, budget - 1)
+
+    def _start_predraft(self, reqs: list[VerifyRequest], budgets: dict[str, int], k_step: int,
+                        only: str | None) -> tuple[list[ProposeRequest], Future] | None:
+        """Ask the drafter, on the pre-draft thread, for each speculating sequence's branch "all of
+        this step's drafts accepted": 1 + k tokens after them (the bonus guess, then k drafts)."""
+        asks = []
+        for r in reqs:
+            t = self.tracks[r.seq_id]
+            if not t.on_drafter or t.k <= 0 or r.seq_id in self._hold_now or (only is not None and r.seq_id != only):
+                continue
+            k = self._k_for(t, budgets.get(r.seq_id), k_step, extra=len(r.draft_token_ids) + 1)
+            if k <= 0:
+                continue
+            asks.append(ProposeRequest(r.seq_id, tuple(t.unsent), 1 + k, r.draft_token_ids, ahead=True))
+        if not asks:
+            return None
+        for a in asks:
+            self.tracks[a.seq_id].unsent = []
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="predraft")
+        return asks, self._pool.submit(self.drafter.propose, asks)
+
+    def _join_predraft(self, started) -> dict[str, Proposal]:
+        """Wait for the pre-draft call; its checked branches by seq_id (none if it failed)."""
+        if started is None:
+            return {}
+        asks, future = started
+        try:
+            proposals = future.result()
+        except Exception as e:
+            self._drafter_failed(e)
+            return {}
+        return self._checked_proposals(asks, proposals)
+
+    def _branch_came_true(self, req: VerifyRequest, emitted: list[int], branch: Proposal) -> bool:
+        """Whether the step emitted the branch's prefix (every draft, then the guessed bonus); if
+        so, keep the branch's remaining drafts for the next step."""
+        track = self.tracks[req.seq_id]
+        if not track.on_drafter or len(branch.token_ids) < 2:
+            return False
+        if tuple(emitted) != tuple(req.draft_token_ids) + branch.token_ids[:1]:
+            return False
+        self._ready[req.seq_id] = Proposal(req.seq_id, branch.token_ids[1:],
+                                           None if branch.probs is None else branch.probs[1:])
+        return True
 
     def _choose_k(self, ids: list[str]) -> tuple[int, str | None]:
         """The K of this step (the policy's over the sequences that speculate, else the fixed K),
@@ -200,17 +301,20 @@ class SpecDecoder:
         self._probes += 1
         return k, live[self._probes % len(live)]
 
-    def _propose(self, ids: list[str], budgets: dict[str, int], k_step: int, only: str | None = None):
+    def _propose_requests(self, ids: list[str], budgets: dict[str, int], k_step: int,
+                          only: str | None = None) -> list[ProposeRequest]:
         reqs = []
         for s in ids:
             t = self.tracks[s]
             if not t.on_drafter or t.k <= 0 or (only is not None and s != only):
                 continue
-            room = self.max_model_len - len(t.tokens) - 1
-            k = min(t.k, k_step, room, budgets.get(s, t.k + 1) - 1)
+            k = self._k_for(t, budgets.get(s), k_step, extra=0)
             if k <= 0:
                 continue
             reqs.append(ProposeRequest(s, tuple(t.unsent), k))
+        return reqs
+
+    def _propose(self, reqs: list[ProposeRequest]) -> dict[str, Proposal]:
         if not reqs:
             return {}
         try:
@@ -248,7 +352,11 @@ class SpecDecoder:
         sampled = any(p.probs is not None and any(q != 1.0 for q in p.probs) for p in proposals.values())
         if not pending and not sampled:
             return results
-        fetch = [RowRequest(r.seq_id, r.pending_position) for r in pending]
+        # The drafter counts chain positions from the last tokens it was sent: drafts of a branch
+        # that came true sit behind that step's tokens, until the next propose sends them.
+        fetch = [RowRequest(r.seq_id, len(self.tracks[r.seq_id].unsent) + r.pending_position) for r in pending]
+        if not self.drafter_up:  # it failed during this step's pre-draft: its q rows are lost
+            return self._abandon_sampled(results, proposals, "the drafter was lost before it sent its q rows")
         try:
             rows = self.drafter.finish_step(fetch)
         except Exception as e:
@@ -292,6 +400,8 @@ class SpecDecoder:
         # Their next step is target-only (whatever the drafter does), so each makes progress even
         # if the drafter keeps losing its rows; that choice, too, ignores the step's outcome.
         self._hold_next |= drop
+        for sid in drop:
+            self._ready.pop(sid, None)
         return [VerifyResult(r.seq_id, 0, ()) if r.seq_id in drop else r for r in results]
 
     # ---- drafter health ------------------------------------------------------------------
@@ -308,6 +418,7 @@ class SpecDecoder:
                 self._drafter_stale.add(t.add.seq_id)
             t.on_drafter = False
             t.unsent = []
+        self._ready.clear()
 
     def _maybe_resync_drafter(self) -> None:
         """After a drafter failure, give it every running sequence again once it answers.

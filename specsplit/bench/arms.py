@@ -29,7 +29,7 @@ class Timing:
     tokens: int
     proposed: int = 0
     accepted: int = 0
-    steps: int = 0  # speculative steps (verified >= 1 draft); 0 where unknown (the split arm)
+    steps: int = 0  # speculative steps (verified >= 1 draft); 0 where unknown (a split arm against an old gateway)
     per_position: list[int] = field(default_factory=list)  # steps that accepted draft j; [] where unknown
     output: list[int] = field(default_factory=list)  # the generated token ids ([] where not kept)
 

@@ -9,7 +9,8 @@ from specsplit.cli.common import positive_int
 
 
 def add_arguments(p, name: str) -> None:
-    p.add_argument("suite", nargs="?", default="all", choices=["target", "spec", "all"])
+    p.add_argument("suite", nargs="?", default="all", choices=["target", "spec", "all", "async"],
+                   help="async: pre-drafting vs lockstep, split vs colocated, 1-2 threads (specsplit/bench/overlap.py)")
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--draft", default="smollm2-135m-draft", help="model draft for the spec arms ('ngram' too)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="dtype of the spec arms")
@@ -51,6 +52,8 @@ def run(args) -> int:
     from specsplit.factory import set_threads
 
     set_threads(args.threads)
+    if args.suite == "async":
+        return _run_async(args)
     report = Bench(args).run()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -58,4 +61,22 @@ def run(args) -> int:
     png = plot(report, out / "bench.png")
     print(format_table(report))
     print(f"\nwrote {out / 'bench.json'}" + (f" and {png}" if png else ""), file=sys.stderr)
+    return 0
+
+
+def _run_async(args) -> int:
+    from specsplit.bench import overlap
+    from specsplit.bench.suite import heldout_prompts
+
+    def prompts_of(colo):
+        if args.prompt_token_ids:
+            return [[int(t) for t in args.prompt_token_ids.split(",")]] * (args.num_prompts or 3)
+        return heldout_prompts(colo.tokenizer, args.num_prompts or 3, args.max_prompt_tokens, chat=True)
+
+    report = overlap.run(args, prompts_of)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_async.json").write_text(json.dumps(report, indent=2))
+    print(overlap.format_report(report))
+    print(f"\nwrote {out / 'bench_async.json'}", file=sys.stderr)
     return 0

@@ -81,6 +81,10 @@ def add_spec_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-model-tokens", type=nonneg_int, default=DEFAULT_DRAFT_MODEL_TOKENS,
                    help="with --draft MODEL+ngram: the model drafts at most N of the K tokens, prompt lookup up "
                         "to K (0 = K; default %(default)s)")
+    g.add_argument("--async-draft", action=argparse.BooleanOptionalAction, default=None,
+                   help="pre-draft the next step's likeliest branch while the verifier verifies this one "
+                        "(default: on for the split gateway, off in one process, where it needs the drafter on "
+                        "its own core: one torch thread each)")
     g.add_argument("--disable-by-batch-size", type=nonneg_int, default=None,
                    help="decode target-only while more than N sequences run (0 = never), an operator's hard "
                         "limit; default 0 with --k-policy auto; with --k-policy fixed, 1 when the target runs on "

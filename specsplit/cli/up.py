@@ -27,6 +27,10 @@ def add_arguments(p, name: str) -> None:
     p.add_argument("--max-queue", type=int, default=64)
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for all three to be SERVING")
     p.add_argument("--drain-timeout", type=float, default=30.0)
+    for name in ("verifier", "drafter", "gateway"):
+        p.add_argument(f"--{name}-cpus", default=None, metavar="LIST",
+                       help=f"pin the {name} process to these CPUs (e.g. 0 or 2-3 or 0,2; default: not pinned); "
+                            "with --threads 1, --verifier-cpus 0 --drafter-cpus 1 gives each engine its own core")
     add_engine_flags(p)
     add_spec_flags(p)
     add_tensor_parallel_flag(p)  # the verifier's; the drafter stays at 1
@@ -46,6 +50,25 @@ def validate(args) -> None:
     validate_security(args)
     validate_http(args)
     validate_engine(args)
+    for name in ("verifier", "drafter", "gateway"):
+        cpu_list(getattr(args, f"{name}_cpus", None), f"--{name}-cpus")
+
+
+def cpu_list(text: str | None, flag: str = "cpus") -> set[int] | None:
+    """'0', '2-3', '0,2-3' -> CPU ids (None: not pinned); ValueError names the flag."""
+    if text is None:
+        return None
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.strip().partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise ValueError(f"{flag} takes CPU ids like 0 or 2-3 or 0,2-3, got {text!r}") from None
+    available = os.sched_getaffinity(0)
+    if not cpus or not cpus <= available:
+        raise ValueError(f"{flag} {text!r}: this process may run on CPUs {sorted(available)}")
+    return cpus
 
 
 def _engine_flags(args, device: str) -> list[str]:
@@ -63,6 +86,8 @@ def _spec_flags(args) -> list[str]:
     k = spec_config(args, args.draft).num_speculative_tokens
     out = ["--num-speculative-tokens", str(k), "--draft-model-tokens", str(args.draft_model_tokens),
            "--k-policy", args.k_policy]
+    if getattr(args, "async_draft", None) is not None:  # else the gateway's default (on)
+        out += ["--async-draft" if args.async_draft else "--no-async-draft"]
     if args.disable_by_batch_size is not None:  # else the gateway picks the default for the verifier's device
         out += ["--disable-by-batch-size", str(args.disable_by_batch_size)]
     return out
@@ -157,8 +182,11 @@ def run(args) -> int:
             if stop_requested:
                 break
             # Children ignore the terminal's Ctrl-C (own process group): this process forwards it.
-            procs[name] = subprocess.Popen(cmds[name], start_new_session=True, env=os.environ.copy())
-            print(f"specsplit up: started {name} (pid {procs[name].pid}) on {addresses[name]}", file=sys.stderr)
+            cpus = cpu_list(getattr(args, f"{name}_cpus", None))
+            procs[name] = subprocess.Popen(cmds[name], start_new_session=True, env=os.environ.copy(),
+                                           preexec_fn=None if cpus is None else (lambda c=cpus: os.sched_setaffinity(0, c)))
+            print(f"specsplit up: started {name} (pid {procs[name].pid}) on {addresses[name]}"
+                  + ("" if cpus is None else f", CPUs {sorted(cpus)}"), file=sys.stderr)
             wait_serving({name: (procs[name], addresses[name])}, max(1.0, deadline - time.monotonic()), security=isec,
                          stop_requested=lambda: bool(stop_requested),
                          on_serving=lambda name: print(f"specsplit up: {name} is SERVING on {addresses[name]}",

@@ -40,8 +40,11 @@ def test_up_generate_server_json_equals_local(up, capsys, tiny_llama):
     info = server_info(addresses["gateway"])
     assert info.mode == "split" and info.draft_model == "ngram" and info.num_speculative_tokens == 4
     common = ["--prompt-token-ids", PROMPT_IDS, "--max-tokens", "24", "--ignore-eos", "--json"]
+    # The split gateway pre-drafts by default; so does the local run here, so the drafts (usage)
+    # match too (the tokens match either way).
     remote = _cli_json(capsys, ["generate", "--server", addresses["gateway"], *common])
-    local = _cli_json(capsys, ["generate", "--target", str(tiny_llama), "--draft", "ngram", *common, *FIXED_K])
+    local = _cli_json(capsys, ["generate", "--target", str(tiny_llama), "--draft", "ngram", *common, *FIXED_K,
+                               "--async-draft"])
     assert remote == local
     assert remote["usage"]["proposed_draft_tokens"] > 0  # the repeating prompt gives n-gram drafts
     text_remote = _cli_json(capsys, ["generate", "--server", addresses["gateway"], "w5 w9 w13", "--max-tokens", "8", "--json"])
@@ -51,7 +54,10 @@ def test_up_generate_server_json_equals_local(up, capsys, tiny_llama):
     # Seeded sampling: the server takes the shortest decimal of the API's float32 values, as local does.
     sampled = [*common, "--temperature", "0.7", "--top-p", "0.9", "--seed", "5"]
     assert _cli_json(capsys, ["generate", "--server", addresses["gateway"], *sampled]) == \
-        _cli_json(capsys, ["generate", "--target", str(tiny_llama), "--draft", "ngram", *sampled, *FIXED_K])
+        _cli_json(capsys, ["generate", "--target", str(tiny_llama), "--draft", "ngram", *sampled, *FIXED_K,
+                           "--async-draft"])
+    lockstep = _cli_json(capsys, ["generate", "--target", str(tiny_llama), "--draft", "ngram", *common, *FIXED_K])
+    assert lockstep["token_ids"] == remote["token_ids"]
 
 
 def test_generate_server_streams_text(up, capsys):

@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from protos.specsplit.v1 import gateway_pb2_grpc
+from tests.helpers.logprobs import check_streamed_logprobs as _check
 from tests.services.procs import request
-
-TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -25,23 +24,6 @@ def hf_target(tiny_llama):
 def _stream(address, req) -> list:
     with grpc.insecure_channel(address) as ch:
         return list(gateway_pb2_grpc.GatewayStub(ch).Generate(req, timeout=60))
-
-
-def _check(model, prompt, msgs, n):
-    ids = [t for m in msgs for t in m.token_ids]
-    lps = [lp for m in msgs for lp in m.logprobs]
-    assert all(len(m.logprobs) == len(m.token_ids) for m in msgs)
-    assert [lp.token_id for lp in lps] == ids
-    with torch.no_grad():
-        logits = model(torch.tensor([list(prompt) + ids])).logits[0].float()
-    ref = torch.log_softmax(logits[len(prompt) - 1: len(prompt) + len(ids) - 1], dim=-1)  # [len(ids), V]
-    for j, lp in enumerate(lps):
-        assert abs(lp.logprob - float(ref[j, lp.token_id])) < TOL, j
-        assert len(lp.top) == n
-        best = ref[j].topk(n).values.tolist()
-        for alt, b in zip(lp.top, best):
-            assert abs(alt.logprob - float(ref[j, alt.token_id])) < TOL and abs(alt.logprob - b) < TOL
-    return ids
 
 
 def _counts_add_up(msgs):

@@ -2,7 +2,7 @@
 a gateway with the n-gram drafter:
 
 1. greedy streams equal the target alone (certified near-ties aside), concurrently; the verifier's
-   plan lists both ranks;
+   plan lists both ranks; the streams that ask for logprobs get the target's (1e-4);
 2. a worker killed with SIGKILL: the verifier turns NOT_SERVING and every open stream ends with
    UNAVAILABLE within 5 s; new requests fail UNAVAILABLE; no hang;
 3. SIGTERM, and SIGKILL of the verifier itself, leave no worker process behind.
@@ -17,8 +17,10 @@ import time
 
 import grpc
 import pytest
+import torch
 
 from protos.specsplit.v1 import gateway_pb2_grpc
+from tests.helpers.logprobs import check_streamed_logprobs
 from tests.helpers.orphans import assert_gone, tp_workers
 from tests.services.procs import HOST, SPECULATE_ALWAYS, TINY_ENGINE, ServiceProcess, Stack, free_port, generate, health, \
     request, service_info, wait_for
@@ -53,7 +55,11 @@ def tp_stack(tmp_path_factory, tiny_llama):
         assert_gone(workers)
 
 
-def test_tp2_greedy_equals_target_only_and_plan_lists_ranks(tp_stack, prompts, expect_greedy):
+def test_tp2_greedy_equals_target_only_and_plan_lists_ranks(tp_stack, prompts, expect_greedy, tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    from gateway.client import collect
+
     stack, workers = tp_stack
     assert len(workers) == 1
     plan = json.loads(service_info(stack["verifier"].address, "verifier").memory_plan_json)
@@ -61,8 +67,13 @@ def test_tp2_greedy_equals_target_only_and_plan_lists_ranks(tp_stack, prompts, e
     batch = prompts[:4]
     outs: list = [None] * len(batch)
 
-    def run(i):
-        outs[i] = generate(stack.gateway, request(batch[i], max_tokens=20, ignore_eos=True))
+    msgs: list = [None] * len(batch)
+
+    def run(i):  # every other stream asks for logprobs: rank 0 scores them from the gathered logits
+        with grpc.insecure_channel(stack.gateway) as ch:
+            msgs[i] = list(gateway_pb2_grpc.GatewayStub(ch).Generate(
+                request(batch[i], max_tokens=20, ignore_eos=True, logprobs=2 if i % 2 else None), timeout=60))
+        outs[i] = collect(msgs[i])
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(batch))]
     for t in threads:
@@ -72,6 +83,12 @@ def test_tp2_greedy_equals_target_only_and_plan_lists_ranks(tp_stack, prompts, e
     for ids, out in zip(batch, outs):
         expect_greedy(ids, out["token_ids"], 20, ignore_eos=True)
     assert sum(o["usage"]["proposed_draft_tokens"] for o in outs) > 0
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    for i, ids in enumerate(batch):
+        if i % 2:
+            check_streamed_logprobs(hf, ids, msgs[i], 2)
+        else:
+            assert all(len(m.logprobs) == 0 for m in msgs[i])
 
 
 def test_worker_death_ends_streams_unavailable_within_5s(tp_stack, prompts):

@@ -14,9 +14,9 @@ from specsplit.factory import build_colocated
 from specsplit.request import GenerationRequest
 from specsplit.sampling.params import SamplingParams
 from specsplit.scheduler import Scheduler
+from tests.helpers.logprobs import TOL, reference_logprobs
 
 MAX_LEN = 128
-TOL = 1e-4
 
 
 def _colo(target, draft, k=3, num_blocks=None, max_num_seqs=8):
@@ -36,17 +36,10 @@ def hf_target(tiny_llama):
     return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
 
 
-def _reference(model, prompt, output) -> torch.Tensor:
-    """[len(output), V]: log_softmax of the target's logits at each output position, target-only."""
-    with torch.no_grad():
-        logits = model(torch.tensor([list(prompt) + list(output)])).logits[0].float()  # [L, V]
-    return torch.log_softmax(logits[len(prompt) - 1: len(prompt) + len(output) - 1], dim=-1)
-
-
 def _check(model, req, n):
     """One TokenLogprob per output token, equal to the reference; top n = the reference's n best."""
     assert req.logprobs is not None and len(req.logprobs) == len(req.output) > 0
-    ref = _reference(model, req.prompt_token_ids, req.output)
+    ref = reference_logprobs(model, req.prompt_token_ids, req.output)
     for j, (t, lp) in enumerate(zip(req.output, req.logprobs)):
         assert lp.token_id == t
         assert abs(lp.logprob - float(ref[j, t])) < TOL, (req.request_id, j)
@@ -209,3 +202,44 @@ def test_engine_refuses_more_than_20_alternatives(spec_close):
     with pytest.raises(EngineError, match="logprobs must be in"):
         spec_close.target.add([SeqAdd("x", (1, 2), logprobs=21)])
     assert "x" not in spec_close.target.seqs
+
+
+class _NoLogprobs:
+    """A real target engine behind a verifier that drops logprobs (one older than the field)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.vocab_size = engine.vocab_size
+
+    def add(self, seqs):
+        return self.engine.add(seqs)
+
+    def verify(self, reqs):
+        from dataclasses import replace
+
+        return [replace(r, logprobs=None) for r in self.engine.verify(reqs)]
+
+    def resolve(self, rows):
+        return self.engine.resolve(rows)
+
+    def abandon(self, ids):
+        return self.engine.abandon(ids)
+
+    def release(self, ids):
+        return self.engine.release(ids)
+
+
+def test_a_verifier_that_sends_no_logprobs_fails_only_the_requests_that_asked(tiny_llama):
+    colo = _colo(tiny_llama, None)
+    try:
+        colo.decoder.verifier = _NoLogprobs(colo.decoder.verifier)
+        sched = Scheduler(colo.decoder, colo.eos_token_ids, 8)
+        asked = sched.submit(GenerationRequest("a", _prompt(1, 5), 6, ignore_eos=True, logprobs=1))
+        plain = sched.submit(GenerationRequest("b", _prompt(2, 5), 6, ignore_eos=True))
+        while sched.has_work:
+            sched.step()
+        assert asked.error is not None and asked.error.kind == "unimplemented" and "logprobs" in asked.error.message
+        assert plain.error is None and len(plain.output) == 6
+        assert not colo.target.seqs  # the failed one was released
+    finally:
+        colo.close()

@@ -175,3 +175,46 @@ def test_colocated_engines_calibrate_and_report(tiny_llama, tiny_draft_close):
     fixed = build_colocated(tc, EngineConfig(model=str(tiny_draft_close), max_model_len=MAX_LEN, max_num_seqs=4),
                             SpecConfig(num_speculative_tokens=3, k_policy="fixed"), show_progress=False)
     assert fixed.decoder.policy is None and fixed.target.step_costs is None
+
+
+def test_async_pricing_pays_drafting_only_on_a_miss():
+    """With pre-drafting, drafting costs (1 - hit) of a just-in-time draft, plus what the pre-draft
+    takes beyond the verify it overlaps; lockstep always pays it."""
+    costs = _costs([1.0, 1.05, 1.1, 1.15, 1.2], draft=0.2)
+    lock, ahead = KPolicy(costs, 4), KPolicy(costs, 4, async_draft=True)
+    assert ahead.step_time(1, 0) == lock.step_time(1, 0) == pytest.approx(1.0)
+    assert lock.step_time(1, 2) == pytest.approx(1.1 + 2 * 0.2)
+    assert ahead.step_time(1, 2, hit=1.0) == pytest.approx(1.1)  # the pre-draft (0.6 s) hides under the verify
+    assert ahead.step_time(1, 2, hit=0.0) == pytest.approx(lock.step_time(1, 2))
+    assert ahead.step_time(1, 2, hit=0.5) == pytest.approx(1.1 + 0.5 * 0.4)
+    slow = KPolicy(_costs([1.0, 1.05, 1.1, 1.15, 1.2], draft=0.5), 4, async_draft=True)
+    assert slow.step_time(1, 2, hit=1.0) == pytest.approx(1.1 + (3 * 0.5 - 1.1))  # pre-draft longer than verify
+
+
+def test_branch_hit_is_every_draft_then_the_bonus():
+    a = Acceptance(prior_rate=0.5, prior_weight=2.0)
+    assert a.branch_hit(0) == 1.0
+    assert a.branch_hit(1) == pytest.approx(0.25) and a.branch_hit(2) == pytest.approx(0.125)
+
+
+def test_async_never_prices_a_k_above_lockstep():
+    """Drafting is cheaper when it overlaps the verify: while the pre-draft fits under the verify
+    (here 5 x 0.15 s < 1.08 s), every K's expected tokens per second is at least lockstep's, and
+    strictly more for K > 0 once drafts get accepted."""
+    torch.manual_seed(0)
+    costs = _costs([1.0, 1.02, 1.04, 1.06, 1.08], draft=0.15)
+    for rate in (0.0, 0.3, 0.6, 0.9):
+        accs = [_acc(rate), _acc(rate)]
+        ahead, lock = KPolicy(costs, 4, async_draft=True).rates(accs), KPolicy(costs, 4).rates(accs)
+        assert all(a >= b - 1e-12 for a, b in zip(ahead, lock)), (rate, ahead, lock)
+        if rate > 0:
+            assert all(a > b for a, b in zip(ahead[1:], lock[1:]))
+
+
+def test_extrapolation_never_prices_a_bigger_batch_lower():
+    """Noisy calibration can time batch 8 below batch 4; past the largest batch the cost must not
+    fall (a negative step time made the policy pick nonsense)."""
+    costs = StepCosts(verify={(1, 1): 0.05, (4, 1): 0.09, (8, 1): 0.08}, draft={1: 0.004, 4: 0.006, 8: 0.005})
+    assert costs.verify_s(32, 1) >= costs.verify_s(8, 1) > 0
+    assert costs.draft_s(32) >= costs.draft_s(8) > 0
+    assert costs.verify_s(6, 1) == pytest.approx(0.085)  # inside the points: interpolated as measured

@@ -56,7 +56,7 @@ def test_memory_flat_while_disabled_then_resumes_equal(tiny_llama, tiny_draft_cl
             # measure the structures that could leak: live tensors and per-step state.
             snapshots[step] = (
                 live_tensor_bytes(),
-                sum(1 for s in colo.drafter.seqs.values() if s.q_rows is not None),
+                colo.drafter.num_q_rows,
                 sum(1 for s in colo.target.seqs.values() if s.p_row is not None),
             )
     assert gen.speculative_steps == 0

@@ -8,14 +8,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ProposeItem(_message.Message):
-    __slots__ = ("seq_id", "new_token_ids", "k")
+    __slots__ = ("seq_id", "new_token_ids", "k", "after", "ahead")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     k: int
-    def __init__(self, seq_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ...) -> None: ...
+    after: _containers.RepeatedScalarFieldContainer[int]
+    ahead: bool
+    def __init__(self, seq_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., after: _Optional[_Iterable[int]] = ..., ahead: _Optional[bool] = ...) -> None: ...
 
 class ProposeBatch(_message.Message):
     __slots__ = ("items",)

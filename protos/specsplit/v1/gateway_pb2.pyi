@@ -128,7 +128,7 @@ class ServiceStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., reachable: _Optional[bool] = ..., error: _Optional[str] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., num_running: _Optional[int] = ..., kv: _Optional[_Union[KvBlocks, _Mapping]] = ..., memory_plan_json: _Optional[str] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("mode", "target_model", "draft_model", "num_speculative_tokens", "disable_by_batch_size", "max_model_len", "max_num_seqs", "max_queue", "vocab_size", "eos_token_ids", "drafter_up", "num_running", "num_waiting", "services", "verify_costs", "draft_costs", "network_s")
+    __slots__ = ("mode", "target_model", "draft_model", "num_speculative_tokens", "disable_by_batch_size", "max_model_len", "max_num_seqs", "max_queue", "vocab_size", "eos_token_ids", "drafter_up", "num_running", "num_waiting", "services", "verify_costs", "draft_costs", "network_s", "async_draft", "branch_hits", "branch_misses")
     MODE_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +146,9 @@ class ServerInfo(_message.Message):
     VERIFY_COSTS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_COSTS_FIELD_NUMBER: _ClassVar[int]
     NETWORK_S_FIELD_NUMBER: _ClassVar[int]
+    ASYNC_DRAFT_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_HITS_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_MISSES_FIELD_NUMBER: _ClassVar[int]
     mode: str
     target_model: str
     draft_model: str
@@ -163,4 +166,7 @@ class ServerInfo(_message.Message):
     verify_costs: _containers.RepeatedCompositeFieldContainer[_common_pb2.StepCost]
     draft_costs: _containers.RepeatedCompositeFieldContainer[_common_pb2.StepCost]
     network_s: float
-    def __init__(self, mode: _Optional[str] = ..., target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., disable_by_batch_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_queue: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., drafter_up: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., services: _Optional[_Iterable[_Union[ServiceStatus, _Mapping]]] = ..., verify_costs: _Optional[_Iterable[_Union[_common_pb2.StepCost, _Mapping]]] = ..., draft_costs: _Optional[_Iterable[_Union[_common_pb2.StepCost, _Mapping]]] = ..., network_s: _Optional[float] = ...) -> None: ...
+    async_draft: bool
+    branch_hits: int
+    branch_misses: int
+    def __init__(self, mode: _Optional[str] = ..., target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., disable_by_batch_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_queue: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., drafter_up: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., services: _Optional[_Iterable[_Union[ServiceStatus, _Mapping]]] = ..., verify_costs: _Optional[_Iterable[_Union[_common_pb2.StepCost, _Mapping]]] = ..., draft_costs: _Optional[_Iterable[_Union[_common_pb2.StepCost, _Mapping]]] = ..., network_s: _Optional[float] = ..., async_draft: _Optional[bool] = ..., branch_hits: _Optional[int] = ..., branch_misses: _Optional[int] = ...) -> None: ...

@@ -30,9 +30,6 @@ def test_bench_quick_json(tmp_path, tiny_llama, tiny_draft_close):
         if a["proposed_draft_tokens"]:
             assert a["acceptance_rate"] == a["accepted_draft_tokens"] / a["proposed_draft_tokens"]
             assert 0 <= a["acceptance_rate"] <= 1
-            if a.get("mode") == "split":  # the wire does not say which steps speculated
-                assert a["per_position_acceptance"] == [] and a["mean_accepted_length"] is None
-                continue
             assert len(a["per_position_acceptance"]) >= 1
             assert all(0 <= x <= 1 for x in a["per_position_acceptance"])
         elif a["arm"].startswith(("specsplit colocated", "specsplit split")) and a.get("role") != "policy":
@@ -67,8 +64,12 @@ def test_bench_quick_json(tmp_path, tiny_llama, tiny_draft_close):
     assert split["generated_tokens"] == colo["generated_tokens"] == 2 * 12
     assert split["ratio_vs_colocated"] == split["tokens_per_s"] / colo["tokens_per_s"]
     assert split["speedup_vs_target_only"] > 0
-    # Same drafts over the wire as in-process (greedy, same threads): the same acceptance.
-    assert (split["proposed_draft_tokens"], split["accepted_draft_tokens"]) == \
-        (colo["proposed_draft_tokens"], colo["accepted_draft_tokens"])
+    # The split gateway pre-drafts (its default) and the colocated arm runs lockstep: on a branch
+    # the hybrid's model drafts all K (off the critical path), in lockstep one token, so the draft
+    # counts may differ; the tokens may not (above).
+    assert split["proposed_draft_tokens"] > 0 and colo["proposed_draft_tokens"] > 0
+    # The per-message draft counts give the split arm its speculative steps: per-position acceptance
+    # and mean accepted length are reported (checked in [0, 1] with the other arms above).
+    assert split["per_position_acceptance"] and split["mean_accepted_length"] is not None
     # One response per decode step, each step's tokens = its accepted drafts + 1.
     assert split["generated_tokens"] == split["accepted_draft_tokens"] + split["decode_steps"]
