@@ -39,7 +39,9 @@ def _brute(policy: KPolicy, accs, caps) -> int:
         rate = tokens / policy.step_time(len(accs), k)
         if best is None or rate > best[0] + 1e-12:
             best = (rate, k)
-    return best[1]
+        if k == 0:
+            target_only = rate
+    return best[1] if best[0] >= target_only * (1 + policy.margin) else 0
 
 
 def test_acceptance_counts_positions_conditionally():
@@ -218,3 +220,12 @@ def test_extrapolation_never_prices_a_bigger_batch_lower():
     assert costs.verify_s(32, 1) >= costs.verify_s(8, 1) > 0
     assert costs.draft_s(32) >= costs.draft_s(8) > 0
     assert costs.verify_s(6, 1) == pytest.approx(0.085)  # inside the points: interpolated as measured
+
+
+def test_a_gain_below_the_margin_stays_target_only():
+    """k > 0 only when it beats target-only by the margin (3%): calibration noise is about that."""
+    costs = _costs([1.0, 1.02, 1.04, 1.06, 1.08], draft=0.0)
+    a = Acceptance(prior_rate=0.02, prior_weight=1000.0)  # E(1) = 1.02: 1.02 / 1.02 = no gain
+    assert KPolicy(costs, 4).choose([a]) == 0
+    b = Acceptance(prior_rate=0.06, prior_weight=1000.0)  # E(1) = 1.06: +3.9% at k = 1
+    assert KPolicy(costs, 4).choose([b]) == 1 and KPolicy(costs, 4, margin=0.05).choose([b]) == 0
