@@ -14,6 +14,7 @@ from specsplit.factory import build_colocated
 from specsplit.request import GenerationRequest
 from specsplit.sampling.params import SamplingParams
 from specsplit.scheduler import Scheduler
+from tests.helpers.drafters import LosesRows
 from tests.helpers.logprobs import TOL, reference_logprobs
 
 MAX_LEN = 128
@@ -155,33 +156,10 @@ def test_preempted_requests_keep_one_logprob_per_token(tiny_llama, tiny_draft_cl
         colo.close()
 
 
-class _LosesRows:
-    """A real draft engine whose finish_step fails one call in two: the step is abandoned."""
-
-    def __init__(self, engine):
-        self.engine, self.calls, self.failures = engine, 0, 0
-
-    def add(self, seqs):
-        return self.engine.add(seqs)
-
-    def propose(self, reqs):
-        return self.engine.propose(reqs)
-
-    def finish_step(self, fetch):
-        self.calls += 1
-        if self.calls % 2:
-            self.failures += 1
-            raise ConnectionError("drafter lost before it sent its q rows")
-        return self.engine.finish_step(fetch)
-
-    def release(self, ids):
-        return self.engine.release(ids)
-
-
 def test_abandoned_steps_drop_their_logprobs(tiny_llama, tiny_draft_far, hf_target):
     colo = _colo(tiny_llama, tiny_draft_far, k=3)
     try:
-        lossy = _LosesRows(colo.drafter)
+        lossy = LosesRows(colo.drafter, every=2)
         colo.decoder.drafter = lossy
         colo.decoder.drafter_retry_s = 0.0
         reqs = [GenerationRequest(f"a{i}", _prompt(i, 8), 16, SamplingParams(1.0, 1.0, 0, seed=i, coupling=False),

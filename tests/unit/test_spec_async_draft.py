@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import torch
 import pytest
-from scipy import stats
 
 from specsplit.config import EngineConfig, SpecConfig
 from specsplit.factory import build_colocated
 from specsplit.generation import GenerationRequest, Generator
 from specsplit.sampling import logits_to_probs
 from specsplit.sampling.params import SamplingParams
+from tests.helpers.chisquare import pooled_chisquare
+from tests.helpers.drafters import FailsAhead
 from tests.helpers.greedy import assert_greedy_equal_or_tie
 from tests.unit.test_spec_greedy_equality import MAX_LEN, _requests
 
@@ -91,32 +92,6 @@ def test_sampled_async_equals_lockstep_token_for_token(tiny_llama, tiny_draft_cl
     assert hits > 20 and outs[0] == outs[1]
 
 
-class FailsAhead:
-    """A real draft engine whose pre-draft calls fail one in two (the drafter lost mid-pre-draft)."""
-
-    def __init__(self, engine):
-        self.engine = engine
-        self.pre_drafts = 0
-        self.failures = 0
-
-    def add(self, seqs):
-        return self.engine.add(seqs)
-
-    def propose(self, reqs):
-        if any(r.ahead for r in reqs):
-            self.pre_drafts += 1
-            if self.pre_drafts % 2:
-                self.failures += 1
-                raise ConnectionError("drafter lost while pre-drafting")
-        return self.engine.propose(reqs)
-
-    def finish_step(self, fetch):
-        return self.engine.finish_step(fetch)
-
-    def release(self, ids):
-        return self.engine.release(ids)
-
-
 def test_drafter_lost_mid_pre_draft_keeps_greedy_output(tiny_llama, tiny_draft_close, tiny_llama_logits, reference):
     colo = _colo(tiny_llama, tiny_draft_close, 3)
     flaky = FailsAhead(colo.drafter)
@@ -178,17 +153,7 @@ def test_async_sampling_keeps_the_target_distribution(tiny_llama, tiny_draft_clo
         key = tuple(s.output)
         assert key in joint, f"emitted {key}, which the target gives no mass"
         counts[key] = counts.get(key, 0) + 1
-    cells = sorted(joint)
-    f_obs = torch.tensor([counts.get(c, 0) for c in cells], dtype=torch.float64)
-    f_exp = torch.tensor([joint[c] for c in cells], dtype=torch.float64)
-    f_exp = f_exp / f_exp.sum() * NUM_SAMPLES
-    tv = 0.5 * float((f_obs - f_exp).abs().sum()) / NUM_SAMPLES
-    big = f_exp >= 5
-    f_obs = torch.cat([f_obs[big], f_obs[~big].sum().reshape(1)])
-    f_exp = torch.cat([f_exp[big], f_exp[~big].sum().reshape(1)])
-    if f_exp[-1] == 0:
-        f_obs, f_exp = f_obs[:-1], f_exp[:-1]
-    pvalue = stats.chisquare(f_obs.numpy(), f_exp.numpy()).pvalue
+    pvalue, tv = pooled_chisquare(counts, joint, NUM_SAMPLES)
     print(f"FIGURE async sampling ({'lossy' if flaky else 'clean'}): joint of {NEW_TOKENS} tokens chi-square p "
           f"{pvalue:.3g}, TV {tv:.4f}; branch hits {dec.branch_hits}, misses {dec.branch_misses}")
     # TV of an exact sampler with 3000 draws over <= 81 cells is ~0.06-0.08 (sampling noise).

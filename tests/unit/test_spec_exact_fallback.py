@@ -11,37 +11,13 @@ from specsplit.factory import build_colocated
 from specsplit.generation import GenerationRequest, Generator
 from specsplit.sampling import logits_to_probs
 from specsplit.sampling.params import SamplingParams
+from tests.helpers.chisquare import pooled_chisquare
+from tests.helpers.drafters import LosesRows
 
 PROMPT = (5, 6, 7, 8, 9, 5, 6, 7)
 # With the far draft the one-hot fallback emitted the first token off by TV 0.08 at a lost step.
 PARAMS = dict(temperature=1.0, top_k=20)
 NUM_SAMPLES = 4000
-
-
-class LosesRows:
-    """A real draft engine whose finish_step fails two calls in three (a drafter lost after it
-    proposed): a failure pattern that does not look at the step's outcome."""
-
-    def __init__(self, engine):
-        self.engine = engine
-        self.calls = 0
-        self.failures = 0
-
-    def add(self, seqs):
-        return self.engine.add(seqs)
-
-    def propose(self, reqs):
-        return self.engine.propose(reqs)
-
-    def finish_step(self, fetch):
-        self.calls += 1
-        if self.calls % 3:
-            self.failures += 1
-            raise ConnectionError("drafter lost before it sent its q rows")
-        return self.engine.finish_step(fetch)
-
-    def release(self, ids):
-        return self.engine.release(ids)
 
 
 def _target_probs(target_dir, contexts: list[tuple[int, ...]]) -> torch.Tensor:  # [N, V] next-token p
@@ -81,22 +57,13 @@ def test_drafter_lost_mid_step_keeps_the_target_distribution(tiny_llama, tiny_dr
         key = tuple(s.output)
         assert key in joint, f"emitted {key}, which the target gives no mass"
         counts[key] = counts.get(key, 0) + 1
-    cells = sorted(joint)
-    f_obs = torch.tensor([counts.get(c, 0) for c in cells], dtype=torch.float64)
-    f_exp = torch.tensor([joint[c] for c in cells], dtype=torch.float64)
-    f_exp = f_exp / f_exp.sum() * NUM_SAMPLES
-    big = f_exp >= 5
-    f_obs = torch.cat([f_obs[big], f_obs[~big].sum().reshape(1)])
-    f_exp = torch.cat([f_exp[big], f_exp[~big].sum().reshape(1)])
-    if f_exp[-1] == 0:
-        f_obs, f_exp = f_obs[:-1], f_exp[:-1]
+    pvalue, _ = pooled_chisquare(counts, joint, NUM_SAMPLES)
     first = torch.zeros_like(p0, dtype=torch.float64)
     for s in states:
         first[s.output[0]] += 1
     tv_first = 0.5 * float((first / NUM_SAMPLES - p0.double()).abs().sum())
     keep = p0 > 0
     p_first = stats.chisquare(first[keep].numpy(), (p0.double()[keep] / p0.double()[keep].sum() * NUM_SAMPLES).numpy()).pvalue
-    pvalue = stats.chisquare(f_obs.numpy(), f_exp.numpy()).pvalue
     print(f"FIGURE exact fallback: first token chi-square p {p_first:.3g}, TV {tv_first:.4f}; first two tokens "
           f"chi-square p {pvalue:.3g}; {lossy.failures} lost steps")
     assert p_first > 1e-3 and tv_first < 0.05 and pvalue > 1e-3, (p_first, tv_first, pvalue)

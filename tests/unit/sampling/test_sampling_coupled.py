@@ -11,6 +11,7 @@ from specsplit.generation import GenerationRequest, Generator
 from specsplit.sampling import logits_to_probs
 from specsplit.sampling.coupled import coupled_sample, gumbel_noise
 from specsplit.sampling.params import SamplingParams
+from tests.helpers.chisquare import pooled_chisquare
 
 PROMPT = (5, 6, 7, 8, 9, 5, 6, 7)
 
@@ -94,15 +95,6 @@ def test_coupled_speculation_keeps_the_target_distribution(tiny_llama, tiny_draf
     for s in states:
         assert tuple(s.output) in joint
         counts[tuple(s.output)] = counts.get(tuple(s.output), 0) + 1
-    cells = sorted(joint)
-    f_obs = torch.tensor([counts.get(c, 0) for c in cells], dtype=torch.float64)
-    f_exp = torch.tensor([joint[c] for c in cells], dtype=torch.float64)
-    f_exp = f_exp / f_exp.sum() * n
-    big = f_exp >= 5
-    f_obs = torch.cat([f_obs[big], f_obs[~big].sum().reshape(1)])
-    f_exp = torch.cat([f_exp[big], f_exp[~big].sum().reshape(1)])
-    if f_exp[-1] == 0:
-        f_obs, f_exp = f_obs[:-1], f_exp[:-1]
-    pvalue = stats.chisquare(f_obs.numpy(), f_exp.numpy()).pvalue
+    pvalue, _ = pooled_chisquare(counts, joint, n)
     print(f"FIGURE coupled sampling: first two tokens chi-square p {pvalue:.3g}")
     assert pvalue > 1e-3
