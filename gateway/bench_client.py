@@ -83,12 +83,9 @@ def run_split(name: str, address: str, prompts: list[list[int]], new_tokens: int
               concurrency: int = 1, progress: Callable[[], None] | None = None, timeout: float = 900.0,
               security=None) -> ArmResult:
     """Streams the prompts through the gateway at `address`; see the module docstring."""
-    from rpc.security import channel as make_channel
-
     timings: list[Timing] = []
     decode_steps = 0
-    with make_channel(address, security) as ch:
-        stub = gateway_pb2_grpc.GatewayStub(ch)
+    with gateway_stub(address, security) as stub:
         timed_generate(stub, prompts[0], new_tokens, k, timeout)  # warm-up (discarded)
         if concurrency <= 1:
             for p in prompts:
@@ -135,11 +132,10 @@ def run_split_paired(name: str, colo_name: str, address: str, colo, prompts: lis
     both see the same machine: on shared CPUs the speed drifts by tens of percent over minutes,
     and arms timed minutes apart cannot give a ratio to a few percent. One warm-up each
     (discarded); per prompt the median of `repeats` runs of each. Returns (split, colocated)."""
-    from rpc.security import channel as make_channel
     from specsplit.bench.arms import colocated_arm, run_interleaved
 
-    with make_channel(address, security) as ch:
-        split, steps = split_arm(name, gateway_pb2_grpc.GatewayStub(ch), new_tokens, k, timeout)
+    with gateway_stub(address, security) as stub:
+        split, steps = split_arm(name, stub, new_tokens, k, timeout)
         paired = colocated_arm(colo_name, colo, new_tokens, k, interleaved_with_split=True)
         colo_result, split_result = run_interleaved([paired, split], prompts, repeats, progress)
     split_result.extra["decode_steps"] = sum(steps[id(t)] for t in split_result.timings)

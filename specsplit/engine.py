@@ -2,8 +2,10 @@
 
 Both implement the protocols in specsplit.protocols in-process; the gRPC servicers are thin
 wrappers over them. Per sequence they keep only its tokens, how many are in the KV cache and its
-random numbers (keyed by position: specsplit.sampling.rng); the q rows of a sampled proposal and the p row of a pending rejection live only
-until the step that made them finishes. Nothing else survives a step.
+random numbers (keyed by position: specsplit.sampling.rng). The drafter also keeps its chain of
+drafts past the final tokens, with the q row of each sampled draft, until the next propose moves
+past it (at most K, or K + 1 + K while the gateway pre-drafts); the verifier keeps the p row of a
+pending rejection until resolve. Nothing else survives a step.
 """
 from __future__ import annotations
 

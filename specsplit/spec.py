@@ -16,8 +16,8 @@ The step never knows whether it talks to in-process engines or gRPC clients. It 
 sequence, only what the protocol needs: the tokens the drafter has not been told about yet
 (deltas; after speculation was off for a while, several steps' worth) and the full token list so
 a restarted drafter can be given the sequence again. Nothing per step (probabilities, hidden
-states) is kept here: q rows live on the drafter until finish_step, p rows on the verifier until
-resolve, both within the step.
+states) is kept here: q rows live on the drafter with its chain of drafts (specsplit.engine), p
+rows on the verifier until resolve.
 
 Speculation is off for a step when the batch is larger than `disable_by_batch_size`, when a
 request asked for none, or while the drafter is unreachable (then every stream goes on
