@@ -213,6 +213,7 @@ def build_split(args) -> Gateway:
         try:
             dinfo = drafter.info(timeout=args.drafter_timeout, wait_for_ready=True)
             draft_model = dinfo.model
+            drafter.feature_layers = tuple(dinfo.feature_layers)
             if dinfo.vocab_size and dinfo.vocab_size != vinfo.vocab_size:
                 raise ValueError(f"the drafter's vocabulary ({dinfo.vocab_size}) differs from the verifier's "
                                  f"({vinfo.vocab_size}); they must share a tokenizer")

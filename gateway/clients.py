@@ -214,6 +214,9 @@ class GrpcDrafter(_PeerClient):
 
     def __init__(self, address: str, timeout: float = 5.0, **kw):
         super().__init__(address, timeout, **kw)
+        # The target layers a feature drafter reads: from its GetInfo at start-up (gateway.app);
+        # a drafter unreachable then stays a plain drafter for this gateway's life.
+        self.feature_layers: tuple[int, ...] = ()
 
     def propose(self, reqs: Sequence[ProposeRequest]) -> list[Proposal]:
         self._check_live(r.seq_id for r in reqs)

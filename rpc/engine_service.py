@@ -26,6 +26,7 @@ def info_pb(built: BuiltEngine, role: str, host: SessionHost) -> common_pb2.Serv
         num_sessions=len(host.sessions), memory_plan_json=built.plan_json, serving=not host.draining,
         num_speculative_tokens=built.lookahead - 1,
         step_costs=step_costs_pb(built.engine),
+        feature_layers=tuple(getattr(built.engine, "feature_layers", ()) or ()),
     )
 
 

@@ -82,14 +82,34 @@ def params_from_pb(m: common_pb2.SamplingParams) -> SamplingParams:
 def seq_adds_to_pb(seqs: Sequence[SeqAdd]) -> common_pb2.AddSeqs:
     return common_pb2.AddSeqs(seqs=[
         common_pb2.SeqAdd(seq_id=s.seq_id, prompt_token_ids=s.prompt_token_ids, params=params_to_pb(s.params),
-                          logprobs=s.logprobs)  # None: the optional field stays unset
+                          logprobs=s.logprobs,  # None: the optional field stays unset
+                          feature_layers=s.feature_layers)
         for s in seqs
     ])
 
 
 def seq_adds_from_pb(m: common_pb2.AddSeqs, rename=lambda s: s) -> list[SeqAdd]:
     return [SeqAdd(rename(s.seq_id), tuple(s.prompt_token_ids), params_from_pb(s.params),
-                   int(s.logprobs) if s.HasField("logprobs") else None) for s in m.seqs]
+                   int(s.logprobs) if s.HasField("logprobs") else None, tuple(s.feature_layers)) for s in m.seqs]
+
+
+# ---- target features (feature drafters) --------------------------------------------------------
+def features_to_pb(rows: torch.Tensor | None, start: int) -> common_pb2.Features | None:
+    """[rows, width] -> bf16 bytes (what the head was trained on; half the bytes of fp32)."""
+    if rows is None:
+        return None
+    b = rows.detach().to(device="cpu", dtype=torch.bfloat16).contiguous()
+    return common_pb2.Features(start=start, rows=b.shape[0], width=b.shape[1],
+                               bf16=b.view(torch.int16).numpy().tobytes())
+
+
+def features_from_pb(m, has: bool) -> tuple[torch.Tensor | None, int]:
+    if not has:
+        return None, 0
+    if len(m.bf16) != 2 * m.rows * m.width:
+        raise ValueError(f"features message holds {len(m.bf16)} bytes for {m.rows} x {m.width} bf16 values")
+    flat = torch.frombuffer(bytearray(m.bf16), dtype=torch.int16) if m.bf16 else torch.empty(0, dtype=torch.int16)
+    return flat.view(torch.bfloat16).reshape(int(m.rows), int(m.width)), int(m.start)
 
 
 # ---- log-probabilities (also the public API's GenerateResponse.logprobs) ------------------------
@@ -162,14 +182,19 @@ def unpack_row(m: common_pb2.PackedRow, expected_size: int | None = None) -> tor
 # ---- drafter ---------------------------------------------------------------------------------
 def propose_to_pb(reqs: Sequence[ProposeRequest]) -> drafter_pb2.ProposeBatch:
     return drafter_pb2.ProposeBatch(items=[
-        drafter_pb2.ProposeItem(seq_id=r.seq_id, new_token_ids=r.new_token_ids, k=r.k, after=r.after, ahead=r.ahead)
+        drafter_pb2.ProposeItem(seq_id=r.seq_id, new_token_ids=r.new_token_ids, k=r.k, after=r.after, ahead=r.ahead,
+                                features=features_to_pb(r.features, r.features_start))
         for r in reqs
     ])
 
 
 def propose_from_pb(m: drafter_pb2.ProposeBatch, rename=lambda s: s) -> list[ProposeRequest]:
-    return [ProposeRequest(rename(i.seq_id), tuple(i.new_token_ids), int(i.k), tuple(i.after), bool(i.ahead))
-            for i in m.items]
+    out = []
+    for i in m.items:
+        feats, start = features_from_pb(i.features, i.HasField("features"))
+        out.append(ProposeRequest(rename(i.seq_id), tuple(i.new_token_ids), int(i.k), tuple(i.after), bool(i.ahead),
+                                  features=feats, features_start=start))
+    return out
 
 
 def proposals_to_pb(props: Sequence[Proposal], rename=lambda s: s) -> drafter_pb2.Proposals:
@@ -232,16 +257,20 @@ def results_to_pb(results: Sequence[VerifyResult], rename=lambda s: s) -> verifi
             msg.pending_position = r.pending_position
         if r.logprobs:
             msg.logprobs.extend(logprobs_to_pb(r.logprobs))
+        if r.features is not None:
+            msg.features.CopyFrom(features_to_pb(r.features, r.features_start))
         out.append(msg)
     return verifier_pb2.VerifyResults(results=out)
 
 
 def results_from_pb(m: verifier_pb2.VerifyResults) -> list[VerifyResult]:
-    return [
-        VerifyResult(
+    out = []
+    for r in m.results:
+        feats, start = features_from_pb(r.features, r.HasField("features"))
+        out.append(VerifyResult(
             r.seq_id, int(r.num_accepted), tuple(r.token_ids),
             int(r.pending_position) if r.HasField("pending_position") else None,
             logprobs_from_pb(r.logprobs) if len(r.logprobs) else None,
-        )
-        for r in m.results
-    ]
+            features=feats, features_start=start,
+        ))
+    return out

@@ -12,6 +12,7 @@ DEFAULT_K_MODEL = 2
 DEFAULT_K_HYBRID = 3  # MODEL+ngram: lookup drafts up to 3, the model DEFAULT_DRAFT_MODEL_TOKENS
 DEFAULT_DRAFT_MODEL_TOKENS = 1
 DEFAULT_K_NGRAM = 4
+DEFAULT_K_FEATURE = 3  # an EAGLE-3 head (alone or +ngram): the K policy picks K <= 3 per step
 DISABLE_BY_BATCH_SIZE_CPU = 1  # with --k-policy fixed; measured: `specsplit bench` concurrency sweep (README)
 DISABLE_BY_BATCH_SIZE_OTHER = 0  # never: on a GPU the verify pass stays memory-bound far longer
 K_POLICIES = ("auto", "fixed")
@@ -38,6 +39,8 @@ def default_k_for(draft: str | None) -> int:
         return 0
     if draft == "ngram":
         return DEFAULT_K_NGRAM
+    if "eagle3" in draft:
+        return DEFAULT_K_FEATURE
     return DEFAULT_K_HYBRID if draft.endswith("+ngram") else DEFAULT_K_MODEL
 
 

@@ -57,6 +57,8 @@ class _Seq:
     undo: tuple[int, int] | None = None  # verifier: (len(tokens), num_computed) before the last verify
     logprobs: int | None = None  # verifier: alternatives per emitted token (None: no logprobs)
     pending_logits: torch.Tensor | None = None  # verifier, pending + logprobs: [n+1, V] target logits
+    feature_layers: tuple[int, ...] = ()  # verifier: layers to return fused features of (SeqAdd)
+    step_features: torch.Tensor | None = None  # verifier: [rows, F] of the last verify, from its start
 
 
 def _probs(logits: list[torch.Tensor], params: Sequence[SamplingParams]) -> list[torch.Tensor]:
@@ -64,6 +66,52 @@ def _probs(logits: list[torch.Tensor], params: Sequence[SamplingParams]) -> list
     rows = [x.shape[0] for x in logits]
     t, k, p = sampling_tensors(params, rows, device=logits[0].device)
     return list(logits_to_probs(torch.cat(logits), t, k, p).split(rows))
+
+
+def sample_drafts(seqs, logits: list[torch.Tensor], q_x: dict, rows: dict, live: list[int]) -> list[int]:
+    """Draw one draft per sequence from its logits [1, V] (a drafter's; -inf = q 0 there).
+
+    seqs: each with .params, .rng, .tokens and .drafted (the draft lands at position
+    len(tokens) + len(drafted), which keys its random numbers). Greedy: argmax; coupled (seeded):
+    the shared-noise argmax, no q needed; otherwise sampled, with q(x) appended to q_x[i] and the
+    [V] q row to rows[i] for i in live (the verifier's rejection sampler needs both).
+    """
+    tokens: list[int] = []
+    probs = None
+    if any(not s.params.greedy for s in seqs):
+        probs = _probs(logits, [s.params for s in seqs])
+    for j, (s, i) in enumerate(zip(seqs, live)):
+        if s.params.greedy:
+            tokens.append(int(logits[j][0].argmax()))
+            continue
+        row = probs[j][0]  # [V]
+        if s.params.coupled:  # x_j = argmax(log q_j + g_j): no q(x), no q rows needed
+            tokens.append(coupled_sample(row, s.params.seed, len(s.tokens) + len(s.drafted)))
+            continue
+        u = s.rng.uniforms(len(s.tokens) + len(s.drafted), 1, "draft")  # this draft's position
+        t = int(sample_from_probs(row[None], u)[0])
+        tokens.append(t)
+        q_x[i].append(float(row[t]))
+        rows[i].append(row)
+    return tokens
+
+
+def _feature_layers(seqs: Sequence[_Seq]) -> tuple[int, ...]:
+    """The layers one verify captures: the union of its sequences' (in the order first asked)."""
+    out: list[int] = []
+    for s in seqs:
+        out.extend(i for i in s.feature_layers if i not in out)
+    return tuple(out)
+
+
+def _features_for(s: _Seq, layers: tuple[int, ...], fused: torch.Tensor) -> torch.Tensor | None:
+    """This sequence's columns of a forward's fused features [rows, len(layers) * H]."""
+    if not s.feature_layers:
+        return None
+    if tuple(s.feature_layers) == layers:
+        return fused
+    h = fused.shape[1] // len(layers)
+    return torch.cat([fused[:, layers.index(i) * h:(layers.index(i) + 1) * h] for i in s.feature_layers], dim=1)
 
 
 class _EngineBase:
@@ -124,7 +172,7 @@ class _EngineBase:
                 added.append(s.seq_id)
                 self.seqs[s.seq_id] = _Seq(
                     tokens=list(s.prompt_token_ids), params=s.params, rng=SeqRandom(s.params.seed, self.side),
-                    logprobs=s.logprobs,
+                    logprobs=s.logprobs, feature_layers=tuple(s.feature_layers),
                 )
         except OutOfBlocks:
             self.release(added)
@@ -135,10 +183,13 @@ class _EngineBase:
             self.seqs.pop(seq_id, None)
             self.runner.free(seq_id)
 
-    def _forward(self, items: list[ForwardItem]) -> list[torch.Tensor]:
-        """runner.forward with long inputs (prompts) split into chunks of max_prefill_tokens."""
+    def _forward(self, items: list[ForwardItem], features: tuple[int, ...] = (),
+                 out_features: list | None = None) -> list[torch.Tensor]:
+        """runner.forward with long inputs (prompts) split into chunks of max_prefill_tokens.
+        features/out_features: as ModelRunner.forward (whole items' rows, chunks joined)."""
         chunk = self.max_prefill_tokens
         items = list(items)
+        heads: dict[int, list[torch.Tensor]] = {}  # rows of the chunks already run, per item
         while True:
             # The last piece keeps every wanted logit (a resumed or long prompt plus k drafts).
             cut = {i: min(chunk, len(it.token_ids) - it.num_logits) for i, it in enumerate(items)
@@ -147,11 +198,22 @@ class _EngineBase:
             if not long:
                 break
             head = [ForwardItem(items[i].seq_id, items[i].start, items[i].token_ids[:cut[i]], 1) for i in long]
-            self.runner.forward(head)
+            if features:
+                got: list = []
+                self.runner.forward(head, features, got)
+                for i, f in zip(long, got):
+                    heads.setdefault(i, []).append(f)
+            else:
+                self.runner.forward(head)
             for i in long:
                 it, c = items[i], cut[i]
                 items[i] = ForwardItem(it.seq_id, it.start + c, it.token_ids[c:], it.num_logits)
-        return self.runner.forward(items)
+        if not features:
+            return self.runner.forward(items)
+        got = []
+        logits = self.runner.forward(items, features, got)
+        out_features.extend(torch.cat(heads.get(i, []) + [f]) for i, f in enumerate(got))
+        return logits
 
 
 class TargetEngine(_EngineBase):
@@ -184,9 +246,12 @@ class TargetEngine(_EngineBase):
             ForwardItem(r.seq_id, s.num_computed, s.tokens[s.num_computed :] + list(r.draft_token_ids), len(r.draft_token_ids) + 1)
             for r, s in zip(reqs, seqs)
         ]
-        logits = self._forward(items)  # per seq [k+1, V]
-        for s in seqs:
+        layers = _feature_layers(seqs)
+        feats: list = []
+        logits = self._forward(items, layers, feats)  # per seq [k+1, V]; feats per seq [rows, F]
+        for i, s in enumerate(seqs):
             s.undo = (len(s.tokens), s.num_computed)
+            s.step_features = _features_for(s, layers, feats[i]) if layers else None
 
         results: list[VerifyResult | None] = [None] * len(reqs)
         # Greedy and coupled (seeded, specsplit.sampling.coupled) sequences accept while the draft
@@ -335,15 +400,19 @@ class TargetEngine(_EngineBase):
             s.num_computed = num_computed
             s.p_row, s.pending_drafts, s.pending_accepted, s.undo = None, [], 0, None
             s.pending_logits = None
+            s.step_features = None
             self.runner.truncate(seq_id, num_computed)
 
     def _commit(self, seq_id: str, s: _Seq, num_accepted: int, emitted: list[int]) -> VerifyResult:
-        """Append the emitted tokens; keep KV only through the accepted drafts."""
-        before = len(s.tokens)
+        """Append the emitted tokens; keep KV (and return features) only through the accepted drafts."""
+        before, start = len(s.tokens), s.undo[1] if s.undo else s.num_computed
         s.tokens.extend(emitted)
         s.num_computed = before + num_accepted  # the bonus/recovered token is not in the KV yet
         self.runner.truncate(seq_id, s.num_computed)
-        return VerifyResult(seq_id, num_accepted, tuple(emitted))
+        feats = None
+        if s.step_features is not None:
+            feats, s.step_features = s.step_features[: s.num_computed - start], None
+        return VerifyResult(seq_id, num_accepted, tuple(emitted), features=feats, features_start=start)
 
 
 class DraftEngine(_EngineBase):
@@ -414,24 +483,7 @@ class DraftEngine(_EngineBase):
         self.runner.truncate(seq_id, s.num_computed)
 
     def _sample(self, seqs: list[_Seq], logits: list[torch.Tensor], q_x, rows, live) -> list[int]:
-        tokens: list[int] = []
-        probs = None
-        if any(not s.params.greedy for s in seqs):
-            probs = _probs(logits, [s.params for s in seqs])
-        for j, (s, i) in enumerate(zip(seqs, live)):
-            if s.params.greedy:
-                tokens.append(int(logits[j][0].argmax()))
-                continue
-            row = probs[j][0]  # [V]
-            if s.params.coupled:  # x_j = argmax(log q_j + g_j): no q(x), no q rows needed
-                tokens.append(coupled_sample(row, s.params.seed, len(s.tokens) + len(s.drafted)))
-                continue
-            u = s.rng.uniforms(len(s.tokens) + len(s.drafted), 1, "draft")  # this draft's position
-            t = int(sample_from_probs(row[None], u)[0])
-            tokens.append(t)
-            q_x[i].append(float(row[t]))
-            rows[i].append(row)
-        return tokens
+        return sample_drafts(seqs, logits, q_x, rows, live)
 
     @property
     def num_q_rows(self) -> int:

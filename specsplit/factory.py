@@ -24,11 +24,13 @@ import torch
 from specsplit.calibration import StepCosts, calibrate_drafter, calibrate_verifier
 from specsplit.config import EngineConfig, SpecConfig
 from specsplit.engine import DraftEngine, NgramDrafter, TargetEngine
+from specsplit.feature_drafter import FeatureDrafter, calibrate_feature_drafter, head_bytes, load_feature_drafter
 from specsplit.hybrid_drafter import HybridDrafter, split_draft_name
 from specsplit.kv.bounded import BoundedRunner, ForwardBound
 from specsplit.kv.profile_run import make_profile_runner, profile_shapes, run_drafter_shape, run_verifier_shape
 from specsplit.kv.profiler import KVShape, MemoryPlan, MemoryProfiler, ServicePlan
 from specsplit.models.loader import LoadedModel, load_model, load_tokenizer
+from specsplit.models.registry import is_eagle3
 from specsplit.models.runner import ModelRunner
 from specsplit.spec import SpecDecoder
 
@@ -125,7 +127,20 @@ def _plan_budget(services: list[_Service], show_progress: bool, joint: bool,
 
 def _ngram_plan(cfg: EngineConfig | None) -> MemoryPlan:
     device = str(torch.device(cfg.device)) if cfg is not None else "cpu"
-    return MemoryPlan(joint=False, budget_bytes=0, services={DRAFTER: ServicePlan.zeros(DRAFTER, NGRAM, device)})
+    model = cfg.model if cfg is not None and is_eagle3(cfg.model) else NGRAM
+    return MemoryPlan(joint=False, budget_bytes=0, services={DRAFTER: ServicePlan.zeros(DRAFTER, model, device)})
+
+
+def _feature_drafter(cfg: EngineConfig, spec: SpecConfig, embedding=None, num_target_layers=None,
+                     plan: MemoryPlan | None = None) -> FeatureDrafter:
+    """An EAGLE-3 head (its weights recorded in the plan's drafter row), calibrated for the K policy."""
+    drafter = load_feature_drafter(cfg.model, cfg.max_model_len, cfg.device, cfg.dtype, embedding, num_target_layers)
+    if plan is not None and DRAFTER in plan.services:
+        plan.services[DRAFTER].weights_bytes = head_bytes(drafter.head)
+        plan.services[DRAFTER].dtype = str(cfg.dtype).replace("torch.", "")
+    if spec.k_policy == "auto" and spec.num_speculative_tokens > 0:
+        drafter.step_costs = calibrate_feature_drafter(drafter, cfg.max_num_seqs)
+    return drafter
 
 
 def _with_drafter_zeros(plan: MemoryPlan, cfg: EngineConfig) -> MemoryPlan:
@@ -156,7 +171,7 @@ def _plan_models(target: EngineConfig, draft: EngineConfig | None, spec: SpecCon
                  after_target: Callable[[LoadedModel], None] | None = None) -> tuple[MemoryPlan, _Service, _Service | None]:
     """Measure and size target (+ draft model): one budget on a shared device when joint, else one each."""
     draft, _ = _without_lookup(draft)  # MODEL+ngram: prompt lookup needs no memory of its own
-    has_draft = draft is not None and draft.model != NGRAM
+    has_draft = draft is not None and draft.model != NGRAM and not is_eagle3(draft.model)
     k = spec.num_speculative_tokens if draft is not None else 0
     t = _Service(VERIFIER, target, k, after_load=after_target)
     d = _Service(DRAFTER, draft, k) if has_draft else None
@@ -247,7 +262,10 @@ def _without_lookup(cfg: EngineConfig | None) -> tuple[EngineConfig | None, bool
 
 
 def _with_lookup(engine: DraftEngine, hybrid: bool, spec: SpecConfig) -> DraftEngine | HybridDrafter:
-    return HybridDrafter(engine, spec.ngram_min, spec.ngram_max, spec.draft_model_tokens) if hybrid else engine
+    # A feature drafter drafts as many tokens as the step asks (cheap, and accepted far more often
+    # than the small model draft that --draft-model-tokens caps).
+    model_tokens = 0 if isinstance(engine, FeatureDrafter) else spec.draft_model_tokens
+    return HybridDrafter(engine, spec.ngram_min, spec.ngram_max, model_tokens) if hybrid else engine
 
 
 def _draft_plan(cfg: EngineConfig, spec: SpecConfig, show_progress: bool, allocate: bool, vocab_size: int | None = None):
@@ -255,6 +273,10 @@ def _draft_plan(cfg: EngineConfig, spec: SpecConfig, show_progress: bool, alloca
     if cfg.model == NGRAM:
         drafter = NgramDrafter(spec.ngram_min, spec.ngram_max, vocab_size, cfg.max_model_len) if allocate else None
         return drafter, _ngram_plan(cfg)
+    if is_eagle3(cfg.model):
+        plan = _ngram_plan(cfg)
+        drafter = _with_lookup(_feature_drafter(cfg, spec, plan=plan), hybrid, spec) if allocate else None
+        return drafter, plan
     d = _Service(DRAFTER, cfg, spec.num_speculative_tokens)
     if vocab_size is not None:
         d.after_load = _vocab_check(vocab_size)
@@ -319,6 +341,10 @@ def build_colocated(
     drafter = None
     if d is not None:
         drafter = _with_lookup(_allocate(d, plan.services[DRAFTER], calibrate), hybrid, spec)
+    elif draft is not None and is_eagle3(draft.model):
+        embedding = t.loaded.model.embed_tokens.weight
+        drafter = _with_lookup(_feature_drafter(replace(draft, max_model_len=target.max_model_len), spec, embedding,
+                                                t.loaded.config.num_layers, plan), hybrid, spec)
     elif draft is not None:
         drafter = NgramDrafter(spec.ngram_min, spec.ngram_max, t.loaded.config.vocab_size, target.max_model_len)
     decoder = SpecDecoder(verifier, drafter, spec if drafter else SpecConfig(num_speculative_tokens=0), target.max_model_len,

@@ -22,6 +22,8 @@ target's token for token whichever proposer drafted (the verifier decides).
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from typing import Sequence
 
 from specsplit.engine import DraftEngine, EngineError
@@ -68,6 +70,10 @@ class HybridDrafter:
         return self.model.vocab_size
 
     @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return getattr(self.model, "feature_layers", ())
+
+    @property
     def num_running(self) -> int:
         return self.model.num_running
 
@@ -91,8 +97,7 @@ class HybridDrafter:
         # The model sees every sequence's new tokens (k = 0: ingest only, where lookup drafted),
         # so its KV stays in step and it can draft for that sequence next time. A pre-draft runs
         # off the critical path, so there the model may draft all k.
-        model_reqs = [ProposeRequest(r.seq_id, r.new_token_ids,
-                                     0 if r.seq_id in lookup else (r.k if r.ahead else self._model_k(r.k)), r.after)
+        model_reqs = [replace(r, k=0 if r.seq_id in lookup else (r.k if r.ahead else self._model_k(r.k)), ahead=False)
                       for r in reqs]
         proposals = self.model.propose(model_reqs)
         out = []

@@ -34,6 +34,9 @@ class SeqAdd:
     # None: no log-probabilities. n (0..20): the verifier returns, for each token it emits for this
     # sequence, its log-probability under the target and the n most likely alternatives.
     logprobs: int | None = None
+    # Verifier only: the target layers whose outputs (fused, in this order) it returns with each
+    # step's result for this sequence, for a feature drafter (specsplit.feature_drafter). () = none.
+    feature_layers: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,10 @@ class ProposeRequest:
     # drafter's guess of the step's bonus token, the rest the next step's drafts on that branch.
     after: tuple[int, ...] = ()
     ahead: bool = False  # a pre-draft: off the critical path (a hybrid drafter lets its model draft all k)
+    # A feature drafter's input: the target's fused features [rows, F] of the positions
+    # features_start.. that the verifier committed since the drafter last heard (None: none).
+    features: torch.Tensor | None = None
+    features_start: int = 0
 
 
 @dataclass(frozen=True)
@@ -87,6 +94,10 @@ class VerifyResult:
     pending_position: int | None = None  # sampling: first rejected position, awaiting q row
     # One per token in token_ids when the sequence asked for logprobs (SeqAdd.logprobs); else None.
     logprobs: tuple[TokenLogprob, ...] | None = None
+    # SeqAdd.feature_layers set: the fused features [rows, F] of the positions features_start..
+    # this step committed to the target's KV (the tokens before the emitted bonus/recovered one).
+    features: torch.Tensor | None = None
+    features_start: int = 0
 
 
 @dataclass
@@ -141,3 +152,4 @@ class StepStats:
     branch_misses: int = 0
     branches: int = 0
     draft_wait_s: float = 0.0
+    feature_rows: int = 0  # target feature rows handed to a feature drafter this step

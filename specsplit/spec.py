@@ -30,7 +30,7 @@ import math
 import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import torch
@@ -53,6 +53,9 @@ from specsplit.protocols import (
 
 log = logging.getLogger(__name__)
 
+MAX_FEATURE_ROWS = 2048  # per sequence, waiting for the drafter (a long prompt's prefill fits)
+IDLE_FEATURE_ROWS = 64  # ... after a step that did not ask the drafter (speculation off)
+
 
 @dataclass
 class _Track:
@@ -62,6 +65,23 @@ class _Track:
     unsent: list[int] = field(default_factory=list)  # emitted, not yet sent to the drafter
     on_drafter: bool = False
     acceptance: Acceptance = field(default_factory=Acceptance)  # per position, for the K policy
+    # Feature drafters: the target's features [rows, F] of positions feat_start.., committed since
+    # the drafter last heard; sent with `unsent`. Bounded (MAX_FEATURE_ROWS, newest kept): while
+    # speculation is off nothing grows past it, and the drafter skips a gap it never saw.
+    feats: torch.Tensor | None = None
+    feat_start: int = 0
+
+    def add_features(self, start: int, rows: torch.Tensor, cap: int) -> None:
+        rows = rows.to(torch.bfloat16)  # what crosses the wire too, and what the head was trained on
+        if self.feats is not None and start == self.feat_start + self.feats.shape[0]:
+            start, rows = self.feat_start, torch.cat([self.feats, rows])
+        drop = max(0, rows.shape[0] - cap)
+        self.feats, self.feat_start = rows[drop:], start + drop
+
+    def take_features(self) -> tuple[torch.Tensor | None, int]:
+        out = (self.feats, self.feat_start)
+        self.feats = None
+        return out
 
 
 @dataclass
@@ -112,6 +132,11 @@ class SpecDecoder:
 
     # ---- lifecycle -----------------------------------------------------------------------
     @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """Target layers a feature drafter reads (the verifier returns them with each step)."""
+        return tuple(getattr(self.drafter, "feature_layers", ()) or ())
+
+    @property
     def drafter_up(self) -> bool:
         return self.drafter is not None and self._drafter_down_since is None
 
@@ -120,7 +145,8 @@ class SpecDecoder:
         if seq.seq_id in self.tracks:
             raise ValueError(f"sequence {seq.seq_id!r} is already running")
         k = 0 if disable else (self.spec.num_speculative_tokens if not num_speculative_tokens else num_speculative_tokens)
-        self.verifier.add([seq])
+        layers = self.feature_layers if k > 0 else ()
+        self.verifier.add([replace(seq, feature_layers=layers)] if layers else [seq])
         track = _Track(add=seq, k=k, tokens=list(seq.prompt_token_ids))
         self.tracks[seq.seq_id] = track
         if self.drafter_up and k > 0:
@@ -165,6 +191,7 @@ class SpecDecoder:
         if speculate:
             proposals = self._take_ready(ready, budgets, k_step, only)
             asks = self._propose_requests([s for s in ids if s not in proposals], budgets, k_step, only)
+            stats.feature_rows += sum(a.features.shape[0] for a in asks if a.features is not None)
             t0 = time.perf_counter()
             proposals.update(self._propose(asks))
             stats.draft_s = time.perf_counter() - t0
@@ -179,7 +206,10 @@ class SpecDecoder:
                 reqs.append(VerifyRequest(s, p.token_ids, p.probs))
             else:
                 reqs.append(VerifyRequest(s))
+        asked_drafter = speculate
         branches = self._start_predraft(reqs, budgets, k_step, only) if self.async_draft and k_step > 0 else None
+        if branches is not None:
+            stats.feature_rows += sum(a.features.shape[0] for a in branches[0] if a.features is not None)
         t0 = time.perf_counter()
         results = self.verifier.verify(reqs)
         verified = time.perf_counter()
@@ -202,6 +232,9 @@ class SpecDecoder:
             track.tokens.extend(emitted)
             if track.on_drafter:
                 track.unsent.extend(emitted)
+                if res.features is not None and res.features.shape[0]:
+                    track.add_features(res.features_start, res.features,
+                                       MAX_FEATURE_ROWS if asked_drafter else IDLE_FEATURE_ROWS)
             drafts[res.seq_id] = (len(req.draft_token_ids), res.num_accepted)
             if req.draft_token_ids:
                 track.acceptance.update(len(req.draft_token_ids), res.num_accepted)
@@ -251,7 +284,9 @@ class SpecDecoder:
             k = self._k_for(t, budgets.get(r.seq_id), k_step, extra=len(r.draft_token_ids) + 1)
             if k <= 0:
                 continue
-            asks.append(ProposeRequest(r.seq_id, tuple(t.unsent), 1 + k, r.draft_token_ids, ahead=True))
+            feats, start = t.take_features()
+            asks.append(ProposeRequest(r.seq_id, tuple(t.unsent), 1 + k, r.draft_token_ids, ahead=True,
+                                       features=feats, features_start=start))
         if not asks:
             return None
         for a in asks:
@@ -311,7 +346,8 @@ class SpecDecoder:
             k = self._k_for(t, budgets.get(s), k_step, extra=0)
             if k <= 0:
                 continue
-            reqs.append(ProposeRequest(s, tuple(t.unsent), k))
+            feats, start = t.take_features()
+            reqs.append(ProposeRequest(s, tuple(t.unsent), k, features=feats, features_start=start))
         return reqs
 
     def _propose(self, reqs: list[ProposeRequest]) -> dict[str, Proposal]:
@@ -418,6 +454,7 @@ class SpecDecoder:
                 self._drafter_stale.add(t.add.seq_id)
             t.on_drafter = False
             t.unsent = []
+            t.feats = None
         self._ready.clear()
 
     def _maybe_resync_drafter(self) -> None:

@@ -371,8 +371,7 @@ def cmd_run(args) -> int:
     with torch.no_grad():  # start the norms and the MLP like the target's last layer
         last = model.model.layers[-1]
         head.midlayer.post_attention_layernorm.copy_(last.post_attention_layernorm.weight)
-        head.midlayer.gate_proj.weight.copy_(last.mlp.gate_proj.weight)
-        head.midlayer.up_proj.weight.copy_(last.mlp.up_proj.weight)
+        head.midlayer.gate_up_proj.weight.copy_(torch.cat([last.mlp.gate_proj.weight, last.mlp.up_proj.weight]))
         head.midlayer.down_proj.weight.copy_(last.mlp.down_proj.weight)
         head.norm.copy_(model.model.norm.weight)
     opt = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)

@@ -89,21 +89,29 @@ class BoundedRunner(ModelRunner):
         super().__init__(model, num_blocks, block_size, max_model_len)
         self.bound = bound
 
-    def forward(self, items: list[ForwardItem]) -> list[torch.Tensor]:
+    def forward(self, items: list[ForwardItem], features: tuple[int, ...] = (),
+                out_features: list | None = None) -> list[torch.Tensor]:
         groups = split_forward(list(items), self.bound)
         if len(groups) <= 1:
-            return self._forward_group(list(items))
+            return self._forward_group(list(items), features, out_features)
         self._reserve(items)  # all or nothing, as one forward would be
         out: dict[int, torch.Tensor] = {}
+        pieces: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(items))}  # per item, in order
         for group in groups:
-            logits = self._forward_group([p.item for p in group])
-            for p, lg in zip(group, logits):
+            feats: list = []
+            logits = self._forward_group([p.item for p in group], features, feats)
+            for j, (p, lg) in enumerate(zip(group, logits)):
+                if features:
+                    pieces[p.index].append(feats[j])
                 if p.final:
                     out[p.index] = lg
+        if features:
+            out_features.extend(torch.cat(pieces[i]) for i in range(len(items)))
         return [out[i] for i in range(len(items))]
 
-    def _forward_group(self, items: list[ForwardItem]) -> list[torch.Tensor]:
-        return ModelRunner.forward(self, items)
+    def _forward_group(self, items: list[ForwardItem], features: tuple[int, ...] = (),
+                       out_features: list | None = None) -> list[torch.Tensor]:
+        return ModelRunner.forward(self, items, features, out_features)
 
     def _reserve(self, items) -> None:
         """Grow every item's KV to its end up front, so OutOfBlocks is raised before any forward."""

@@ -135,13 +135,13 @@ class EagleLayer(nn.Module):
         self.cfg = cfg
         self.input_layernorm = nn.Parameter(torch.ones(H))
         self.hidden_norm = nn.Parameter(torch.ones(H))
-        self.q_proj = nn.Linear(2 * H, nh * hd, bias=False)
-        self.k_proj = nn.Linear(2 * H, kvh * hd, bias=False)
-        self.v_proj = nn.Linear(2 * H, kvh * hd, bias=False)
+        # q, k, v fused into one matmul (and gate, up into another): one call each per step, which
+        # is what matters on a CPU; hf_state_dict splits them back into the public names.
+        self.split = (nh * hd, kvh * hd, kvh * hd)
+        self.qkv_proj = nn.Linear(2 * H, sum(self.split), bias=False)
         self.o_proj = nn.Linear(nh * hd, H, bias=False)
         self.post_attention_layernorm = nn.Parameter(torch.ones(H))
-        self.gate_proj = nn.Linear(H, I, bias=False)
-        self.up_proj = nn.Linear(H, I, bias=False)
+        self.gate_up_proj = nn.Linear(H, 2 * I, bias=False)
         self.down_proj = nn.Linear(I, H, bias=False)
 
     def qkv(self, g: torch.Tensor, e: torch.Tensor, positions: torch.Tensor):
@@ -149,9 +149,7 @@ class EagleLayer(nn.Module):
         eps, hd = self.cfg.rms_norm_eps, self.cfg.hd
         x = torch.cat([rms_norm(e, self.input_layernorm, eps), rms_norm(g, self.hidden_norm, eps)], dim=-1)
         lead = x.shape[:-1]
-        q = self.q_proj(x).view(*lead, -1, hd).transpose(-2, -3)
-        k = self.k_proj(x).view(*lead, -1, hd).transpose(-2, -3)
-        v = self.v_proj(x).view(*lead, -1, hd).transpose(-2, -3)
+        q, k, v = (t.reshape(*lead, -1, hd).transpose(-2, -3) for t in self.qkv_proj(x).split(self.split, dim=-1))
         cos, sin = rope_cos_sin(positions, hd, self.cfg.rope_theta, q.dtype)
         cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)  # broadcast over heads
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
@@ -161,7 +159,8 @@ class EagleLayer(nn.Module):
         attn = attn.transpose(-2, -3).flatten(-2)
         h = g + self.o_proj(attn)
         x = rms_norm(h, self.post_attention_layernorm, self.cfg.rms_norm_eps)
-        return h + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return h + self.down_proj(F.silu(gate) * up)
 
 
 class DraftCache:
@@ -202,6 +201,7 @@ class Eagle3Head(nn.Module):
         # draft vocabulary: target ids of the draft's rows (sorted), [draft_vocab]
         self.register_buffer("draft_ids", torch.arange(cfg.draft_vocab_size), persistent=False)
         self.lm_head: torch.Tensor | None = None  # [draft_vocab, H]; set by use_head()
+        self.head_linear = None  # a faster callable over lm_head (the CPU kernels; feature_drafter)
 
     # ------------------------------------------------------------------ vocabulary and head
     def use_head(self, weight: torch.Tensor, draft_ids: torch.Tensor) -> None:
@@ -211,7 +211,8 @@ class Eagle3Head(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [..., H] (layer output) -> draft-vocabulary logits [..., draft_vocab]."""
-        return rms_norm(h, self.norm, self.cfg.rms_norm_eps) @ self.lm_head.t()
+        x = rms_norm(h, self.norm, self.cfg.rms_norm_eps)
+        return self.head_linear(x) if self.head_linear is not None else F.linear(x, self.lm_head)
 
     def normed(self, h: torch.Tensor) -> torch.Tensor:
         return rms_norm(h, self.norm, self.cfg.rms_norm_eps)
@@ -283,11 +284,13 @@ class Eagle3Head(nn.Module):
         sd = {"fc.weight": self.fc.weight, "norm.weight": self.norm,
               "midlayer.input_layernorm.weight": m.input_layernorm,
               "midlayer.hidden_norm.weight": m.hidden_norm,
-              "midlayer.post_attention_layernorm.weight": m.post_attention_layernorm}
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            sd[f"midlayer.self_attn.{name}.weight"] = getattr(m, name).weight
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            sd[f"midlayer.mlp.{name}.weight"] = getattr(m, name).weight
+              "midlayer.post_attention_layernorm.weight": m.post_attention_layernorm,
+              "midlayer.self_attn.o_proj.weight": m.o_proj.weight,
+              "midlayer.mlp.down_proj.weight": m.down_proj.weight}
+        for name, w in zip(("q_proj", "k_proj", "v_proj"), m.qkv_proj.weight.split(m.split, dim=0)):
+            sd[f"midlayer.self_attn.{name}.weight"] = w
+        for name, w in zip(("gate_proj", "up_proj"), m.gate_up_proj.weight.chunk(2, dim=0)):
+            sd[f"midlayer.mlp.{name}.weight"] = w
         return {k: v.detach() for k, v in sd.items()}
 
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
@@ -296,7 +299,7 @@ class Eagle3Head(nn.Module):
         if missing:
             raise ValueError(f"EAGLE-3 checkpoint lacks {missing[:4]}{'...' if len(missing) > 4 else ''}")
         with torch.no_grad():
-            for k, dst in own.items():
+            for k, dst in own.items():  # views: the fused q/k/v and gate/up rows are written in place
                 src = sd[k]
                 if tuple(src.shape) != tuple(dst.shape):
                     raise ValueError(f"EAGLE-3 checkpoint tensor {k} has shape {tuple(src.shape)}, "

@@ -328,13 +328,19 @@ class LlamaForCausalLM(nn.Module):
         return F.linear(x, head).float()
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, meta: BatchMetadata, kv: PagedKVCache) -> torch.Tensor:
-        """input_ids [T] -> logits [N, V] float32 at meta.logits_index."""
+    def forward(self, input_ids: torch.Tensor, meta: BatchMetadata, kv: PagedKVCache,
+                capture: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+        """input_ids [T] -> logits [N, V] float32 at meta.logits_index.
+
+        capture: layer indices as keys; each gets that layer's output [T, hidden] (the residual
+        stream after it, Hugging Face's hidden_states[i + 1]) for a feature drafter."""
         x = self.embed_tokens(input_ids)  # [T, hidden]
         rope_tables = self.rope.tables(meta.positions)
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv.layer(i)
             x = layer(x, rope_tables, meta, k_cache, v_cache)
+            if capture is not None and i in capture:
+                capture[i] = x
         x = self.norm(x[meta.logits_index])  # [N, hidden]
         if self.vocab_subset is None:
             return self._logits(x)

@@ -8,6 +8,7 @@ ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
 
 TARGET_ALIAS = "smollm2-135m"
 DRAFT_ALIAS = "smollm2-135m-draft"
+EAGLE3_ALIAS = "smollm2-135m-eagle3"  # the EAGLE-3 head trained for TARGET_ALIAS (specsplit/models/eagle3.py)
 
 
 class ModelNotFound(ValueError):
@@ -49,10 +50,10 @@ def resolve_model_path(name: str) -> Path:
     """Turn a model argument (alias, HF directory or .gguf file) into a path on disk."""
     if name == TARGET_ALIAS:
         return smollm2_gguf_path()
-    if name == DRAFT_ALIAS:
-        path = ASSETS_DIR / DRAFT_ALIAS
+    if name in (DRAFT_ALIAS, EAGLE3_ALIAS):
+        path = ASSETS_DIR / name
         if not (path / "config.json").exists():
-            raise ModelNotFound(f"the distilled draft {DRAFT_ALIAS!r} is not shipped in {path}")
+            raise ModelNotFound(f"the draft {name!r} is not shipped in {path}")
         return path
     path = Path(name).expanduser()
     if path.is_file() and path.suffix == ".gguf":
@@ -60,6 +61,22 @@ def resolve_model_path(name: str) -> Path:
     if path.is_dir() and (path / "config.json").exists():
         return path
     raise ModelNotFound(
-        f"unknown model {name!r}: expected the alias {TARGET_ALIAS!r} or {DRAFT_ALIAS!r}, a Hugging Face "
+        f"unknown model {name!r}: expected an alias ({TARGET_ALIAS!r}, {DRAFT_ALIAS!r}, {EAGLE3_ALIAS!r}), a Hugging Face "
         "model directory (config.json + *.safetensors) or a .gguf file"
     )
+
+
+def is_eagle3(name: str) -> bool:
+    """Whether a draft argument names an EAGLE-3 head (the alias, or a directory in that format)."""
+    if name == EAGLE3_ALIAS:
+        return True
+    path = Path(name).expanduser()
+    cfg = path / "config.json"
+    if not (path.is_dir() and cfg.exists()):
+        return False
+    import json
+
+    try:
+        return "LlamaForCausalLMEagle3" in (json.loads(cfg.read_text()).get("architectures") or [])
+    except ValueError:
+        return False

@@ -39,8 +39,12 @@ class ModelRunner:
     def vocab_size(self) -> int:
         return self.model.cfg.vocab_size
 
-    def forward(self, items: list[ForwardItem]) -> list[torch.Tensor]:
+    def forward(self, items: list[ForwardItem], features: tuple[int, ...] = (),
+                out_features: list | None = None) -> list[torch.Tensor]:
         """Run one forward; returns per item logits [num_logits, V] float32.
+
+        features: target layers to capture; out_features (a list) then receives, per item, the
+        fused outputs of those layers [len(token_ids), len(features) * hidden] (feature drafters).
 
         Each item's KV is first cut to `start` tokens and grown to start+len(token_ids) slots, so a
         caller can re-feed positions after a rollback without a separate truncate.
@@ -75,8 +79,12 @@ class ModelRunner:
             device=self.device,
         )
         input_ids = torch.tensor([t for it in items for t in it.token_ids], dtype=torch.int64, device=self.device)
-        logits = self.model(input_ids, meta, self.kv)  # [sum num_logits, V]
-        return list(logits.split([it.num_logits for it in items]))
+        capture = dict.fromkeys(features) if features else None
+        logits = self.model(input_ids, meta, self.kv, capture=capture) if capture else self.model(input_ids, meta, self.kv)
+        if capture:
+            fused = torch.cat([capture[i] for i in features], dim=-1)  # [T, F]
+            out_features.extend(fused.split(q_lens))
+        return list(logits.split([it.num_logits for it in items]))  # [sum num_logits, V] per item
 
     def check_items(self, items: list[ForwardItem]) -> None:
         """Refuse (ValueError) an item with no tokens or one that would pass max_model_len."""

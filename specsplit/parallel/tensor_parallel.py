@@ -169,7 +169,10 @@ class TPLlamaForCausalLM(LlamaForCausalLM):
             raise RuntimeError("a vocabulary subset (a draft's head) is not supported with tensor parallelism")
 
     @torch.inference_mode()
-    def forward(self, input_ids, meta, kv):
+    def forward(self, input_ids, meta, kv, capture=None):
+        if capture is not None:
+            raise RuntimeError("a feature drafter (EAGLE-3) is not supported with tensor parallelism yet: "
+                               "use a model or n-gram draft, or --tensor-parallel-size 1")
         if self.driver is not None:
             self.driver.forward_started(input_ids, meta)
         return super().forward(input_ids, meta, kv)

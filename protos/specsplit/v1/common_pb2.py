@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n protos/specsplit/v1/common.proto\x12\x0cspecsplit.v1\"\x83\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x15\n\x08\x63oupling\x18\x05 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_coupling\"\x84\x01\n\x06SeqAdd\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x06params\x18\x03 \x01(\x0b\x32\x1c.specsplit.v1.SamplingParams\x12\x15\n\x08logprobs\x18\x04 \x01(\rH\x00\x88\x01\x01\x42\x0b\n\t_logprobs\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.specsplit.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"-\n\x07\x41\x64\x64Seqs\x12\"\n\x04seqs\x18\x01 \x03(\x0b\x32\x14.specsplit.v1.SeqAdd\"\x1a\n\x07Release\x12\x0f\n\x07seq_ids\x18\x01 \x03(\t\"\x05\n\x03\x41\x63k\"\'\n\x06Status\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"Z\n\tPackedRow\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\r\x12\x0e\n\x06values\x18\x03 \x01(\x0c\x12\x0f\n\x07indices\x18\x04 \x01(\x0c\x12\x0e\n\x06sparse\x18\x05 \x01(\x08\"U\n\x07KvStats\x12\r\n\x05paged\x18\x01 \x01(\x08\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\"\r\n\x0bInfoRequest\"\xfd\x02\n\x0bServiceInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x07 \x01(\r\x12\x15\n\reos_token_ids\x18\x08 \x03(\x05\x12\x15\n\rtokenizer_dir\x18\t \x01(\t\x12!\n\x02kv\x18\n \x01(\x0b\x32\x15.specsplit.v1.KvStats\x12\x13\n\x0bnum_running\x18\x0b \x01(\r\x12\x14\n\x0cnum_sessions\x18\x0c \x01(\r\x12\x18\n\x10memory_plan_json\x18\r \x01(\t\x12\x0f\n\x07serving\x18\x0e \x01(\x08\x12\x1e\n\x16num_speculative_tokens\x18\x0f \x01(\r\x12*\n\nstep_costs\x18\x10 \x03(\x0b\x32\x16.specsplit.v1.StepCost\"8\n\x08StepCost\x12\r\n\x05\x62\x61tch\x18\x01 \x01(\r\x12\x0c\n\x04rows\x18\x02 \x01(\r\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n protos/specsplit/v1/common.proto\x12\x0cspecsplit.v1\"\x83\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x15\n\x08\x63oupling\x18\x05 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_coupling\"\x9c\x01\n\x06SeqAdd\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x06params\x18\x03 \x01(\x0b\x32\x1c.specsplit.v1.SamplingParams\x12\x15\n\x08logprobs\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\x05 \x03(\x05\x42\x0b\n\t_logprobs\"D\n\x08\x46\x65\x61tures\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0c\n\x04rows\x18\x02 \x01(\r\x12\r\n\x05width\x18\x03 \x01(\r\x12\x0c\n\x04\x62\x66\x31\x36\x18\x04 \x01(\x0c\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.specsplit.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"-\n\x07\x41\x64\x64Seqs\x12\"\n\x04seqs\x18\x01 \x03(\x0b\x32\x14.specsplit.v1.SeqAdd\"\x1a\n\x07Release\x12\x0f\n\x07seq_ids\x18\x01 \x03(\t\"\x05\n\x03\x41\x63k\"\'\n\x06Status\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"Z\n\tPackedRow\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\r\x12\x0e\n\x06values\x18\x03 \x01(\x0c\x12\x0f\n\x07indices\x18\x04 \x01(\x0c\x12\x0e\n\x06sparse\x18\x05 \x01(\x08\"U\n\x07KvStats\x12\r\n\x05paged\x18\x01 \x01(\x08\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\"\r\n\x0bInfoRequest\"\x95\x03\n\x0bServiceInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x07 \x01(\r\x12\x15\n\reos_token_ids\x18\x08 \x03(\x05\x12\x15\n\rtokenizer_dir\x18\t \x01(\t\x12!\n\x02kv\x18\n \x01(\x0b\x32\x15.specsplit.v1.KvStats\x12\x13\n\x0bnum_running\x18\x0b \x01(\r\x12\x14\n\x0cnum_sessions\x18\x0c \x01(\r\x12\x18\n\x10memory_plan_json\x18\r \x01(\t\x12\x0f\n\x07serving\x18\x0e \x01(\x08\x12\x1e\n\x16num_speculative_tokens\x18\x0f \x01(\r\x12*\n\nstep_costs\x18\x10 \x03(\x0b\x32\x16.specsplit.v1.StepCost\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\x11 \x03(\x05\"8\n\x08StepCost\x12\r\n\x05\x62\x61tch\x18\x01 \x01(\r\x12\x0c\n\x04rows\x18\x02 \x01(\r\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,27 +34,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_start=51
   _globals['_SAMPLINGPARAMS']._serialized_end=182
   _globals['_SEQADD']._serialized_start=185
-  _globals['_SEQADD']._serialized_end=317
-  _globals['_TOKENLOGPROB']._serialized_start=319
-  _globals['_TOKENLOGPROB']._serialized_end=407
-  _globals['_TOPLOGPROB']._serialized_start=409
-  _globals['_TOPLOGPROB']._serialized_end=456
-  _globals['_ADDSEQS']._serialized_start=458
-  _globals['_ADDSEQS']._serialized_end=503
-  _globals['_RELEASE']._serialized_start=505
-  _globals['_RELEASE']._serialized_end=531
-  _globals['_ACK']._serialized_start=533
-  _globals['_ACK']._serialized_end=538
-  _globals['_STATUS']._serialized_start=540
-  _globals['_STATUS']._serialized_end=579
-  _globals['_PACKEDROW']._serialized_start=581
-  _globals['_PACKEDROW']._serialized_end=671
-  _globals['_KVSTATS']._serialized_start=673
-  _globals['_KVSTATS']._serialized_end=758
-  _globals['_INFOREQUEST']._serialized_start=760
-  _globals['_INFOREQUEST']._serialized_end=773
-  _globals['_SERVICEINFO']._serialized_start=776
-  _globals['_SERVICEINFO']._serialized_end=1157
-  _globals['_STEPCOST']._serialized_start=1159
-  _globals['_STEPCOST']._serialized_end=1215
+  _globals['_SEQADD']._serialized_end=341
+  _globals['_FEATURES']._serialized_start=343
+  _globals['_FEATURES']._serialized_end=411
+  _globals['_TOKENLOGPROB']._serialized_start=413
+  _globals['_TOKENLOGPROB']._serialized_end=501
+  _globals['_TOPLOGPROB']._serialized_start=503
+  _globals['_TOPLOGPROB']._serialized_end=550
+  _globals['_ADDSEQS']._serialized_start=552
+  _globals['_ADDSEQS']._serialized_end=597
+  _globals['_RELEASE']._serialized_start=599
+  _globals['_RELEASE']._serialized_end=625
+  _globals['_ACK']._serialized_start=627
+  _globals['_ACK']._serialized_end=632
+  _globals['_STATUS']._serialized_start=634
+  _globals['_STATUS']._serialized_end=673
+  _globals['_PACKEDROW']._serialized_start=675
+  _globals['_PACKEDROW']._serialized_end=765
+  _globals['_KVSTATS']._serialized_start=767
+  _globals['_KVSTATS']._serialized_end=852
+  _globals['_INFOREQUEST']._serialized_start=854
+  _globals['_INFOREQUEST']._serialized_end=867
+  _globals['_SERVICEINFO']._serialized_start=870
+  _globals['_SERVICEINFO']._serialized_end=1275
+  _globals['_STEPCOST']._serialized_start=1277
+  _globals['_STEPCOST']._serialized_end=1333
 # @@protoc_insertion_point(module_scope)

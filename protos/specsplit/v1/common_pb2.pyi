@@ -21,16 +21,30 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., coupling: _Optional[bool] = ...) -> None: ...
 
 class SeqAdd(_message.Message):
-    __slots__ = ("seq_id", "prompt_token_ids", "params", "logprobs")
+    __slots__ = ("seq_id", "prompt_token_ids", "params", "logprobs", "feature_layers")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
     logprobs: int
-    def __init__(self, seq_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., logprobs: _Optional[int] = ...) -> None: ...
+    feature_layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., logprobs: _Optional[int] = ..., feature_layers: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Features(_message.Message):
+    __slots__ = ("start", "rows", "width", "bf16")
+    START_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    BF16_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    rows: int
+    width: int
+    bf16: bytes
+    def __init__(self, start: _Optional[int] = ..., rows: _Optional[int] = ..., width: _Optional[int] = ..., bf16: _Optional[bytes] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "top")
@@ -105,7 +119,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServiceInfo(_message.Message):
-    __slots__ = ("role", "model", "device", "dtype", "vocab_size", "max_model_len", "max_num_seqs", "eos_token_ids", "tokenizer_dir", "kv", "num_running", "num_sessions", "memory_plan_json", "serving", "num_speculative_tokens", "step_costs")
+    __slots__ = ("role", "model", "device", "dtype", "vocab_size", "max_model_len", "max_num_seqs", "eos_token_ids", "tokenizer_dir", "kv", "num_running", "num_sessions", "memory_plan_json", "serving", "num_speculative_tokens", "step_costs", "feature_layers")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +136,7 @@ class ServiceInfo(_message.Message):
     SERVING_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STEP_COSTS_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     role: str
     model: str
     device: str
@@ -138,7 +153,8 @@ class ServiceInfo(_message.Message):
     serving: bool
     num_speculative_tokens: int
     step_costs: _containers.RepeatedCompositeFieldContainer[StepCost]
-    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_dir: _Optional[str] = ..., kv: _Optional[_Union[KvStats, _Mapping]] = ..., num_running: _Optional[int] = ..., num_sessions: _Optional[int] = ..., memory_plan_json: _Optional[str] = ..., serving: _Optional[bool] = ..., num_speculative_tokens: _Optional[int] = ..., step_costs: _Optional[_Iterable[_Union[StepCost, _Mapping]]] = ...) -> None: ...
+    feature_layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_dir: _Optional[str] = ..., kv: _Optional[_Union[KvStats, _Mapping]] = ..., num_running: _Optional[int] = ..., num_sessions: _Optional[int] = ..., memory_plan_json: _Optional[str] = ..., serving: _Optional[bool] = ..., num_speculative_tokens: _Optional[int] = ..., step_costs: _Optional[_Iterable[_Union[StepCost, _Mapping]]] = ..., feature_layers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepCost(_message.Message):
     __slots__ = ("batch", "rows", "seconds")

@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ProposeItem(_message.Message):
-    __slots__ = ("seq_id", "new_token_ids", "k", "after", "ahead")
+    __slots__ = ("seq_id", "new_token_ids", "k", "after", "ahead", "features")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     AFTER_FIELD_NUMBER: _ClassVar[int]
     AHEAD_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     k: int
     after: _containers.RepeatedScalarFieldContainer[int]
     ahead: bool
-    def __init__(self, seq_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., after: _Optional[_Iterable[int]] = ..., ahead: _Optional[bool] = ...) -> None: ...
+    features: _common_pb2.Features
+    def __init__(self, seq_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., after: _Optional[_Iterable[int]] = ..., ahead: _Optional[bool] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ...) -> None: ...
 
 class ProposeBatch(_message.Message):
     __slots__ = ("items",)

@@ -1,0 +1,332 @@
+"""FeatureDrafter: the Drafter protocol over an EAGLE-3 head (specsplit.models.eagle3).
+
+The head drafts from the target's own hidden states. The verifier computes them while it verifies
+(`SeqAdd.feature_layers` asks it to) and returns, with each step's result, the fused features of
+the positions it committed (`VerifyResult.features`, rows from `features_start`); the step hands
+them to the drafter with the next propose (`ProposeRequest.features`), with the tokens emitted
+since. Per sequence the drafter keeps:
+
+    tokens        prompt + every final token
+    cache         the head's KV: `committed` entries from target features, then the chain's
+    next_pos      the position after the last committed entry (entries need not be contiguous:
+                  features that never arrived -- speculation was off, the drafter restarted --
+                  leave a gap the head simply does not attend to)
+    last_h        the head's output at the last committed entry (it predicts tokens[next_pos + 1])
+    drafted       the chain of drafts past `tokens`, with each sampled draft's q row
+
+Propose: drop the chain's entries, add an entry per new feature row (feature f_t with the token
+x_{t+1}), then run the chain: the known tokens past the last entry's prediction (`after` while
+pre-drafting, or tokens whose features are missing) are fed as chain entries, then k drafts are
+drawn one by one, each fed back with the head's own output as its hidden input -- exactly the
+training-time-test unroll the head was trained with. Without any features yet (the first step,
+or after a restart until the next verify) it proposes nothing and the step decodes target-only.
+
+Drafts are drawn from q = the head's distribution over its draft vocabulary (the target's ids
+outside it get q = 0) under the request's temperature / top-k / top-p, with the same keyed random
+numbers and coupled sampling as the model drafter, so rejection sampling stays lossless.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from specsplit.engine import EngineError, sample_drafts
+from specsplit.models.eagle3 import DraftCache, Eagle3Head
+from specsplit.protocols import Proposal, ProposeRequest, QRow, RowRequest, SeqAdd
+from specsplit.sampling.params import SamplingParams
+from specsplit.sampling.rng import SeqRandom
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _FSeq:
+    tokens: list[int]
+    params: SamplingParams
+    rng: SeqRandom
+    cache: DraftCache = field(default_factory=DraftCache)
+    committed: int = 0  # cache entries made from target features
+    next_pos: int = 0  # position after the last committed entry
+    last_h: torch.Tensor | None = None  # [1, H] head output at the last committed entry
+    drafted: list[int] = field(default_factory=list)  # the chain of drafts past `tokens`
+    q_rows: list = field(default_factory=list)  # per chain draft: [V] q row (sampled) or None
+
+
+class FeatureDrafter:
+    """EAGLE-3 drafting; implements the Drafter protocol (specsplit.protocols)."""
+
+    side = "drafter"
+
+    def __init__(self, head: Eagle3Head, embedding: torch.Tensor, max_model_len: int):
+        self.head = head
+        self.embedding = embedding  # [V, H] the target's token embedding (shared, frozen)
+        self.max_model_len = max_model_len
+        self.seqs: dict[str, _FSeq] = {}
+        self.step_costs = None
+
+    # ---- what the step needs to know --------------------------------------------------------
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """Target layers whose outputs the verifier must send (fused in this order)."""
+        return tuple(self.head.cfg.aux_layers)
+
+    @property
+    def feature_size(self) -> int:
+        return len(self.head.cfg.aux_layers) * self.head.cfg.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.head.cfg.vocab_size
+
+    @property
+    def num_running(self) -> int:
+        return len(self.seqs)
+
+    def cache_bytes(self) -> int:
+        """Bytes held by every sequence's head KV (the drafter's whole per-sequence state)."""
+        return sum(s.cache.nbytes() for s in self.seqs.values())
+
+    @staticmethod
+    def cache_bytes_per_token(head: Eagle3Head, dtype: torch.dtype) -> int:
+        c = head.cfg
+        return 2 * c.num_key_value_heads * c.hd * torch.tensor([], dtype=dtype).element_size()
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    def add(self, seqs: Sequence[SeqAdd]) -> None:
+        for s in seqs:
+            if s.seq_id in self.seqs:
+                raise EngineError(f"sequence {s.seq_id!r} is already running on the drafter")
+            if not s.prompt_token_ids:
+                raise EngineError(f"sequence {s.seq_id!r} has an empty prompt")
+            self._check_ids(s.seq_id, s.prompt_token_ids)
+            try:
+                s.params.validate()
+            except ValueError as e:
+                raise EngineError(f"sequence {s.seq_id!r}: {e}") from None
+        for s in seqs:
+            self.seqs[s.seq_id] = _FSeq(list(s.prompt_token_ids), s.params, SeqRandom(s.params.seed, self.side))
+
+    def release(self, seq_ids: Sequence[str]) -> None:
+        for seq_id in seq_ids:
+            self.seqs.pop(seq_id, None)
+
+    def _check_ids(self, seq_id: str, ids: Sequence[int]) -> None:
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise EngineError(f"sequence {seq_id!r}: token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+
+    def _get(self, seq_id: str) -> _FSeq:
+        try:
+            return self.seqs[seq_id]
+        except KeyError:
+            raise EngineError(f"unknown sequence {seq_id!r} on the drafter: add it first") from None
+
+    # ---- propose --------------------------------------------------------------------------------
+    def propose(self, reqs: Sequence[ProposeRequest]) -> list[Proposal]:
+        seqs = [self._get(r.seq_id) for r in reqs]
+        for r, s in zip(reqs, seqs):
+            self._check_ids(r.seq_id, tuple(r.new_token_ids) + tuple(r.after))
+            if r.k < 0:
+                raise EngineError(f"sequence {r.seq_id!r}: k must be >= 0, got {r.k}")
+            if len(s.tokens) + len(r.new_token_ids) + len(r.after) + max(r.k - 1, 0) > self.max_model_len:
+                raise EngineError(f"sequence {r.seq_id!r}: drafting {r.k} tokens passes max_model_len {self.max_model_len}")
+            f = r.features
+            if f is not None and (f.dim() != 2 or f.shape[1] != self.feature_size):
+                raise EngineError(f"sequence {r.seq_id!r}: features of shape {tuple(f.shape)}, the head reads "
+                                  f"[rows, {self.feature_size}] (layers {self.feature_layers})")
+        out = []
+        for r, s in zip(reqs, seqs):
+            self._ingest(s, r.new_token_ids, r.after)
+            if r.features is not None and r.features.shape[0]:
+                self._commit_features(s, r.features, r.features_start)
+            out.append(self._draft(r, s))
+        return out
+
+    def _ingest(self, s: _FSeq, new: Sequence[int], after: Sequence[int]) -> None:
+        """New final tokens, and the drafts being verified now (`after`) as the chain; q rows are
+        kept for the part of the old chain they confirm (as specsplit.engine.DraftEngine)."""
+        target = list(new) + list(after)
+        matched = 0
+        for d, t in zip(s.drafted, target):
+            if d != t:
+                break
+            matched += 1
+        keep = max(0, matched - len(new))
+        rows = s.q_rows[len(new):len(new) + keep]
+        s.tokens.extend(new)
+        s.drafted = list(after)
+        s.q_rows = rows + [None] * (len(after) - keep)
+        s.cache.truncate(s.committed)
+
+    @torch.no_grad()
+    def _commit_features(self, s: _FSeq, feats: torch.Tensor, start: int) -> None:
+        """Entries for feature rows at positions start.. (f_t with x_{t+1}); rows already committed,
+        or whose next token is not final yet, are skipped."""
+        first = max(start, s.next_pos)
+        last = min(start + feats.shape[0], len(s.tokens) - 1)  # x_{t+1} must be known
+        if last <= first:
+            return
+        rows = feats[first - start:last - start]
+        dtype = self.head.fc.weight.dtype
+        g = self.head.fuse(rows.to(dtype))  # [n, H]
+        e = F.embedding(torch.tensor(s.tokens[first + 1:last + 1]), self.embedding).to(dtype)  # [n, H]
+        h = self.head.extend(s.cache, g, e, first)
+        s.committed = len(s.cache)
+        s.next_pos = last
+        s.last_h = h[-1:]
+
+    @torch.no_grad()
+    def _draft(self, r: ProposeRequest, s: _FSeq) -> Proposal:
+        if r.k <= 0 or s.last_h is None:
+            return Proposal(r.seq_id, (), None)
+        dtype = self.head.fc.weight.dtype
+        # Tokens known past the last committed entry's prediction: fed as chain entries.
+        forced = (s.tokens + s.drafted)[s.next_pos + 1:]
+        h, pos = s.last_h, s.next_pos
+        for y in forced:
+            h = self.head.extend(s.cache, h, self.embedding[y:y + 1].to(dtype), pos)
+            pos += 1
+        new: list[int] = []
+        q_x: list[float] = []
+        rows: list[torch.Tensor] = []
+        for j in range(r.k):
+            logits = self._full_logits(h)  # [1, V]
+            before = len(s.drafted)
+            t = sample_drafts([s], [logits], {0: q_x}, {0: rows}, [0])[0]
+            s.drafted.append(t)
+            new.append(t)
+            assert len(s.drafted) == before + 1
+            if j + 1 < r.k:
+                h = self.head.extend(s.cache, h, self.embedding[t:t + 1].to(dtype), pos)
+                pos += 1
+        sampled = bool(rows)
+        s.q_rows.extend(rows if sampled else [None] * len(new))
+        return Proposal(r.seq_id, tuple(new), tuple(q_x) if sampled else None)
+
+    def _full_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h [1, H] -> [1, V] float32 logits, -inf outside the draft vocabulary (q = 0 there)."""
+        sub = self.head.logits(h).float()  # [1, Vd]
+        full = torch.full((1, self.vocab_size), float("-inf"))
+        full[:, self.head.draft_ids] = sub
+        return full
+
+    # ---- q rows ------------------------------------------------------------------------------------
+    @property
+    def num_q_rows(self) -> int:
+        return sum(1 for s in self.seqs.values() for r in s.q_rows if r is not None)
+
+    def finish_step(self, fetch: Sequence[RowRequest]) -> list[QRow]:
+        """The requested q rows: position j is the j-th draft past the sequence's final tokens."""
+        out = []
+        for r in fetch:
+            s = self._get(r.seq_id)
+            row = s.q_rows[r.position] if 0 <= r.position < len(s.q_rows) else None
+            if row is None:
+                raise EngineError(f"sequence {r.seq_id!r} has no q row at draft position {r.position}")
+            out.append(QRow(r.seq_id, row.clone()))
+        return out
+
+
+def load_feature_drafter(name: str, max_model_len: int, device: str | torch.device = "cpu",
+                         dtype: torch.dtype = torch.float32, embedding: torch.Tensor | None = None,
+                         num_target_layers: int | None = None) -> FeatureDrafter:
+    """An EAGLE-3 head by alias or directory. embedding: the target's token embedding [V, H]
+    (colocated: the loaded target's; None: read from the head's `specsplit_base_model`)."""
+    import json
+
+    from specsplit.models.eagle3 import load_eagle3
+    from specsplit.models.loader import TensorSource, hf_dir_for
+    from specsplit.models.registry import resolve_model_path
+
+    path = resolve_model_path(name)
+    raw = json.loads((path / "config.json").read_text())
+    if embedding is None:
+        base = raw.get("specsplit_base_model")
+        if not base:
+            raise ValueError(f"{name}: an EAGLE-3 head needs its target's token embedding; run it colocated with the "
+                             "target, or add \"specsplit_base_model\" (the target's model argument) to its config.json")
+        src = TensorSource(hf_dir_for(base, show_progress=False))
+        try:
+            embedding = src.get("model.embed_tokens.weight")
+        finally:
+            src.close()
+    embedding = embedding.detach().to(device=device, dtype=dtype)
+    head = load_eagle3(path, target_embedding=embedding, num_target_layers=num_target_layers, dtype=dtype, device=device)
+    if head.cfg.vocab_size != embedding.shape[0] or head.cfg.hidden_size != embedding.shape[1]:
+        raise ValueError(f"{name}: the head is for a vocabulary of {head.cfg.vocab_size} x hidden {head.cfg.hidden_size}; "
+                         f"the target's embedding is {tuple(embedding.shape)}")
+    use_cpu_kernels(head)
+    drafter = FeatureDrafter(head, embedding, max_model_len)
+    log.info("feature drafter %s: EAGLE-3 head over target layers %s, draft vocabulary %d, %.1f MB of weights (%s)",
+             name, drafter.feature_layers, head.draft_ids.numel(), head_bytes(head) / 1e6, dtype)
+    return drafter
+
+
+def use_cpu_kernels(head: Eagle3Head) -> None:
+    """On a CPU, run the head's matmuls (1-8 rows a call while drafting) with the kernels the target
+    uses for those row counts (specsplit.models.cpu_linear: the skinny kernel on fp32 where it
+    builds, oneDNN-packed for bf16), not MKL's slow small-M path. Same weights, same function."""
+    from specsplit.models import cpu_linear
+    from specsplit.models.llama import Linear
+
+    kinds = cpu_linear.candidates(head.fc.weight.device, head.fc.weight.dtype, cpu_linear.policy())
+    if not kinds:
+        return
+    table = cpu_linear.static_table(head.fc.weight.dtype, cpu_linear.SKINNY in kinds)
+
+    def fast(w: torch.Tensor) -> Linear:  # w [out, in]
+        m = Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            m.weight.copy_(w)
+        m.requires_grad_(False)
+        m.make_copies(kinds)
+        m.keep(table)
+        return m
+
+    layer = head.midlayer
+    head.fc = fast(head.fc.weight)
+    for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+        setattr(layer, name, fast(getattr(layer, name).weight))
+    head.head_linear = fast(head.lm_head)
+
+
+def head_bytes(head: Eagle3Head) -> int:
+    """The head's own weights (the embedding rows of a tied head are the target's)."""
+    return sum(p.numel() * p.element_size() for p in head.parameters())
+
+
+def calibrate_feature_drafter(drafter: FeatureDrafter, max_batch: int, context: int = 64, reps: int = 3):
+    """StepCosts.draft[b]: seconds to draft one token for b sequences (each step also commits two
+    feature rows, as a step that accepted one draft does)."""
+    import statistics
+    import time
+
+    from specsplit.calibration import BATCH_SIZES, StepCosts
+
+    costs = StepCosts()
+    F_ = drafter.feature_size
+    gen = torch.Generator().manual_seed(0)
+    t_all = time.perf_counter()
+    for b in [b for b in BATCH_SIZES if b <= max(1, max_batch)]:
+        ids = [f"__calibrate_{i}__" for i in range(b)]
+        toks = [(7 * j + 3) % drafter.vocab_size for j in range(context + 4 * (reps + 1) + 4)]
+        drafter.add([SeqAdd(s, tuple(toks[:context])) for s in ids])
+        try:
+            feats = torch.randn(context + 4 * (reps + 1) + 4, F_, generator=gen)
+            drafter.propose([ProposeRequest(s, (), 0, features=feats[:context - 1], features_start=0) for s in ids])
+            times, n = [], context
+            for _ in range(reps + 1):
+                t0 = time.perf_counter()
+                drafter.propose([ProposeRequest(s, tuple(toks[n:n + 2]), 1, features=feats[n - 1:n + 1],
+                                                features_start=n - 1) for s in ids])
+                times.append(time.perf_counter() - t0)
+                n += 2
+            costs.draft[b] = statistics.median(times[1:])
+        finally:
+            drafter.release(ids)
+    log.info("feature drafter calibration (%.1fs): %s", time.perf_counter() - t_all, costs.describe())
+    return costs

@@ -1,0 +1,184 @@
+"""The EAGLE-3 feature drafter (specsplit.feature_drafter) behind the real SpecDecoder and engines.
+
+A tiny random head over tiny_llama (written in the public EAGLE-3 layout, read back by the loader)
+drafts from the target's captured layer outputs. Greedy output equals target-only at batches 1/4/16,
+lockstep and pre-drafting, alone and with prompt lookup; sampled output keeps the target's
+distribution (chi-square and TV on the joint of four tokens); features reach the drafter for every
+committed position and none are kept while speculation is off; a drafter that loses its features
+(a restart) re-syncs and the output does not change."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specsplit.config import EngineConfig, SpecConfig
+from specsplit.factory import build_colocated
+from specsplit.feature_drafter import FeatureDrafter
+from specsplit.generation import GenerationRequest, Generator
+from specsplit.models.eagle3 import Eagle3Config, Eagle3Head, save_eagle3
+from specsplit.protocols import SeqAdd
+from specsplit.sampling.params import SamplingParams
+from specsplit.spec import IDLE_FEATURE_ROWS
+from tests.helpers.chisquare import pooled_chisquare
+from tests.helpers.greedy import assert_greedy_equal_or_tie
+from tests.unit.test_spec_async_draft import NEW_TOKENS, NUM_SAMPLES, PARAMS, PROMPT, _joint
+from tests.unit.test_spec_greedy_equality import MAX_LEN, _requests
+
+
+@pytest.fixture(scope="module")
+def tiny_head(tmp_path_factory):
+    """A random EAGLE-3 head for tiny_llama (hidden 64, 4/2 heads, vocab 256), fusing the outputs
+    of layers 0, 1, 1 (a repeated layer exercises the verifier's column gathering)."""
+    torch.manual_seed(3)
+    cfg = Eagle3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                       vocab_size=256, draft_vocab_size=256, aux_layers=(0, 1, 1), rope_theta=10000.0)
+    head = Eagle3Head(cfg)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.2) if p.dim() > 1 else p.fill_(1.0)
+    out = tmp_path_factory.mktemp("tiny-eagle3")
+    save_eagle3(head, out, torch.arange(3, 200), dtype=torch.float32)  # a draft vocabulary subset
+    return out
+
+
+def _colo(target, draft, k, max_num_seqs=16, async_draft=False, max_len=MAX_LEN):
+    tc = EngineConfig(model=str(target), max_model_len=max_len, max_num_seqs=max_num_seqs)
+    dc = EngineConfig(model=str(draft), max_model_len=max_len, max_num_seqs=max_num_seqs)
+    return build_colocated(tc, dc, SpecConfig(num_speculative_tokens=k, async_draft=async_draft, k_policy="fixed"),
+                           show_progress=False)
+
+
+def _feature_drafter(colo) -> FeatureDrafter:
+    d = colo.drafter
+    return d.model if hasattr(d, "model") else d
+
+
+def _assert_released(colo):
+    bm = colo.target.block_manager
+    assert colo.target.num_running == 0 and bm.num_free_blocks == bm.num_blocks, "KV blocks leaked"
+    fd = _feature_drafter(colo)
+    assert fd.num_running == 0 and fd.cache_bytes() == 0 and fd.num_q_rows == 0
+    assert all(s.step_features is None for s in colo.target.seqs.values())
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    cache = {}
+
+    def get(batch):
+        if batch not in cache:
+            tc = EngineConfig(model=str(tiny_llama), max_model_len=MAX_LEN, max_num_seqs=16)
+            colo = build_colocated(tc, None, SpecConfig(num_speculative_tokens=0), show_progress=False)
+            cache[batch] = [s.output for s in Generator(colo.decoder, colo.eos_token_ids, 16).run(_requests(batch, seed=batch))]
+            colo.close()
+        return cache[batch]
+
+    return get
+
+
+@pytest.mark.parametrize("batch", [1, 4, 16])
+@pytest.mark.parametrize("hybrid,async_draft", [(False, False), (True, False), (False, True)],
+                         ids=["lockstep", "+ngram", "pre-drafting"])
+def test_feature_drafter_greedy_equals_target_only(tiny_llama, tiny_llama_logits, tiny_head, reference, batch,
+                                                   hybrid, async_draft):
+    colo = _colo(tiny_llama, f"{tiny_head}+ngram" if hybrid else tiny_head, 3, async_draft=async_draft)
+    assert colo.decoder.feature_layers == (0, 1, 1)
+    states = Generator(colo.decoder, colo.eos_token_ids, 16).run(_requests(batch, seed=batch))
+    for req, s, ref in zip(_requests(batch, seed=batch), states, reference(batch)):
+        assert_greedy_equal_or_tie(ref, tiny_llama_logits, s.output, prompt=req.prompt_token_ids)
+    assert sum(s.proposed for s in states) > 0  # the head drafted (its first step has no features yet)
+    _assert_released(colo)
+    colo.close()
+
+
+def test_features_reach_the_drafter_for_every_committed_position(tiny_llama, tiny_head):
+    """After each step the drafter's committed entries cover every position the verifier
+    committed (all but the last token): none missing, none twice."""
+    colo = _colo(tiny_llama, tiny_head, 3, max_num_seqs=2)
+    dec, fd = colo.decoder, _feature_drafter(colo)
+    dec.add(SeqAdd("a", (5, 6, 7, 8, 9, 10)))
+    dec.step()  # the prefill: no features yet, so no drafts; the verifier sends the prompt's
+    for _ in range(8):
+        dec.step()
+        s, t = fd.seqs["a"], dec.tracks["a"]
+        # this step's propose brought the previous step's features: every position before the
+        # tokens it knew, but the last one (x_{t+1} is the entry's input token)
+        known = len(t.tokens) - len(t.unsent)
+        assert s.committed == s.next_pos == known - 1, (s.committed, s.next_pos, known)
+    dec.release(["a"])
+    colo.close()
+
+
+def test_no_features_kept_while_speculation_is_off(tiny_llama, tiny_head):
+    """disable_by_batch_size: past it the step never asks the drafter, and each sequence keeps at
+    most IDLE_FEATURE_ROWS rows waiting (flat memory), however long it decodes."""
+    tc = EngineConfig(model=str(tiny_llama), max_model_len=MAX_LEN, max_num_seqs=4)
+    dc = EngineConfig(model=str(tiny_head), max_model_len=MAX_LEN, max_num_seqs=4)
+    colo = build_colocated(tc, dc, SpecConfig(num_speculative_tokens=3, disable_by_batch_size=1, k_policy="fixed"),
+                           show_progress=False)
+    reqs = [GenerationRequest(f"r{i}", tuple(range(5, 5 + 90)), 60, ignore_eos=True) for i in range(2)]
+    dec = colo.decoder
+    for r in reqs:
+        dec.add(SeqAdd(r.request_id, r.prompt_token_ids))
+    for _ in range(40):
+        dec.step()
+        for t in dec.tracks.values():
+            assert t.feats is None or t.feats.shape[0] <= IDLE_FEATURE_ROWS
+    assert _feature_drafter(colo).cache_bytes() == 0  # never asked: nothing computed drafter-side
+    dec.release(list(dec.tracks))
+    colo.close()
+
+
+def test_drafter_restart_loses_features_output_unchanged(tiny_llama, tiny_llama_logits, tiny_head, reference):
+    """Every few steps the drafter forgets every sequence (as a restarted service would); the step
+    re-syncs it with tokens only, the head drafts again once the next verify brings features."""
+    colo = _colo(tiny_llama, tiny_head, 3)
+    dec, fd = colo.decoder, _feature_drafter(colo)
+    dec.drafter_retry_s = 0.0
+    real_propose, calls = fd.propose, [0]
+
+    def forgetful(reqs):
+        calls[0] += 1
+        if calls[0] % 5 == 0:
+            fd.seqs.clear()  # the restart: the next call fails (unknown sequence), then re-sync
+        return real_propose(reqs)
+
+    fd.propose = forgetful
+    states = Generator(dec, colo.eos_token_ids, 16).run(_requests(4, seed=4))
+    for req, s, ref in zip(_requests(4, seed=4), states, reference(4)):
+        assert_greedy_equal_or_tie(ref, tiny_llama_logits, s.output, prompt=req.prompt_token_ids)
+    assert calls[0] >= 10 and sum(s.proposed for s in states) > 0
+    colo.close()
+
+
+@pytest.mark.slow
+def test_feature_drafter_sampling_keeps_the_target_distribution(tiny_llama, tmp_path):
+    """Rejection sampling (no coupling) with the head's q over its draft vocabulary: the tokens the
+    target can emit here plus a few it cannot (so q and p overlap often, and differ: accepts,
+    rejections and residual draws all happen)."""
+    joint = _joint(tiny_llama)
+    support = sorted({t for key in joint for t in key} | {3, 4, 250})
+    torch.manual_seed(5)
+    cfg = Eagle3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                       vocab_size=256, draft_vocab_size=len(support), aux_layers=(0, 1, 1), rope_theta=10000.0)
+    head = Eagle3Head(cfg)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.2) if p.dim() > 1 else p.fill_(1.0)
+    save_eagle3(head, tmp_path / "head", torch.tensor(support), dtype=torch.float32)
+    colo = _colo(tiny_llama, tmp_path / "head", 2, max_num_seqs=8, max_len=64)
+    reqs = [GenerationRequest(f"r{i}", PROMPT, NEW_TOKENS, SamplingParams(seed=i, coupling=False, **PARAMS),
+                              ignore_eos=True) for i in range(NUM_SAMPLES)]
+    states = Generator(colo.decoder, colo.eos_token_ids, 8).run(reqs)
+    counts: dict[tuple[int, ...], int] = {}
+    for s in states:
+        key = tuple(s.output)
+        assert key in joint, f"emitted {key}, which the target gives no mass"
+        counts[key] = counts.get(key, 0) + 1
+    pvalue, tv = pooled_chisquare(counts, joint, NUM_SAMPLES)
+    proposed, accepted = sum(s.proposed for s in states), sum(s.accepted for s in states)
+    print(f"FIGURE feature drafter sampling: chi-square p {pvalue:.3g}, TV {tv:.4f}; accepted {accepted}/{proposed}")
+    assert proposed > 1000 and 0 < accepted < proposed
+    assert pvalue > 1e-3 and tv < 0.12, (pvalue, tv)
+    _assert_released(colo)
+    colo.close()
