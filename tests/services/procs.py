@@ -164,10 +164,11 @@ def start_split(log_dir: Path, target: Path, draft: Path | str | None, max_num_s
     return stack
 
 
-def start_colocated(log_dir: Path, target: Path, draft: Path | str | None, max_num_seqs: int = 8) -> Stack:
+def start_colocated(log_dir: Path, target: Path, draft: Path | str | None, max_num_seqs: int = 8,
+                    extra: tuple[str, ...] = ()) -> Stack:
     port = free_port()
     argv = ["serve", "--target", str(target), "--port", str(port), "--max-num-seqs", str(max_num_seqs), *TINY_ENGINE,
-            *SPECULATE_ALWAYS]
+            *SPECULATE_ALWAYS, *extra]
     if draft is not None:
         argv += ["--draft", str(draft)]
     return Stack({"gateway": ServiceProcess("colocated", argv, log_dir, port)})

@@ -1,0 +1,91 @@
+"""An EAGLE-3 feature drafter over real services: the verifier sends each step's features (bf16)
+to the gateway, the gateway hands them to the drafter process with the next propose.
+
+Split (three processes, lockstep) and colocated (`specsplit serve`, the same head in memory) emit
+the target's greedy tokens and, step for step, the same drafts: the proposed and accepted counts
+of every request are equal, which they are only if the drafter saw the same features over gRPC
+as in memory. The wire format itself round-trips exactly (bf16)."""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from specsplit.models.eagle3 import Eagle3Config, Eagle3Head, save_eagle3
+from specsplit.protocols import ProposeRequest, VerifyResult
+from rpc import wire
+from tests.helpers.greedy import assert_greedy_equal_or_tie
+from tests.services.procs import generate, request, service_info, start_colocated, start_split
+
+MAX_TOKENS = 24
+K = ("--num-speculative-tokens", "3")
+
+
+@pytest.fixture(scope="module")
+def head_dir(tmp_path_factory, tiny_llama):
+    torch.manual_seed(11)
+    cfg = Eagle3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                       vocab_size=256, draft_vocab_size=256, aux_layers=(0, 1, 1), rope_theta=10000.0)
+    head = Eagle3Head(cfg)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.2) if p.dim() > 1 else p.fill_(1.0)
+    out = tmp_path_factory.mktemp("tiny-eagle3-svc")
+    # the drafter process reads the target's embedding from its base model
+    save_eagle3(head, out, torch.arange(256), dtype=torch.float32, extra_json={"specsplit_base_model": str(tiny_llama)})
+    return out
+
+
+@pytest.fixture(scope="module")
+def stacks(tmp_path_factory, tiny_llama, head_dir):
+    draft = f"{head_dir}+ngram"
+    split = start_split(tmp_path_factory.mktemp("fd-split"), tiny_llama, draft,
+                        gateway_extra=("--no-async-draft", *K))
+    colo = start_colocated(tmp_path_factory.mktemp("fd-colo"), tiny_llama, draft, extra=K)
+    try:
+        yield split.ready(), colo.ready()
+    finally:
+        split.stop()
+        colo.stop()
+
+
+def _run(address, prompts, concurrency):
+    reqs = [request(ids, max_tokens=MAX_TOKENS, ignore_eos=True) for ids in prompts]
+    with ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(lambda r: generate(address, r), reqs))
+
+
+def test_drafter_reports_its_feature_layers(stacks):
+    split, _ = stacks
+    assert tuple(service_info(split.procs["drafter"].address, "drafter").feature_layers) == (0, 1, 1)
+
+
+@pytest.mark.parametrize("concurrency", [1, 8])
+def test_split_equals_colocated_equals_target(stacks, prompts, reference, target_logits, concurrency):
+    split, colo = stacks
+    batch = prompts[:8]
+    s_out = _run(split.gateway, batch, concurrency)
+    c_out = _run(colo.gateway, batch, concurrency)
+    for ids, s, c in zip(batch, s_out, c_out):
+        expected = reference(ids, MAX_TOKENS, ignore_eos=True)
+        assert_greedy_equal_or_tie(expected, target_logits, s["token_ids"], prompt=ids)
+        assert_greedy_equal_or_tie(expected, target_logits, c["token_ids"], prompt=ids)
+        if concurrency == 1 and s["token_ids"] == c["token_ids"]:  # one stream: the same steps
+            assert s["usage"]["proposed_draft_tokens"] == c["usage"]["proposed_draft_tokens"]
+            assert s["usage"]["accepted_draft_tokens"] == c["usage"]["accepted_draft_tokens"]
+    assert sum(r["usage"]["proposed_draft_tokens"] for r in s_out) > 0
+
+
+def test_features_round_trip_the_wire():
+    rows = torch.randn(5, 12)
+    res = VerifyResult("s", 1, (3, 4), features=rows, features_start=7)
+    (back,) = wire.results_from_pb(wire.results_to_pb([res]))
+    assert back.features_start == 7 and torch.equal(back.features, rows.to(torch.bfloat16))
+    req = ProposeRequest("s", (3,), 2, features=rows.to(torch.bfloat16), features_start=9)
+    (back,) = wire.propose_from_pb(wire.propose_to_pb([req]))
+    assert back.features_start == 9 and torch.equal(back.features, req.features)
+    (plain,) = wire.propose_from_pb(wire.propose_to_pb([ProposeRequest("s", (3,), 2)]))
+    assert plain.features is None
+    # 2 bytes a value: what one committed position costs on the wire with SmolLM2's three layers
+    assert len(wire.features_to_pb(torch.zeros(1, 3 * 576), 0).bf16) == 3456
