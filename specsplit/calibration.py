@@ -3,9 +3,14 @@
 Verifier: one forward of `batch` sequences with `rows` new tokens each (rows = k + 1) over a short
 cached context, for every row count up to K+1 and batch sizes 1, 2, 4, ... up to --max-num-seqs
 (32 at most; a large batch's GEMM regime is not a straight line from small ones); the policy
-interpolates in the batch size. Drafter: one forward of `batch` sequences with one new token each, i.e. the cost
-of drafting one token for the batch. Timings are medians of a few runs; the whole calibration
-takes a few seconds on SmolLM2-135M and is logged in one line.
+interpolates in the batch size. Drafter: one forward of `batch` sequences with one new token each,
+i.e. the cost of drafting one token for the batch.
+
+A timing on a shared 2-core VM drifts by tens of percent over seconds, so no single sample is
+trusted: every shape is timed once per round over ROUNDS interleaved rounds (drift hits all shapes
+alike), the estimate is the median, and the table is then fitted to be non-decreasing in rows and
+in batch (a step never gets cheaper with more work; `monotone_fit`). The log line gives the
+spread (the largest relative interquartile range). The whole calibration takes seconds.
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ class StepCosts:
     verify: dict[tuple[int, int], float] = field(default_factory=dict)
     draft: dict[int, float] = field(default_factory=dict)
     network_s: float = 0.0  # split mode: a round trip per engine call, measured by the gateway
+    spread: float = 0.0  # the timings' largest relative interquartile range (noise of the table)
 
     def verify_s(self, batch: int, rows: int) -> float:
         """One verify forward (no network)."""
@@ -75,22 +81,91 @@ def _interp(points: dict[int, float], x: int) -> float:
     return points[b] + slope * (x - b)
 
 
-def _time(runner: ModelRunner, batch: int, rows: int, reps: int) -> float:
-    ids = [f"__calibrate_{i}__" for i in range(batch)]
+ROUNDS = 5  # interleaved rounds (3 for batches of 16 and more: they dominate the time)
+
+
+def isotonic(values: list[float]) -> list[float]:
+    """The non-decreasing sequence closest to `values` in least squares (pool adjacent violators):
+    a step never gets cheaper with more rows or more sequences, whatever one noisy sample said."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for v in values:
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, c = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += c
+    out: list[float] = []
+    for s, c in blocks:
+        out.extend([s / c] * c)
+    return out
+
+
+def monotone_fit(points: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:
+    """(batch, rows) -> seconds made non-decreasing in rows at each batch and in batch at each row
+    count (alternating 1-D fits until neither moves a point)."""
+    fit = dict(points)
+    batches = sorted({b for b, _ in fit})
+    rows_all = sorted({r for _, r in fit})
+    for _ in range(10):
+        before = dict(fit)
+        for b in batches:
+            keys = [(b, r) for r in rows_all if (b, r) in fit]
+            for k, v in zip(keys, isotonic([fit[k] for k in keys])):
+                fit[k] = v
+        for r in rows_all:
+            keys = [(b, r) for b in batches if (b, r) in fit]
+            for k, v in zip(keys, isotonic([fit[k] for k in keys])):
+                fit[k] = v
+        if all(abs(fit[k] - before[k]) <= 1e-12 for k in fit):
+            break
+    return fit
+
+
+@dataclass
+class Timings:
+    """Repeated timings per (batch, rows): the median is the estimate, the spread its noise."""
+
+    samples: dict[tuple[int, int], list[float]] = field(default_factory=dict)
+
+    def medians(self) -> dict[tuple[int, int], float]:
+        return {k: statistics.median(v) for k, v in self.samples.items()}
+
+    def spread(self) -> float:
+        """The largest relative interquartile range over the shapes (0.1 = 10%)."""
+        out = 0.0
+        for v in self.samples.values():
+            if len(v) >= 3:
+                q = statistics.quantiles(v, n=4)
+                out = max(out, (q[2] - q[0]) / max(statistics.median(v), 1e-12))
+        return out
+
+
+def _measure(runner: ModelRunner, shapes: list[tuple[int, int]], rounds: int = ROUNDS) -> Timings:
+    """Time every (batch, rows) forward once per round, the shapes interleaved (and their order
+    rotated) so drift over the seconds calibration takes hits every shape alike; one warm-up round
+    is dropped. Dummy sequences share a CONTEXT_TOKENS prefix in the cache."""
+    max_b = max(b for b, _ in shapes)
+    ids = [f"__calibrate_{i}__" for i in range(max_b)]
     context = [(7 * j + 3) % runner.vocab_size for j in range(CONTEXT_TOKENS)]
+    timings = Timings({s: [] for s in shapes})
     try:
         runner.forward([ForwardItem(s, 0, context) for s in ids])
-        times = []
-        for _ in range((reps if batch < 16 else 1) + 1):  # the first run warms this shape
-            t0 = time.perf_counter()
-            runner.forward([ForwardItem(s, CONTEXT_TOKENS, context[:rows], rows) for s in ids])
-            times.append(time.perf_counter() - t0)
-            for s in ids:
-                runner.truncate(s, CONTEXT_TOKENS)
-        return statistics.median(times[1:])
+        for rnd in range(rounds + 1):
+            order = shapes[rnd % len(shapes):] + shapes[:rnd % len(shapes)]
+            for b, rows in order:
+                if rnd > 3 and b >= 16:
+                    continue
+                t0 = time.perf_counter()
+                runner.forward([ForwardItem(s, CONTEXT_TOKENS, context[:rows], rows) for s in ids[:b]])
+                dt = time.perf_counter() - t0
+                for s in ids[:b]:
+                    runner.truncate(s, CONTEXT_TOKENS)
+                if rnd > 0:
+                    timings.samples[(b, rows)].append(dt)
     finally:
         for s in ids:
             runner.free(s)
+    return timings
 
 
 def _batches(runner: ModelRunner, max_batch: int, rows: int) -> list[int]:
@@ -101,24 +176,33 @@ def _batches(runner: ModelRunner, max_batch: int, rows: int) -> list[int]:
     return [b for b in BATCH_SIZES if b <= max(1, max_batch) and b <= fits]
 
 
-def calibrate_verifier(runner: ModelRunner, max_k: int, max_batch: int, reps: int = 3) -> StepCosts:
+def calibrate_verifier(runner: ModelRunner, max_k: int, max_batch: int, rounds: int = ROUNDS) -> StepCosts:
     costs = StepCosts()
     if runner.max_model_len < CONTEXT_TOKENS + max_k + 1:
         return costs
     t0 = time.perf_counter()
-    for b in _batches(runner, max_batch, max_k + 1):
-        for rows in range(1, max_k + 2):
-            costs.verify[(b, rows)] = _time(runner, b, rows, reps)
-    log.info("verifier calibration (%.1fs): %s", time.perf_counter() - t0, costs.describe())
+    shapes = [(b, rows) for b in _batches(runner, max_batch, max_k + 1) for rows in range(1, max_k + 2)]
+    if not shapes:
+        return costs
+    timings = _measure(runner, shapes, rounds)
+    costs.verify = monotone_fit(timings.medians())
+    costs.spread = timings.spread()
+    log.info("verifier calibration (%.1fs, %d interleaved rounds, spread %.0f%%): %s", time.perf_counter() - t0,
+             rounds, 100 * costs.spread, costs.describe())
     return costs
 
 
-def calibrate_drafter(runner: ModelRunner, max_batch: int, reps: int = 3) -> StepCosts:
+def calibrate_drafter(runner: ModelRunner, max_batch: int, rounds: int = ROUNDS) -> StepCosts:
     costs = StepCosts()
     if runner.max_model_len < CONTEXT_TOKENS + 1:
         return costs
     t0 = time.perf_counter()
-    for b in _batches(runner, max_batch, 1):
-        costs.draft[b] = _time(runner, b, 1, reps)
-    log.info("drafter calibration (%.1fs): %s", time.perf_counter() - t0, costs.describe())
+    shapes = [(b, 1) for b in _batches(runner, max_batch, 1)]
+    if not shapes:
+        return costs
+    timings = _measure(runner, shapes, rounds)
+    costs.draft = {b: s for (b, _), s in monotone_fit(timings.medians()).items()}
+    costs.spread = timings.spread()
+    log.info("drafter calibration (%.1fs, %d interleaved rounds, spread %.0f%%): %s", time.perf_counter() - t0,
+             rounds, 100 * costs.spread, costs.describe())
     return costs

@@ -305,7 +305,7 @@ def calibrate_feature_drafter(drafter: FeatureDrafter, max_batch: int, context: 
     import statistics
     import time
 
-    from specsplit.calibration import BATCH_SIZES, StepCosts
+    from specsplit.calibration import BATCH_SIZES, StepCosts, isotonic
 
     costs = StepCosts()
     F_ = drafter.feature_size
@@ -328,5 +328,7 @@ def calibrate_feature_drafter(drafter: FeatureDrafter, max_batch: int, context: 
             costs.draft[b] = statistics.median(times[1:])
         finally:
             drafter.release(ids)
+    bs = sorted(costs.draft)
+    costs.draft = dict(zip(bs, isotonic([costs.draft[b] for b in bs])))  # never cheaper for more sequences
     log.info("feature drafter calibration (%.1fs): %s", time.perf_counter() - t_all, costs.describe())
     return costs
