@@ -127,7 +127,8 @@ class SpecDecoder:
         self.k_chosen: Counter[int] = Counter()  # steps per K drafted (0: speculation off that step)
         self._probes = 0  # probe steps so far: which sequence drafts in the next one
         if costs is not None and costs.verify and spec.k_policy == "auto":
-            hybrid = spec.draft_model_tokens if getattr(drafter, "is_hybrid", False) else None
+            # A hybrid's model drafts at most model_tokens a step (0: all k, as a feature drafter does)
+            hybrid = (getattr(drafter, "model_tokens", spec.draft_model_tokens) or None) if getattr(drafter, "is_hybrid", False) else None
             self.policy = KPolicy(costs, spec.num_speculative_tokens, hybrid, async_draft=self.async_draft)
 
     # ---- lifecycle -----------------------------------------------------------------------

@@ -60,3 +60,49 @@ def _collect_garbage():
     """Free engines (and their KV caches) a module left behind; per test it costs ~0.4 s."""
     yield
     gc.collect()
+
+
+# ---- no process outlives the suite ---------------------------------------------------------------
+# Processes the interpreter itself keeps for its life (multiprocessing's resource tracker), not a test's.
+_INTERPRETER_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.semaphore_tracker",
+                        "multiprocessing.forkserver")
+
+
+def _descendants() -> list:
+    import psutil
+
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() == psutil.STATUS_ZOMBIE or any(h in " ".join(p.cmdline()) for h in _INTERPRETER_HELPERS):
+                continue
+            out.append(p)
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the run if a process a test started (a service, a worker, a CLI) is still running
+    after every fixture has been torn down; kill it so it cannot hold ports or memory."""
+    import time
+
+    import psutil
+
+    end = time.monotonic() + 10.0
+    left = _descendants()
+    while left and time.monotonic() < end:  # a process told to stop may take a moment
+        time.sleep(0.2)
+        left = [p for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    if not left:
+        return
+    lines = []
+    for p in left:
+        try:
+            lines.append(f"  pid {p.pid}: {' '.join(p.cmdline())[:200]}")
+            p.kill()
+        except psutil.NoSuchProcess:
+            continue
+    session.config.get_terminal_writer().line(
+        "\nprocesses started by tests outlived the suite (killed now):\n" + "\n".join(lines), red=True)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED

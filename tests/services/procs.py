@@ -60,6 +60,9 @@ class ServiceProcess:
         self.start()
 
     def start(self) -> None:
+        """Start the process (the constructor does; call again only after stop or kill9)."""
+        if self.alive():
+            raise RuntimeError(f"{self.name} is already running (pid {self.proc.pid}): stop it before starting it again")
         env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **self.env)
         log = open(self.log_path, "ab")
         log.write(f"\n==== {' '.join(self.argv)}\n".encode())

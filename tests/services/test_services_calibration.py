@@ -18,7 +18,6 @@ def test_engines_report_step_costs_and_the_policy_gateway_uses_them(split_stack,
     gw = ServiceProcess("gateway-policy", ["gateway", "--verifier", f"{HOST}:{v_addr.rsplit(':', 1)[1]}",
                                            "--drafter", f"{HOST}:{d_addr.rsplit(':', 1)[1]}", "--port", str(port),
                                            "--max-num-seqs", "4", "--k-policy", "auto"], tmp_path, port)
-    gw.start()
     try:
         gw.wait_serving()
         info = server_info(gw.address)
