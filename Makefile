@@ -23,7 +23,7 @@ demo: $(STAMP)
 
 # The same generation in one process, no services.
 demo-local: $(STAMP)
-	$(VENV)/bin/specsplit generate --target smollm2-135m --draft smollm2-135m-draft+ngram --max-tokens 64 --chat \
+	$(VENV)/bin/specsplit generate --target smollm2-135m --draft smollm2-135m-eagle3+ngram --max-tokens 64 --chat \
 	  "Write a haiku about speculative decoding."
 
 # pytest exits 5 when it collected no tests: that must fail, not pass silently.

@@ -3,7 +3,7 @@ through the gateway, print the tokens as they arrive and the acceptance rate, th
 prompt target-only (speculation disabled for that request) and print both speeds side by side;
 stop everything.
 
-    python -m gateway.demo [--target smollm2-135m] [--draft smollm2-135m-draft+ngram] [--max-tokens 96] [--port 0]
+    python -m gateway.demo [--target smollm2-135m] [--draft smollm2-135m-eagle3+ngram] [--max-tokens 96] [--port 0]
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ PROMPT = (
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="smollm2-135m")
-    p.add_argument("--draft", default="smollm2-135m-draft+ngram",
-                   help="the distilled draft with prompt lookup in front (or a model, or ngram)")
+    p.add_argument("--draft", default="smollm2-135m-eagle3+ngram",
+                   help="the default draft: the EAGLE-3 head with prompt lookup in front (or a model, or ngram)")
     p.add_argument("--prompt", default=PROMPT)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--port", type=int, default=0, help="gateway port (0 = a free one)")

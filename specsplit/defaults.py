@@ -33,6 +33,23 @@ def disable_by_batch_size(args, target_device: str | None) -> int:
     return default_disable_by_batch_size(target_device, policy) if value is None else value
 
 
+NO_DRAFT = "none"  # --draft none: target-only
+# The best shipped draft per target alias (measured: README "Benchmarks"); a target not listed
+# runs target-only unless --draft names one.
+DEFAULT_DRAFTS = {"smollm2-135m": "smollm2-135m-eagle3+ngram"}
+# A tensor-parallel target cannot capture features yet: its best model draft instead.
+DEFAULT_DRAFTS_TP = {"smollm2-135m": "smollm2-135m-draft+ngram"}
+
+
+def resolve_draft(target: str | None, draft: str | None, tensor_parallel_size: int | None = 1) -> str | None:
+    """The draft a command runs: --draft as given, 'none' for target-only, and when --draft is
+    omitted the target's best shipped draft (DEFAULT_DRAFTS), else none."""
+    if draft is None:
+        table = DEFAULT_DRAFTS_TP if (tensor_parallel_size or 1) > 1 else DEFAULT_DRAFTS
+        return table.get(target or "")
+    return None if draft.strip().lower() == NO_DRAFT else draft
+
+
 def default_k_for(draft: str | None) -> int:
     """The K a server uses for this draft when --num-speculative-tokens is not given."""
     if draft is None:

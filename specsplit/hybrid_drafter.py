@@ -70,6 +70,12 @@ class HybridDrafter:
         return self.model.vocab_size
 
     @property
+    def model_share(self) -> float:
+        """The share of drafting steps the model made (1.0 before any): what drafting costs."""
+        total = self.model_steps + self.lookup_steps
+        return self.model_steps / total if total else 1.0
+
+    @property
     def feature_layers(self) -> tuple[int, ...]:
         return getattr(self.model, "feature_layers", ())
 

@@ -78,6 +78,9 @@ class KPolicy:
         self.async_draft = async_draft
         self.max_k = max_k
         self.model_tokens = model_tokens  # hybrid drafter: the model drafts at most this many
+        # hybrid drafter: the share of its drafting steps the model (not prompt lookup) made; a
+        # lookup step costs no draft forward (SpecDecoder refreshes it each step)
+        self.model_fraction = 1.0
         self.probe_every = probe_every
         self._since_probe = 0
         self.probing = False  # the last choice was a probe: the caller drafts for one sequence only
@@ -89,7 +92,7 @@ class KPolicy:
         verify = self.costs.verify_s(batch, k + 1) + self.costs.network_s
         t = verify
         if k > 0:
-            drafted = k if self.model_tokens is None else min(k, self.model_tokens)
+            drafted = (k if self.model_tokens is None else min(k, self.model_tokens)) * self.model_fraction
             just_in_time = drafted * self.costs.draft_s(batch) + self.costs.network_s
             if not self.async_draft:
                 return t + just_in_time

@@ -328,6 +328,7 @@ class SpecDecoder:
             return 0, None
         if self.policy is None:
             return max(self.tracks[s].k for s in live), None
+        self.policy.model_fraction = float(getattr(self.drafter, "model_share", 1.0))
         # Sequences that do not speculate still take a row in the verify forward.
         others = [Acceptance(prior_rate=0.0, prior_weight=1.0)] * (len(ids) - len(live))
         k = self.policy.choose([self.tracks[s].acceptance for s in live] + others,

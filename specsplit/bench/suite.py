@@ -186,7 +186,8 @@ class Bench:
         draft = a.draft
         base = build_colocated(self._cfg(a.target, dtype), None, SpecConfig(num_speculative_tokens=0), show_progress=False)
         prompts = self._prompts(base)
-        drafts = list(dict.fromkeys(d for d in (draft, self.hybrid_draft, "ngram") if d is not None))
+        drafts = list(dict.fromkeys(d for d in (draft, self.hybrid_draft, "ngram", *getattr(a, "also_draft", []))
+                                    if d is not None))
         colos = {name: build_colocated(self._cfg(a.target, dtype), self._cfg(name, dtype),
                                        SpecConfig(num_speculative_tokens=max(self.ks), k_policy="fixed"),
                                        show_progress=False)
@@ -207,6 +208,14 @@ class Bench:
         policy_name = f"specsplit colocated {self.served_draft} policy K<={policy_k}"
         arms.append(colocated_arm(policy_name, policy_colo, self.new_tokens, None, draft=self.served_draft,
                                   role="policy"))
+        also_policy = {}  # --also-draft: their default configuration too, interleaved
+        for other in getattr(a, "also_draft", []):
+            colo = build_colocated(self._cfg(a.target, dtype), self._cfg(other, dtype),
+                                   SpecConfig(num_speculative_tokens=default_k_for(other), k_policy="auto"),
+                                   show_progress=False)
+            also_policy[other] = colo
+            arms.append(colocated_arm(f"specsplit colocated {other} policy K<={default_k_for(other)}", colo,
+                                      self.new_tokens, None, draft=other, role="policy"))
         hf = assistant = None
         if model_draft is not None and not a.no_hf:
             hf, assistant = _hf_models(colos[model_draft], model_draft, parse_dtype(dtype))
@@ -244,7 +253,7 @@ class Bench:
                 if row["arm"].startswith("specsplit colocated") and row.get("draft") == model_draft:
                     row["ratio_vs_best_hf_assisted"] = row["tokens_per_s"] / best_hf["tokens_per_s"]
         del hf, assistant
-        for colo in (base, policy_colo, *colos.values()):
+        for colo in (base, policy_colo, *colos.values(), *also_policy.values()):
             colo.close()
         del base, colos
         if self.split_ks:

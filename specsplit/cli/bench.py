@@ -25,6 +25,9 @@ def add_arguments(p, name: str) -> None:
                         "gRPC on loopback), default 2 for a model draft (4 for ngram); with --quick the first --ks "
                         "value")
     p.add_argument("--no-split", action="store_true", help="skip the split arm (no services started)")
+    p.add_argument("--also-draft", action="append", default=[], metavar="DRAFT",
+                   help="another draft whose fixed-K arms run interleaved with the others (repeatable), "
+                        "e.g. the previous default to compare against")
     p.add_argument("--no-hybrid", action="store_true",
                    help="skip the DRAFT+ngram arms (the model draft with prompt lookup in front); without this flag "
                         "the split arm and the concurrency sweep use DRAFT+ngram")

@@ -15,7 +15,8 @@ def add_arguments(p, name: str) -> None:
     p.add_argument("prompt", nargs="?", default=None, help="prompt text (tokenized like Hugging Face does by default)")
     p.add_argument("--prompt-token-ids", default=None, help="comma-separated prompt ids instead of text, e.g. 1,2,3")
     p.add_argument("--target", default="smollm2-135m", help="alias, Hugging Face directory or .gguf file")
-    p.add_argument("--draft", default=None, help="draft model (alias/dir/.gguf) or 'ngram'; omit for target-only")
+    p.add_argument("--draft", default=None, help="draft model (alias/dir/.gguf), 'ngram', MODEL+ngram, or 'none' "
+                   "(target-only); omitted: the target's best shipped draft (smollm2-135m: smollm2-135m-eagle3+ngram)")
     p.add_argument("--draft-device", default=None, help="device of the draft model (default: --device)")
     p.add_argument("--server", default=None, metavar="HOST:PORT", help="stream from a running gateway instead")
     p.add_argument("--max-tokens", type=positive_int, default=64)
@@ -40,7 +41,9 @@ def add_arguments(p, name: str) -> None:
 
 def validate(args) -> None:
     from rpc.security import ClientSecurity
+    from specsplit.defaults import resolve_draft
 
+    args.draft = resolve_draft(args.target, args.draft, getattr(args, "tensor_parallel_size", 1))
     validate_engine(args)
     ClientSecurity.from_args(args).validate()
     if args.prompt is None and args.prompt_token_ids is None:

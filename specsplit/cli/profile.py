@@ -25,6 +25,9 @@ def add_arguments(p, name: str) -> None:
 
 
 def validate(args) -> None:
+    from specsplit.defaults import resolve_draft
+
+    args.draft = resolve_draft(args.target, args.draft, getattr(args, "tensor_parallel_size", 1))
     validate_engine(args)
 
 

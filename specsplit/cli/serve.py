@@ -7,7 +7,8 @@ from specsplit.cli.common import (add_engine_flags, add_http_flags, add_request_
 
 def add_arguments(p, name: str) -> None:
     p.add_argument("--target", required=True, help="alias, Hugging Face directory or .gguf file")
-    p.add_argument("--draft", default=None, help="draft model or 'ngram' (omit: target only)")
+    p.add_argument("--draft", default=None, help="draft model, 'ngram', MODEL+ngram or 'none' (target-only); omitted: "
+                   "the target's best shipped draft (smollm2-135m: smollm2-135m-eagle3+ngram)")
     p.add_argument("--draft-device", default=None, help="device of the draft (default: --device)")
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests before RESOURCE_EXHAUSTED")
     p.add_argument("--drain-timeout", type=float, default=30.0,
@@ -22,6 +23,9 @@ def add_arguments(p, name: str) -> None:
 
 
 def validate(args) -> None:
+    from specsplit.defaults import resolve_draft
+
+    args.draft = resolve_draft(args.target, args.draft, getattr(args, "tensor_parallel_size", 1))
     validate_security(args)
     validate_http(args)
     validate_engine(args)

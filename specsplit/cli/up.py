@@ -20,7 +20,8 @@ from specsplit.cli.common import (add_deterministic_flag, add_engine_flags, add_
 
 def add_arguments(p, name: str) -> None:
     p.add_argument("--target", required=True)
-    p.add_argument("--draft", required=True, help="draft model or 'ngram'")
+    p.add_argument("--draft", default=None, help="draft model, 'ngram' or MODEL+ngram; omitted: the target's best "
+                   "shipped draft (smollm2-135m: smollm2-135m-eagle3+ngram)")
     p.add_argument("--draft-device", default=None)
     p.add_argument("--drafter-port", type=port, default=0, help="drafter port (0 = a free one)")
     p.add_argument("--verifier-port", type=port, default=0, help="verifier port (0 = a free one)")
@@ -47,6 +48,12 @@ def add_arguments(p, name: str) -> None:
 
 
 def validate(args) -> None:
+    from specsplit.defaults import resolve_draft
+
+    args.draft = resolve_draft(args.target, args.draft, getattr(args, "tensor_parallel_size", 1))
+    if args.draft is None:
+        raise ValueError(f"specsplit up starts a drafter, and {args.target!r} has no default draft: give --draft "
+                         "(target-only: specsplit serve --draft none, or specsplit verifier + gateway)")
     validate_security(args)
     validate_http(args)
     validate_engine(args)
