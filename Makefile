@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 # The split services (`specsplit up`: drafter, verifier, gateway), one speculative generation
 # streamed through the gateway, the acceptance rate; then everything stops.
 demo: $(STAMP)
-	$(PY) -m gateway.demo
+	$(PY) -m specsplit.gateway.demo
 
 # The same generation in one process, no services.
 demo-local: $(STAMP)

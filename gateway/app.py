@@ -12,15 +12,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
-from rpc import metrics
-from gateway.clients import GrpcDrafter, GrpcVerifier
-from rpc.engines import plan_to_dict, static_plan
-from gateway.scheduler import GatewayScheduler
-from gateway.service import SERVICE_NAME, GatewayServicer, Limits, Tokenizer
-from rpc.security import MAX_REQUEST_BYTES, ClientSecurity, ServerSecurity, keepalive_options
-from rpc.serving import Server, wait_until
+from specsplit.rpc import metrics
+from specsplit.gateway.clients import GrpcDrafter, GrpcVerifier
+from specsplit.rpc.engines import plan_to_dict, static_plan
+from specsplit.gateway.scheduler import GatewayScheduler
+from specsplit.gateway.service import SERVICE_NAME, GatewayServicer, Limits, Tokenizer
+from specsplit.rpc.security import MAX_REQUEST_BYTES, ClientSecurity, ServerSecurity, keepalive_options
+from specsplit.rpc.serving import Server, wait_until
 from grpc_health.v1 import health_pb2
-from protos.specsplit.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from specsplit.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from specsplit.request import RequestError
 from specsplit.scheduler import KvBudget
 from specsplit.defaults import default_k_for, disable_by_batch_size
@@ -120,7 +120,7 @@ async def run(gw: Gateway, args) -> int:
     verifier_up = [True]
     http = None
     if getattr(args, "http_port", None):  # bound before gRPC reports SERVING: ready means both are
-        from gateway.http_api import build_http_server
+        from specsplit.gateway.http_api import build_http_server
 
         http = build_http_server(servicer, gw.target_model, args, lambda: verifier_up[0] and not server.draining)
         await http.start()

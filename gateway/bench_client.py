@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-from protos.specsplit.v1 import gateway_pb2, gateway_pb2_grpc
+from specsplit.v1 import gateway_pb2, gateway_pb2_grpc
 from specsplit.bench.arms import ArmResult, Timing, median_timing
 
 
@@ -36,7 +36,7 @@ def generate_request(prompt: list[int], new_tokens: int, k: int, disable: bool =
 
 @contextmanager
 def gateway_stub(address: str, security=None) -> Iterator[gateway_pb2_grpc.GatewayStub]:
-    from rpc.security import channel as make_channel
+    from specsplit.rpc.security import channel as make_channel
 
     with make_channel(address, security) as ch:
         yield gateway_pb2_grpc.GatewayStub(ch)

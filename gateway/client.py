@@ -12,7 +12,7 @@ from typing import Iterator, Sequence
 
 import grpc
 
-from protos.specsplit.v1 import gateway_pb2, gateway_pb2_grpc
+from specsplit.v1 import gateway_pb2, gateway_pb2_grpc
 
 
 def parse_ids(text: str) -> list[int]:
@@ -50,7 +50,7 @@ def request_from_args(args) -> gateway_pb2.GenerateRequest:
 def stream(address: str, request: gateway_pb2.GenerateRequest, timeout: float | None = None,
            security=None) -> Iterator[gateway_pb2.GenerateResponse]:
     """`security`: a rpc.security.ClientSecurity (TLS CA, client certificate, token)."""
-    from rpc.security import channel as make_channel
+    from specsplit.rpc.security import channel as make_channel
 
     with make_channel(address, security) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
@@ -65,7 +65,7 @@ def logprobs_json(lps: Sequence) -> list[dict]:
 
 def collect(responses) -> dict:
     """Responses -> the local mode's JSON object (logprobs only when the request asked)."""
-    from rpc.wire import logprobs_from_pb
+    from specsplit.rpc.wire import logprobs_from_pb
 
     ids: list[int] = []
     text: list[str] = []
@@ -91,7 +91,7 @@ def collect(responses) -> dict:
 
 
 def generate_over_grpc(args) -> int:
-    from rpc.security import ClientSecurity
+    from specsplit.rpc.security import ClientSecurity
 
     security = ClientSecurity.from_args(args)
     request = request_from_args(args)

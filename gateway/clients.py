@@ -25,10 +25,10 @@ from typing import Sequence
 
 import grpc
 
-from rpc import wire
-from rpc import security as sec
-from rpc.serving import MAX_MESSAGE_BYTES
-from protos.specsplit.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from specsplit.rpc import wire
+from specsplit.rpc import security as sec
+from specsplit.rpc.serving import MAX_MESSAGE_BYTES
+from specsplit.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from specsplit.protocols import Proposal, ProposeRequest, QRow, RowRequest, SeqAdd, VerifyRequest, VerifyResult
 
 log = logging.getLogger(__name__)

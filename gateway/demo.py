@@ -14,7 +14,7 @@ import time
 
 import grpc
 
-from protos.specsplit.v1 import gateway_pb2, gateway_pb2_grpc
+from specsplit.v1 import gateway_pb2, gateway_pb2_grpc
 
 PROMPT = (
     "Here is a Python function that adds two numbers:\n"
@@ -33,8 +33,8 @@ def main(argv=None) -> int:
     p.add_argument("--port", type=int, default=0, help="gateway port (0 = a free one)")
     p.add_argument("--max-model-len", type=int, default=1024)
     args = p.parse_args(argv)
-    from gateway.launch import specsplit_up
-    from rpc.health import free_port
+    from specsplit.gateway.launch import specsplit_up
+    from specsplit.rpc.health import free_port
 
     port = args.port or free_port()
     print(f"$ specsplit up --target {args.target} --draft {args.draft} --port {port}", flush=True)

@@ -45,11 +45,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway.scheduler import status_of
-from gateway.service import GatewayServicer, build_request, check_before_tokenizing
-from protos.specsplit.v1 import gateway_pb2
-from rpc.security import ServerSecurity, read_token
-from rpc.wire import ServiceError
+from specsplit.gateway.scheduler import status_of
+from specsplit.gateway.service import GatewayServicer, build_request, check_before_tokenizing
+from specsplit.v1 import gateway_pb2
+from specsplit.rpc.security import ServerSecurity, read_token
+from specsplit.rpc.wire import ServiceError
 from specsplit.request import MAX_LOGPROBS, Event, TokenLogprob
 
 log = logging.getLogger(__name__)

@@ -57,7 +57,7 @@ def up_command(target: str, draft: str, *, port: int, drafter_port: int, verifie
 
 def stop(proc: subprocess.Popen, timeout: float = 60.0) -> int | None:
     """SIGTERM, wait up to `timeout`, then kill. Returns the exit code (None if it would not die)."""
-    from rpc.health import stop_process
+    from specsplit.rpc.health import stop_process
 
     return stop_process(proc, timeout)
 
@@ -75,7 +75,7 @@ def specsplit_up(target: str, draft: str, *, dtype: str | None = None, max_model
     `port` 0 picks free ports. `log`: a file for the children's output (None: this process's
     stdout/stderr). `env`: variables added to this process's environment.
     Raises RuntimeError when `up` exits, or is not ready within `startup_timeout` seconds."""
-    from rpc.health import free_port, wait_serving
+    from specsplit.rpc.health import free_port, wait_serving
 
     port = port or free_port(host)
     dport, vport = free_port(host), free_port(host)

@@ -14,8 +14,8 @@ from typing import Callable, Sequence
 
 import grpc
 
-from rpc import metrics
-from rpc.wire import ServiceError
+from specsplit.rpc import metrics
+from specsplit.rpc.wire import ServiceError
 from specsplit.request import Event, GenerationRequest, Limits, Request, RequestError, error_from_exception
 from specsplit.scheduler import KvBudget, Observer
 from specsplit.scheduler import Scheduler as CoreScheduler

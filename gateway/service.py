@@ -21,9 +21,9 @@ from typing import Awaitable, Callable
 import grpc
 import numpy as np
 
-from gateway.scheduler import Event, GatewayScheduler, status_of
-from protos.specsplit.v1 import gateway_pb2, gateway_pb2_grpc
-from rpc.wire import ServiceError, logprobs_to_pb
+from specsplit.gateway.scheduler import Event, GatewayScheduler, status_of
+from specsplit.v1 import gateway_pb2, gateway_pb2_grpc
+from specsplit.rpc.wire import ServiceError, logprobs_to_pb
 from specsplit.request import MAX_REQUEST_ID_BYTES, GenerationRequest, Limits, RequestError, validate
 from specsplit.sampling.params import SamplingParams
 

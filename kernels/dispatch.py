@@ -85,7 +85,7 @@ def greedy_rejection(
     target_argmax: torch.Tensor,  # [B, K+1] int64
 ) -> tuple[torch.Tensor, torch.Tensor]:  # num_accepted [B] int64, out_ids [B, K+1] (-1 pad)
     if use_triton(target_argmax.device):
-        from kernels.rejection_greedy import greedy_rejection_triton
+        from specsplit.kernels.rejection_greedy import greedy_rejection_triton
 
         return greedy_rejection_triton(draft_ids, num_draft, target_argmax)
     from specsplit.sampling.rejection import greedy_rejection_ref
@@ -101,7 +101,7 @@ def random_accept(
     u_accept: torch.Tensor,  # [B, K] float64
 ) -> torch.Tensor:  # num_accepted [B] int64
     if use_triton(target_probs.device):
-        from kernels.rejection_random import random_accept_triton
+        from specsplit.kernels.rejection_random import random_accept_triton
 
         return random_accept_triton(draft_ids, draft_q, num_draft, target_probs, u_accept)
     from specsplit.sampling.rejection import random_accept_ref
@@ -118,7 +118,7 @@ def random_finish(
 
     q = q_rows_tensor(draft_q_row, target_probs_row)
     if use_triton(target_probs_row.device):
-        from kernels.rejection_random import random_finish_triton
+        from specsplit.kernels.rejection_random import random_finish_triton
 
         return random_finish_triton(target_probs_row, q, u_final)
     return random_finish_ref(target_probs_row, q, u_final)
@@ -132,7 +132,7 @@ def store_kv(
     slot_mapping: torch.Tensor,  # [T] int64; slot = block * block_size + offset, < 0 = skip
     all_valid: bool = False,  # the caller knows no slot is < 0: the torch path skips masking
 ) -> None:
-    from kernels import kv_store
+    from specsplit.kernels import kv_store
 
     if use_triton(k_cache.device):
         kv_store.store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
@@ -151,7 +151,7 @@ def paged_attention(
     q_lens: torch.Tensor,  # [B] int, valid new tokens per sequence
     scale: float | None = None,
 ) -> torch.Tensor:  # [B, Q, Hq, D]
-    from kernels import paged_attention as pa
+    from specsplit.kernels import paged_attention as pa
 
     if use_triton(q.device):
         return pa.paged_attention_triton(

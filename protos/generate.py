@@ -2,9 +2,10 @@
 
     python protos/generate.py          # or: make protos
 
-protoc runs from the repository root with `-I .`, so the generated modules import each other
-as `protos.specsplit.v1.*_pb2` and work wherever the repository root is on sys.path (as it is
-for the installed package and for pytest). The outputs are never edited by hand.
+protoc runs from protos/ with `-I .`, so a file's proto path is `specsplit/v1/X.proto` and the
+generated modules import each other as `specsplit.v1.X_pb2`: the import name equals the proto
+package. The installed package reaches them as specsplit.v1 (specsplit/v1 is a link to
+protos/specsplit/v1). The outputs are never edited by hand.
 """
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-PROTO_DIR = ROOT / "protos" / "specsplit" / "v1"
+ROOT = Path(__file__).resolve().parent  # protos/: the include root
+PROTO_DIR = ROOT / "specsplit" / "v1"
 
 
 def main() -> int:

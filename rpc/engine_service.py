@@ -6,12 +6,12 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from rpc import metrics
-from rpc.engines import BuiltEngine
-from rpc.security import ServerSecurity
-from rpc.serving import Server, wait_until
-from rpc.sessions import SessionHost, kv_stats
-from protos.specsplit.v1 import common_pb2
+from specsplit.rpc import metrics
+from specsplit.rpc.engines import BuiltEngine
+from specsplit.rpc.security import ServerSecurity
+from specsplit.rpc.serving import Server, wait_until
+from specsplit.rpc.sessions import SessionHost, kv_stats
+from specsplit.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 

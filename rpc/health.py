@@ -16,7 +16,7 @@ def check(address: str, service: str = "", timeout: float = 3.0, security=None) 
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from rpc.security import channel as make_channel
+    from specsplit.rpc.security import channel as make_channel
 
     with make_channel(address, security) as channel:
         try:

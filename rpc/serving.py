@@ -12,8 +12,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from rpc import security as sec
-from rpc.metrics import start_metrics_server
+from specsplit.rpc import security as sec
+from specsplit.rpc.metrics import start_metrics_server
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from typing import AsyncIterator, Callable
 
 import grpc
 
-from rpc import metrics
-from rpc.wire import ServiceError, status_pb
+from specsplit.rpc import metrics
+from specsplit.rpc.wire import ServiceError, status_pb
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import grpc
 import numpy as np
 import torch
 
-from protos.specsplit.v1 import common_pb2, drafter_pb2, verifier_pb2
+from specsplit.v1 import common_pb2, drafter_pb2, verifier_pb2
 from specsplit.kv.block_manager import OutOfBlocks
 from specsplit.engine import EngineError
 from specsplit.protocols import (Proposal, ProposeRequest, QRow, RowRequest, SeqAdd, TokenLogprob, VerifyRequest,

@@ -1,8 +1,9 @@
 """The layering of DESIGN.md, checked by import-linter's contracts in pyproject.toml:
 
-    specsplit.cli -> gateway | drafter_svc | verifier_svc -> rpc -> specsplit -> kernels
+    specsplit.cli -> specsplit.{gateway | drafter_svc | verifier_svc} -> specsplit.rpc
+                  -> the engine library (specsplit.engine, .spec, .models, ...) -> specsplit.kernels
 
-and the engine library never imports grpc or the generated protos. `make test` runs this."""
+and the engine library never imports grpc or the generated protos (specsplit.v1). `make test` runs this."""
 from __future__ import annotations
 
 import os
@@ -48,9 +49,9 @@ def test_contracts_catch_a_violation(tmp_path):
     shutil.copytree(REPO, tmp_path / "repo", ignore=shutil.ignore_patterns(".venv", ".git", "tests", "*.safetensors",
                                                                            "bench_out", "docs", "__pycache__"))
     bad = tmp_path / "repo" / "specsplit" / "protocols.py"
-    bad.write_text(bad.read_text() + "\nimport grpc  # noqa\nfrom rpc import wire  # noqa\n")
+    bad.write_text(bad.read_text() + "\nimport grpc  # noqa\nfrom specsplit.rpc import wire  # noqa\n")
     env = dict(os.environ, PYTHONPATH=str(tmp_path / "repo"))
     out = subprocess.run(_lint_imports() + ["--no-cache"], cwd=tmp_path / "repo", env=env, capture_output=True, text=True)
     assert out.returncode != 0
     assert "specsplit.protocols -> grpc" in out.stdout
-    assert "specsplit is not allowed to import rpc" in out.stdout
+    assert "specsplit.protocols is not allowed to import specsplit.rpc" in out.stdout

@@ -13,11 +13,11 @@ import time
 
 import grpc
 
-from rpc import wire
-from rpc.engine_service import info_pb, log_startup, serve
-from rpc.engines import BuiltEngine, build_engine
-from rpc.sessions import PeerSession, SessionHost
-from protos.specsplit.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from specsplit.rpc import wire
+from specsplit.rpc.engine_service import info_pb, log_startup, serve
+from specsplit.rpc.engines import BuiltEngine, build_engine
+from specsplit.rpc.sessions import PeerSession, SessionHost
+from specsplit.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
 log = logging.getLogger(__name__)
 

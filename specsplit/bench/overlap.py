@@ -43,7 +43,7 @@ def _threads_arm(name: str, arm: Arm, threads: int) -> Arm:
 
 
 def _split_arm(name: str, stub, new_tokens: int, disable: bool = False, timeout: float = 900.0) -> Arm:
-    from gateway.bench_client import timed_generate
+    from specsplit.gateway.bench_client import timed_generate
 
     return Arm(name, lambda p, tag: timed_generate(stub, p, new_tokens, 0, timeout, disable=disable)[0], 0,
                {"mode": "split", "speculation": not disable})
@@ -60,7 +60,7 @@ def concurrency_sweep(stub, prompts: list[list[int]], new_tokens: int, levels: l
                       progress: Callable[[], None] | None = None, timeout: float = 900.0) -> list[dict]:
     """Per level: tokens/s with speculation as served and with it disabled per request, through
     the same stack, alternating batch by batch (which goes first alternates too)."""
-    from gateway.bench_client import timed_generate
+    from specsplit.gateway.bench_client import timed_generate
 
     rows = []
     for c in levels:
@@ -85,8 +85,8 @@ def concurrency_sweep(stub, prompts: list[list[int]], new_tokens: int, levels: l
 
 def run(args, prompts_of: Callable, progress: Callable[[], None] | None = None) -> dict:
     """The async suite; `prompts_of(colo)` gives the prompts (held-out ShareGPT, chat template)."""
-    from gateway.bench_client import branch_counts, gateway_stub
-    from gateway.launch import specsplit_up
+    from specsplit.gateway.bench_client import branch_counts, gateway_stub
+    from specsplit.gateway.launch import specsplit_up
 
     draft = args.draft if args.no_hybrid or args.draft == "ngram" else f"{args.draft}+ngram"
     dtype = getattr(args, "dtype", "fp32")

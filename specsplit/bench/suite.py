@@ -264,8 +264,8 @@ class Bench:
         """specsplit split over gRPC: `specsplit up` (three local processes) with the colocated
         arms' target, draft, dtype, threads and engine sizes, one stream at a time, interleaved
         run by run with a colocated engine of the same configuration (ratio_vs_colocated)."""
-        from gateway.bench_client import run_split_paired
-        from gateway.launch import specsplit_up
+        from specsplit.gateway.bench_client import run_split_paired
+        from specsplit.gateway.launch import specsplit_up
 
         a = self.args
         cfg = self._cfg(a.target, dtype)

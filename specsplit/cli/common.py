@@ -96,7 +96,7 @@ def add_server_flags(p: argparse.ArgumentParser, default_port: int) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address to bind")
     g.add_argument("--port", type=port, default=default_port, help="port to bind (0 = any free port)")
     g.add_argument("--metrics-port", type=port, default=None, help="serve Prometheus metrics on this port")
-    from rpc.security import add_server_security_flags
+    from specsplit.rpc.security import add_server_security_flags
 
     add_server_security_flags(p)
 
@@ -116,14 +116,14 @@ def validate_http(args) -> None:
 
 
 def add_request_size_flag(p: argparse.ArgumentParser) -> None:
-    from rpc.security import MAX_REQUEST_BYTES
+    from specsplit.rpc.security import MAX_REQUEST_BYTES
 
     p.add_argument("--max-request-bytes", type=parse_bytes, default=MAX_REQUEST_BYTES,
                    help="largest GenerateRequest accepted; larger ones get RESOURCE_EXHAUSTED (default 4MiB)")
 
 
 def add_keepalive_flags(p: argparse.ArgumentParser) -> None:
-    from rpc.security import DEFAULT_KEEPALIVE_TIME_S, DEFAULT_KEEPALIVE_TIMEOUT_S, MIN_PING_INTERVAL_S
+    from specsplit.rpc.security import DEFAULT_KEEPALIVE_TIME_S, DEFAULT_KEEPALIVE_TIMEOUT_S, MIN_PING_INTERVAL_S
 
     p.add_argument("--keepalive-time", type=float, default=DEFAULT_KEEPALIVE_TIME_S,
                    help=f"seconds between keepalive pings to the drafter and verifier (>= {MIN_PING_INTERVAL_S:g}, "
@@ -133,7 +133,7 @@ def add_keepalive_flags(p: argparse.ArgumentParser) -> None:
 
 
 def validate_security(args) -> None:
-    from rpc.security import MIN_PING_INTERVAL_S, ClientSecurity, ServerSecurity
+    from specsplit.rpc.security import MIN_PING_INTERVAL_S, ClientSecurity, ServerSecurity
 
     ServerSecurity.from_args(args).validate()
     if hasattr(args, "internal_tls_ca"):

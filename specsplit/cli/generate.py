@@ -6,7 +6,7 @@ import json
 import sys
 import time
 
-from gateway.client import parse_ids
+from specsplit.gateway.client import parse_ids
 from specsplit.cli.common import (add_deterministic_flag, add_engine_flags, add_spec_flags, engine_config, nonneg_int,
                                   positive_int, spec_config, validate_engine)
 
@@ -34,13 +34,13 @@ def add_arguments(p, name: str) -> None:
     add_engine_flags(p)
     add_deterministic_flag(p)
     add_spec_flags(p)
-    from rpc.security import add_client_security_flags
+    from specsplit.rpc.security import add_client_security_flags
 
     add_client_security_flags(p, "", "the --server gateway")
 
 
 def validate(args) -> None:
-    from rpc.security import ClientSecurity
+    from specsplit.rpc.security import ClientSecurity
     from specsplit.defaults import resolve_draft
 
     args.draft = resolve_draft(args.target, args.draft, getattr(args, "tensor_parallel_size", 1))
@@ -82,7 +82,7 @@ def _prompt_ids(args, tokenizer) -> list[int]:
 
 def run(args) -> int:
     if args.server:
-        from gateway.client import generate_over_grpc
+        from specsplit.gateway.client import generate_over_grpc
 
         return generate_over_grpc(args)
     return run_local(args)
@@ -125,7 +125,7 @@ def run_local(args) -> int:
         "usage": state.usage(),  # the same dict the gateway streams as Usage
     }
     if state.logprobs is not None:
-        from gateway.client import logprobs_json
+        from specsplit.gateway.client import logprobs_json
 
         result["logprobs"] = logprobs_json(state.logprobs)
     if args.json:

@@ -34,7 +34,7 @@ def validate(args) -> None:
 
 
 def run(args) -> int:
-    from gateway.app import run_colocated
-    from rpc.serving import exit_now
+    from specsplit.gateway.app import run_colocated
+    from specsplit.rpc.serving import exit_now
 
     exit_now(run_colocated(args))

@@ -30,7 +30,7 @@ def add_arguments(p, name: str) -> None:
         add_spec_flags(p)
         add_request_size_flag(p)
         add_keepalive_flags(p)
-        from rpc.security import add_client_security_flags
+        from specsplit.rpc.security import add_client_security_flags
 
         add_client_security_flags(p, "internal_", "the drafter and the verifier")
     p.add_argument("--drain-timeout", type=float, default=30.0,
@@ -57,11 +57,11 @@ def validate(args) -> None:
 
 def run(args) -> int:
     if args.command == "drafter":
-        from drafter_svc.service import main
+        from specsplit.drafter_svc.service import main
     elif args.command == "verifier":
-        from verifier_svc.service import main
+        from specsplit.verifier_svc.service import main
     else:
-        from gateway.app import run_split as main
-    from rpc.serving import exit_now
+        from specsplit.gateway.app import run_split as main
+    from specsplit.rpc.serving import exit_now
 
     exit_now(main(args))

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 
-from rpc.health import free_port  # noqa: F401  (re-exported)
+from specsplit.rpc.health import free_port  # noqa: F401  (re-exported)
 from specsplit.cli.common import (add_deterministic_flag, add_engine_flags, add_http_flags, add_keepalive_flags,
                                   add_request_size_flag, add_server_flags, add_spec_flags, add_tensor_parallel_flag, port,
                                   spec_config, validate_engine, validate_http, validate_security)
@@ -40,7 +40,7 @@ def add_arguments(p, name: str) -> None:
     add_keepalive_flags(p)
     add_server_flags(p, 50051)  # with --tls-*, --auth-token-file, --no-reflection: passed to all three
     add_http_flags(p)  # the gateway's
-    from rpc.security import add_client_security_flags
+    from specsplit.rpc.security import add_client_security_flags
 
     # How the gateway (and `up`'s own health checks) reach the drafter and the verifier; the
     # token defaults to --auth-token-file.
@@ -110,7 +110,7 @@ def _flag_values(args, names: list[str], prefix: str = "") -> list[str]:
 
 
 def internal_security(args):
-    from rpc.security import ClientSecurity
+    from specsplit.rpc.security import ClientSecurity
 
     sec = ClientSecurity.from_args(args, "internal_")
     if not sec.auth_token_file and args.auth_token_file:
@@ -154,7 +154,7 @@ def commands(args, drafter_port: int, verifier_port: int) -> dict[str, list[str]
 def stop_all(procs: dict[str, subprocess.Popen], timeout: float) -> None:
     """SIGTERM the gateway first (it drains while the engines are still up), then the drafter and
     the verifier together; kill whatever has not exited after `timeout`."""
-    from rpc.health import stop_processes
+    from specsplit.rpc.health import stop_processes
 
     def killing(name: str) -> None:
         print(f"specsplit up: {name} did not stop in {timeout:.0f}s; killing it", file=sys.stderr)
@@ -164,7 +164,7 @@ def stop_all(procs: dict[str, subprocess.Popen], timeout: float) -> None:
 
 
 def run(args) -> int:
-    from rpc.health import wait_serving
+    from specsplit.rpc.health import wait_serving
 
     drafter_port = args.drafter_port or free_port(args.host)
     verifier_port = args.verifier_port or free_port(args.host)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import dispatch
+from specsplit.kernels import dispatch
 
 
 @dataclass

@@ -50,7 +50,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from kernels import skinny_linear
+from specsplit.kernels import skinny_linear
 
 log = logging.getLogger(__name__)
 

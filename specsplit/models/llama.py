@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specsplit.config import ModelConfig
-from kernels import skinny_linear
+from specsplit.kernels import skinny_linear
 from specsplit.models import cpu_linear
 from specsplit.kv.paged_cache import PagedKVCache
 from specsplit.models.attention import BatchMetadata, paged_attention, store_kv

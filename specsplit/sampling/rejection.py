@@ -165,7 +165,7 @@ class RejectionSampler:
     def _ops(self):
         if self.backend == "torch":
             return _TorchOps
-        from kernels import dispatch  # lazy: kernels imports this module for its references
+        from specsplit.kernels import dispatch  # lazy: kernels imports this module for its references
 
         return dispatch
 

@@ -223,6 +223,10 @@ def build_context(repo: Path) -> list[str]:
         keep = []
         for d in dirs:
             rel_dir = os.path.normpath(os.path.join(rel_root, d))
+            if os.path.islink(os.path.join(root, d)):  # a link is sent as a link (specsplit/gateway -> ../gateway)
+                if not is_ignored(rel_dir, rules):
+                    files.append(rel_dir)
+                continue
             if not is_ignored(rel_dir, rules) or _may_reinclude(rel_dir, rules):
                 keep.append(d)
         dirs[:] = keep

@@ -15,8 +15,8 @@ from pathlib import PurePosixPath
 import grpc
 import pytest
 
-from protos.specsplit.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from rpc.security import ClientSecurity, channel
+from specsplit.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from specsplit.rpc.security import ClientSecurity, channel
 from tests.deploy import compose_support as cs
 from tests.services.procs import TINY_ENGINE, ServiceProcess, free_port, generate, health, request
 

@@ -6,12 +6,14 @@ shipped draft model, the generated gRPC modules and the `specsplit` console scri
 """
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
 import tomllib
 import zipfile
 from email.parser import Parser
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +22,9 @@ from tests.deploy import dockerfile_support as df
 
 PYPROJECT = tomllib.loads((cs.REPO / "pyproject.toml").read_text())
 PACKAGES = [p.rstrip("*").rstrip(".") for p in PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]]
+# The folders the package reaches through its links (specsplit/gateway -> ../gateway, ...): sent too.
+LINKED = sorted({os.path.normpath(os.path.join(pkg, os.readlink(cs.REPO / pkg / d.name))).split(os.sep)[0]
+                 for pkg in PACKAGES for d in (cs.REPO / pkg).iterdir() if d.is_symlink()})
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +37,10 @@ def wheel(context_files, tmp_path_factory) -> zipfile.ZipFile:
     src = tmp_path_factory.mktemp("context")
     for rel in context_files:
         (src / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(cs.REPO / rel, src / rel)
+        if (cs.REPO / rel).is_symlink():  # as Docker's COPY does
+            os.symlink(os.readlink(cs.REPO / rel), src / rel)
+        else:
+            shutil.copy2(cs.REPO / rel, src / rel)
     out = tmp_path_factory.mktemp("wheel")
     # --no-build-isolation: the venv's setuptools (no network); the image builds with isolation.
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
@@ -44,7 +52,8 @@ def wheel(context_files, tmp_path_factory) -> zipfile.ZipFile:
 
 def test_context_sends_only_the_package(context_files):
     tops = {f.split("/")[0] for f in context_files}
-    assert tops <= {"pyproject.toml", "README.md", *PACKAGES}, tops
+    assert LINKED == ["drafter_svc", "gateway", "kernels", "protos", "rpc", "verifier_svc"], LINKED
+    assert tops <= {"pyproject.toml", "README.md", *PACKAGES, *LINKED}, tops
     assert not [f for f in context_files if "__pycache__" in f or f.endswith(".pyc") or ".egg-info" in f]
 
 
@@ -59,13 +68,14 @@ def test_matcher_follows_docker_rules():
 def test_wheel_from_the_context_has_every_module(wheel):
     names = set(wheel.namelist())
     for pkg in PACKAGES:
-        for py in (cs.REPO / pkg).rglob("*.py"):
-            rel = py.relative_to(cs.REPO).as_posix()
-            if "__pycache__" in rel:
-                continue
-            if py.parent != cs.REPO / pkg and not (py.parent / "__init__.py").exists():
+        for root, _, files in os.walk(cs.REPO / pkg, followlinks=True):  # through the links, as setuptools
+            here = Path(root)
+            if "__pycache__" in here.parts or (here != cs.REPO / pkg and not (here / "__init__.py").exists()):
                 continue  # not a package: setuptools' find would skip it in the repo too
-            assert rel in names, f"{rel} is missing from the image's install"
+            for f in files:
+                if f.endswith(".py"):
+                    rel = (here / f).relative_to(cs.REPO).as_posix()  # e.g. specsplit/gateway/app.py
+                    assert rel in names, f"{rel} is missing from the image's install"
 
 
 def test_wheel_carries_the_shipped_draft_and_grpc_modules(wheel):
@@ -75,7 +85,9 @@ def test_wheel_carries_the_shipped_draft_and_grpc_modules(wheel):
         pytest.skip("the shipped draft is not in this checkout")
     for f in asset.iterdir():
         assert f"specsplit/assets/smollm2-135m-draft/{f.name}" in names
-    assert any(n.startswith("protos/specsplit/v1/") and n.endswith("_pb2_grpc.py") for n in names)
+    assert any(n.startswith("specsplit/v1/") and n.endswith("_pb2_grpc.py") for n in names)
+    assert "specsplit/kernels/cpu/skinny_linear.cpp" in names and "specsplit/gateway/app.py" in names
+    assert not any(n.split("/")[0] in LINKED for n in names)  # one import root: nothing installs beside specsplit
 
 
 def test_wheel_installs_the_console_script_and_pins_torch(wheel):

@@ -25,7 +25,7 @@ ENGINE = ["--max-model-len", "256", "--max-prefill-tokens", "128", "--max-num-se
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    from gateway.launch import specsplit_up
+    from specsplit.gateway.launch import specsplit_up
 
     logs = tmp_path_factory.mktemp("smollm-logs")
     env = dict(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")

@@ -18,7 +18,7 @@ PROMPT_IDS = "5,9,13,5,9,13,5,9"
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory, tiny_llama):
-    from gateway.launch import specsplit_up
+    from specsplit.gateway.launch import specsplit_up
 
     log = tmp_path_factory.mktemp("up-logs") / "up.log"
     env = dict(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")

@@ -30,7 +30,7 @@ def kernel_module(name: str):
     error = _triton_error()
     if error:
         pytest.skip(f"triton does not import: {error}")
-    module = importlib.import_module(f"kernels.{name}")
+    module = importlib.import_module(f"specsplit.kernels.{name}")
     if not HAS_CUDA:
         from triton.runtime.interpreter import InterpretedFunction
 

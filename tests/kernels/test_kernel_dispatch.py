@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels import dispatch
+from specsplit.kernels import dispatch
 
 
 def test_auto_uses_torch_on_cpu(monkeypatch):

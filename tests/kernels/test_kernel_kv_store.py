@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels.kv_store import store_kv_ref
+from specsplit.kernels.kv_store import store_kv_ref
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ def test_shape_errors_are_clear(store_triton, device):
 def test_dense_path_equals_reference_when_every_slot_is_valid(dtype):
     """store_kv_dense (the engine's CPU path when no slot is < 0) writes what the reference writes,
     from non-contiguous key/value views as the model passes them."""
-    from kernels.kv_store import store_kv_dense
+    from specsplit.kernels.kv_store import store_kv_dense
 
     g = torch.Generator().manual_seed(5)
     qkv = torch.randn(11, 4 + 2 + 2, 16, generator=g).to(dtype)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from kernels.paged_attention import paged_attention_ref
+from specsplit.kernels.paged_attention import paged_attention_ref
 
 
 @pytest.fixture(scope="module")

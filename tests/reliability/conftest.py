@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from rpc.security import ClientSecurity
+from specsplit.rpc.security import ClientSecurity
 from tests.reliability.certs import make_pki
 from tests.services.conftest import prompts  # noqa: F401  (the same random prompts)
 from tests.services.procs import HOST, ServiceProcess, free_port, start_split

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protos.specsplit.v1 import (common_pb2, drafter_pb2, drafter_pb2_grpc, gateway_pb2, verifier_pb2,
+from specsplit.v1 import (common_pb2, drafter_pb2, drafter_pb2_grpc, gateway_pb2, verifier_pb2,
                                  verifier_pb2_grpc)
 from tests.services.procs import generate, request, service_info, wait_for
 

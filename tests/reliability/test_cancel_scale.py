@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from protos.specsplit.v1 import gateway_pb2_grpc
+from specsplit.v1 import gateway_pb2_grpc
 from tests.services.procs import generate, request, server_info, service_info, wait_for
 
 STREAMS = 100

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import time
 
-from rpc.security import ClientSecurity, channel
-from protos.specsplit.v1 import common_pb2, drafter_pb2_grpc, gateway_pb2_grpc, verifier_pb2_grpc
+from specsplit.rpc.security import ClientSecurity, channel
+from specsplit.v1 import common_pb2, drafter_pb2_grpc, gateway_pb2_grpc, verifier_pb2_grpc
 from tests.services.procs import request
 
 IDLE_S = 15.0

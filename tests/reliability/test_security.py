@@ -11,8 +11,8 @@ import sys
 import grpc
 import pytest
 
-from rpc.security import ClientSecurity, channel
-from protos.specsplit.v1 import common_pb2, drafter_pb2_grpc, gateway_pb2, gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from specsplit.rpc.security import ClientSecurity, channel
+from specsplit.v1 import common_pb2, drafter_pb2_grpc, gateway_pb2, gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from tests.services.procs import REPO, health, request
 
 

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from protos.specsplit.v1 import gateway_pb2_grpc
+from specsplit.v1 import gateway_pb2_grpc
 from tests.services.procs import request, service_info, wait_for
 
 REQUESTS = 1000

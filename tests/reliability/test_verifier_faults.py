@@ -15,7 +15,7 @@ import time
 
 import grpc
 
-from protos.specsplit.v1 import gateway_pb2_grpc
+from specsplit.v1 import gateway_pb2_grpc
 from tests.reliability.conftest import FAULT_SECONDS
 from tests.services.procs import generate, request, service_info, wait_for
 

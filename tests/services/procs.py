@@ -15,7 +15,7 @@ from pathlib import Path
 
 import grpc
 
-from protos.specsplit.v1 import common_pb2, drafter_pb2_grpc, gateway_pb2, gateway_pb2_grpc, verifier_pb2_grpc
+from specsplit.v1 import common_pb2, drafter_pb2_grpc, gateway_pb2, gateway_pb2_grpc, verifier_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]
 HOST = "127.0.0.1"
@@ -84,14 +84,14 @@ class ServiceProcess:
         return "\n".join(lines[-n:])
 
     def wait_serving(self, timeout: float = 180.0) -> None:
-        from rpc.health import wait_serving
+        from specsplit.rpc.health import wait_serving
 
         wait_serving({self.name: (self.proc, self.address)}, timeout, security=self.security,
                      describe=lambda: ":\n" + self.log_tail())
 
     def stop(self, timeout: float = 20.0) -> int | None:
         """SIGTERM, wait, then SIGKILL. Returns the exit code."""
-        from rpc.health import stop_process
+        from specsplit.rpc.health import stop_process
 
         return None if self.proc is None else stop_process(self.proc, timeout)
 
@@ -188,7 +188,7 @@ def request(ids=None, prompt: str = "", max_tokens: int = 16, **kw) -> gateway_p
 
 def generate(address: str, req: gateway_pb2.GenerateRequest, timeout: float = 60.0) -> dict:
     """One stream -> {token_ids, text, finish_reason, usage, messages}."""
-    from gateway.client import collect
+    from specsplit.gateway.client import collect
 
     with grpc.insecure_channel(address) as ch:
         responses = list(gateway_pb2_grpc.GatewayStub(ch).Generate(req, timeout=timeout))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from protos.specsplit.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from specsplit.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from tests.services.procs import service_info, wait_for
 
 PROMPT = [5, 6, 7, 8, 9]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from protos.specsplit.v1 import gateway_pb2, gateway_pb2_grpc
+from specsplit.v1 import gateway_pb2, gateway_pb2_grpc
 
 
 def test_prompt_and_max_tokens_alone_are_served(split_stack):

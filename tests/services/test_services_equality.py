@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from protos.specsplit.v1 import gateway_pb2
+from specsplit.v1 import gateway_pb2
 from tests.helpers.greedy import assert_greedy_equal_or_tie
 from tests.services.procs import generate, request
 

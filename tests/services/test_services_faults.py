@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from protos.specsplit.v1 import gateway_pb2_grpc
+from specsplit.v1 import gateway_pb2_grpc
 from specsplit.cli.common import DEFAULT_K_MODEL
 from tests.services.procs import generate, health, request, server_info, service_info, wait_for
 
@@ -226,7 +226,7 @@ def test_drafter_killed_mid_stream_then_back(split_stack, prompts, reference, ex
         started.wait(30)
         msgs.extend(call)
         ch.close()
-        from gateway.client import collect
+        from specsplit.gateway.client import collect
 
         outs[i] = collect(msgs)
 

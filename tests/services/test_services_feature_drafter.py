@@ -14,7 +14,7 @@ import torch
 
 from specsplit.models.eagle3 import Eagle3Config, Eagle3Head, save_eagle3
 from specsplit.protocols import ProposeRequest, VerifyResult
-from rpc import wire
+from specsplit.rpc import wire
 from tests.helpers.greedy import assert_greedy_equal_or_tie
 from tests.services.procs import generate, request, service_info, start_colocated, start_split
 

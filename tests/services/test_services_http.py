@@ -62,8 +62,8 @@ def _client(srv, api_key: str = TOKEN):
 
 def _info(srv):
     """GetServerInfo over gRPC, with the token."""
-    from protos.specsplit.v1 import gateway_pb2, gateway_pb2_grpc
-    from rpc.security import ClientSecurity, channel
+    from specsplit.v1 import gateway_pb2, gateway_pb2_grpc
+    from specsplit.rpc.security import ClientSecurity, channel
 
     with channel(srv.address, ClientSecurity(auth_token_file=str(srv.token_file))) as ch:
         return gateway_pb2_grpc.GatewayStub(ch).GetServerInfo(gateway_pb2.GetServerInfoRequest(), timeout=5)

@@ -9,7 +9,7 @@ import grpc
 import pytest
 import torch
 
-from protos.specsplit.v1 import gateway_pb2_grpc
+from specsplit.v1 import gateway_pb2_grpc
 from tests.helpers.logprobs import check_streamed_logprobs as _check
 from tests.services.procs import request
 

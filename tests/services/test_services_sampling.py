@@ -8,7 +8,7 @@ import pytest
 
 import threading
 
-from protos.specsplit.v1 import gateway_pb2
+from specsplit.v1 import gateway_pb2
 from tests.services.procs import generate, request
 
 CASES = {

@@ -100,7 +100,7 @@ def test_a_dead_gateway_frees_its_sequences(shared_stack):
 def test_a_session_holds_at_most_max_num_seqs(shared_stack):
     import grpc
 
-    from protos.specsplit.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
+    from specsplit.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 
     def reqs():
         seqs = [common_pb2.SeqAdd(seq_id=f"x{i}", prompt_token_ids=[5, 6, 7]) for i in range(9)]

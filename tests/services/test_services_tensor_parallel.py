@@ -19,7 +19,7 @@ import grpc
 import pytest
 import torch
 
-from protos.specsplit.v1 import gateway_pb2_grpc
+from specsplit.v1 import gateway_pb2_grpc
 from tests.helpers.logprobs import check_streamed_logprobs
 from tests.helpers.orphans import assert_gone, tp_workers
 from tests.services.procs import HOST, SPECULATE_ALWAYS, TINY_ENGINE, ServiceProcess, Stack, free_port, generate, health, \
@@ -58,7 +58,7 @@ def tp_stack(tmp_path_factory, tiny_llama):
 def test_tp2_greedy_equals_target_only_and_plan_lists_ranks(tp_stack, prompts, expect_greedy, tiny_llama):
     from transformers import AutoModelForCausalLM
 
-    from gateway.client import collect
+    from specsplit.gateway.client import collect
 
     stack, workers = tp_stack
     assert len(workers) == 1

@@ -13,7 +13,7 @@ import signal
 import grpc
 import pytest
 
-from protos.specsplit.v1 import gateway_pb2_grpc
+from specsplit.v1 import gateway_pb2_grpc
 from tests.services.procs import generate, health, request, scrape, service_info, start_split, wait_for
 
 

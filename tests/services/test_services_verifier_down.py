@@ -14,7 +14,7 @@ import urllib.request
 import grpc
 import pytest
 
-from protos.specsplit.v1 import gateway_pb2_grpc
+from specsplit.v1 import gateway_pb2_grpc
 from tests.services.procs import generate, health, request, wait_for
 
 

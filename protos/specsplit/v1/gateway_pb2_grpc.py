@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos.specsplit.v1 import gateway_pb2 as protos_dot_specsplit_dot_v1_dot_gateway__pb2
+from specsplit.v1 import gateway_pb2 as specsplit_dot_v1_dot_gateway__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/specsplit/v1/gateway_pb2_grpc.py depends on'
+        + ' but the generated code in specsplit/v1/gateway_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,13 +36,13 @@ class GatewayStub:
         """
         self.Generate = channel.unary_stream(
                 '/specsplit.v1.Gateway/Generate',
-                request_serializer=protos_dot_specsplit_dot_v1_dot_gateway__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=protos_dot_specsplit_dot_v1_dot_gateway__pb2.GenerateResponse.FromString,
+                request_serializer=specsplit_dot_v1_dot_gateway__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=specsplit_dot_v1_dot_gateway__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.GetServerInfo = channel.unary_unary(
                 '/specsplit.v1.Gateway/GetServerInfo',
-                request_serializer=protos_dot_specsplit_dot_v1_dot_gateway__pb2.GetServerInfoRequest.SerializeToString,
-                response_deserializer=protos_dot_specsplit_dot_v1_dot_gateway__pb2.ServerInfo.FromString,
+                request_serializer=specsplit_dot_v1_dot_gateway__pb2.GetServerInfoRequest.SerializeToString,
+                response_deserializer=specsplit_dot_v1_dot_gateway__pb2.ServerInfo.FromString,
                 _registered_method=True)
 
 
@@ -68,13 +68,13 @@ def add_GatewayServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=protos_dot_specsplit_dot_v1_dot_gateway__pb2.GenerateRequest.FromString,
-                    response_serializer=protos_dot_specsplit_dot_v1_dot_gateway__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=specsplit_dot_v1_dot_gateway__pb2.GenerateRequest.FromString,
+                    response_serializer=specsplit_dot_v1_dot_gateway__pb2.GenerateResponse.SerializeToString,
             ),
             'GetServerInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetServerInfo,
-                    request_deserializer=protos_dot_specsplit_dot_v1_dot_gateway__pb2.GetServerInfoRequest.FromString,
-                    response_serializer=protos_dot_specsplit_dot_v1_dot_gateway__pb2.ServerInfo.SerializeToString,
+                    request_deserializer=specsplit_dot_v1_dot_gateway__pb2.GetServerInfoRequest.FromString,
+                    response_serializer=specsplit_dot_v1_dot_gateway__pb2.ServerInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -102,8 +102,8 @@ class Gateway:
             request,
             target,
             '/specsplit.v1.Gateway/Generate',
-            protos_dot_specsplit_dot_v1_dot_gateway__pb2.GenerateRequest.SerializeToString,
-            protos_dot_specsplit_dot_v1_dot_gateway__pb2.GenerateResponse.FromString,
+            specsplit_dot_v1_dot_gateway__pb2.GenerateRequest.SerializeToString,
+            specsplit_dot_v1_dot_gateway__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -129,8 +129,8 @@ class Gateway:
             request,
             target,
             '/specsplit.v1.Gateway/GetServerInfo',
-            protos_dot_specsplit_dot_v1_dot_gateway__pb2.GetServerInfoRequest.SerializeToString,
-            protos_dot_specsplit_dot_v1_dot_gateway__pb2.ServerInfo.FromString,
+            specsplit_dot_v1_dot_gateway__pb2.GetServerInfoRequest.SerializeToString,
+            specsplit_dot_v1_dot_gateway__pb2.ServerInfo.FromString,
             options,
             channel_credentials,
             insecure,

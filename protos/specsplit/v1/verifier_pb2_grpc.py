@@ -3,8 +3,8 @@
 import grpc
 import warnings
 
-from protos.specsplit.v1 import common_pb2 as protos_dot_specsplit_dot_v1_dot_common__pb2
-from protos.specsplit.v1 import verifier_pb2 as protos_dot_specsplit_dot_v1_dot_verifier__pb2
+from specsplit.v1 import common_pb2 as specsplit_dot_v1_dot_common__pb2
+from specsplit.v1 import verifier_pb2 as specsplit_dot_v1_dot_verifier__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -19,7 +19,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/specsplit/v1/verifier_pb2_grpc.py depends on'
+        + ' but the generated code in specsplit/v1/verifier_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,13 +37,13 @@ class VerifierStub:
         """
         self.Session = channel.stream_stream(
                 '/specsplit.v1.Verifier/Session',
-                request_serializer=protos_dot_specsplit_dot_v1_dot_verifier__pb2.VerifierRequest.SerializeToString,
-                response_deserializer=protos_dot_specsplit_dot_v1_dot_verifier__pb2.VerifierResponse.FromString,
+                request_serializer=specsplit_dot_v1_dot_verifier__pb2.VerifierRequest.SerializeToString,
+                response_deserializer=specsplit_dot_v1_dot_verifier__pb2.VerifierResponse.FromString,
                 _registered_method=True)
         self.GetInfo = channel.unary_unary(
                 '/specsplit.v1.Verifier/GetInfo',
-                request_serializer=protos_dot_specsplit_dot_v1_dot_common__pb2.InfoRequest.SerializeToString,
-                response_deserializer=protos_dot_specsplit_dot_v1_dot_common__pb2.ServiceInfo.FromString,
+                request_serializer=specsplit_dot_v1_dot_common__pb2.InfoRequest.SerializeToString,
+                response_deserializer=specsplit_dot_v1_dot_common__pb2.ServiceInfo.FromString,
                 _registered_method=True)
 
 
@@ -69,13 +69,13 @@ def add_VerifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Session': grpc.stream_stream_rpc_method_handler(
                     servicer.Session,
-                    request_deserializer=protos_dot_specsplit_dot_v1_dot_verifier__pb2.VerifierRequest.FromString,
-                    response_serializer=protos_dot_specsplit_dot_v1_dot_verifier__pb2.VerifierResponse.SerializeToString,
+                    request_deserializer=specsplit_dot_v1_dot_verifier__pb2.VerifierRequest.FromString,
+                    response_serializer=specsplit_dot_v1_dot_verifier__pb2.VerifierResponse.SerializeToString,
             ),
             'GetInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetInfo,
-                    request_deserializer=protos_dot_specsplit_dot_v1_dot_common__pb2.InfoRequest.FromString,
-                    response_serializer=protos_dot_specsplit_dot_v1_dot_common__pb2.ServiceInfo.SerializeToString,
+                    request_deserializer=specsplit_dot_v1_dot_common__pb2.InfoRequest.FromString,
+                    response_serializer=specsplit_dot_v1_dot_common__pb2.ServiceInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -103,8 +103,8 @@ class Verifier:
             request_iterator,
             target,
             '/specsplit.v1.Verifier/Session',
-            protos_dot_specsplit_dot_v1_dot_verifier__pb2.VerifierRequest.SerializeToString,
-            protos_dot_specsplit_dot_v1_dot_verifier__pb2.VerifierResponse.FromString,
+            specsplit_dot_v1_dot_verifier__pb2.VerifierRequest.SerializeToString,
+            specsplit_dot_v1_dot_verifier__pb2.VerifierResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -130,8 +130,8 @@ class Verifier:
             request,
             target,
             '/specsplit.v1.Verifier/GetInfo',
-            protos_dot_specsplit_dot_v1_dot_common__pb2.InfoRequest.SerializeToString,
-            protos_dot_specsplit_dot_v1_dot_common__pb2.ServiceInfo.FromString,
+            specsplit_dot_v1_dot_common__pb2.InfoRequest.SerializeToString,
+            specsplit_dot_v1_dot_common__pb2.ServiceInfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from argparse import Namespace
 
-from gateway.client import collect, logprobs_json, request_from_args
-from protos.specsplit.v1 import common_pb2, gateway_pb2
+from specsplit.gateway.client import collect, logprobs_json, request_from_args
+from specsplit.v1 import common_pb2, gateway_pb2
 from specsplit.request import TokenLogprob
 
 

@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from gateway.http_api import HttpBackend, HttpServer, create_app
+from specsplit.gateway.http_api import HttpBackend, HttpServer, create_app
 from specsplit.request import Event, Limits, RequestError, TokenLogprob
 
 openai = pytest.importorskip("openai")

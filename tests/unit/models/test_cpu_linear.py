@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import skinny_linear
+from specsplit.kernels import skinny_linear
 from specsplit.models import cpu_linear
 from specsplit.models.llama import Linear
 from specsplit.models.loader import load_model
