@@ -88,7 +88,7 @@ def greedy_rejection(
         from specsplit.kernels.rejection_greedy import greedy_rejection_triton
 
         return greedy_rejection_triton(draft_ids, num_draft, target_argmax)
-    from specsplit.sampling.rejection import greedy_rejection_ref
+    from specsplit.kernels.reference import greedy_rejection_ref
 
     return greedy_rejection_ref(draft_ids, num_draft, target_argmax)
 
@@ -104,7 +104,7 @@ def random_accept(
         from specsplit.kernels.rejection_random import random_accept_triton
 
         return random_accept_triton(draft_ids, draft_q, num_draft, target_probs, u_accept)
-    from specsplit.sampling.rejection import random_accept_ref
+    from specsplit.kernels.reference import random_accept_ref
 
     return random_accept_ref(draft_ids, draft_q, num_draft, target_probs, u_accept)
 
@@ -114,7 +114,7 @@ def random_finish(
     draft_q_row: torch.Tensor | Sequence[torch.Tensor | None] | None,  # [B, V]; zeros/None = bonus
     u_final: torch.Tensor,  # [B] float64
 ) -> torch.Tensor:  # ids [B] int64
-    from specsplit.sampling.rejection import q_rows_tensor, random_finish_ref
+    from specsplit.kernels.reference import q_rows_tensor, random_finish_ref
 
     q = q_rows_tensor(draft_q_row, target_probs_row)
     if use_triton(target_probs_row.device):

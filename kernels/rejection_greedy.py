@@ -4,7 +4,7 @@ One program per sequence. Accept drafts while they equal the target's argmax; th
 the target argmax at positions 0..num_accepted (the last one is the correction, or the bonus when
 all num_draft drafts were accepted), then -1.
 
-Reference: specsplit.sampling.rejection.greedy_rejection_ref (the kernel must equal it exactly).
+Reference: reference.greedy_rejection_ref (beside it) (the kernel must equal it exactly).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specsplit.sampling.rejection import greedy_rejection_ref as torch_reference
+from specsplit.kernels.reference import greedy_rejection_ref as torch_reference
 
 __all__ = ["greedy_rejection_triton", "torch_reference"]
 

@@ -4,12 +4,12 @@
           the first rejection. Reads only K probabilities of target_probs per sequence.
   finish: one program per sequence; samples the recovered token from normalize(max(0, p - q)), or
           from p when the residual has no mass (q = zeros means "bonus"), by the exact integer
-          inverse CDF of specsplit.sampling.sample. Tiled over the vocabulary in two passes (totals
+          inverse CDF of reference.py. Tiled over the vocabulary in two passes (totals
           and argmax, then the CDF search), so no [B, V] temporary is materialised.
 
 The uniforms are inputs (drawn per sequence on the host by specsplit.sampling.rng), so the outputs
 equal the torch references exactly:
-specsplit.sampling.rejection.random_accept_ref / random_finish_ref.
+reference.random_accept_ref / random_finish_ref (beside it).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from specsplit.sampling.rejection import random_accept_ref, random_finish_ref
-from specsplit.sampling.sample import WEIGHT_SCALE
+from specsplit.kernels.reference import random_accept_ref, random_finish_ref
+from specsplit.kernels.reference import WEIGHT_SCALE
 
 __all__ = ["random_accept_triton", "random_finish_triton", "random_accept_ref", "random_finish_ref"]
 

@@ -22,29 +22,9 @@ from __future__ import annotations
 
 import torch
 
-WEIGHT_BITS = 44
-WEIGHT_SCALE = float(2**WEIGHT_BITS)
+from specsplit.kernels.reference import WEIGHT_BITS, WEIGHT_SCALE, argmax_fallback, integer_weights, inverse_cdf
 
-
-def integer_weights(probs: torch.Tensor) -> torch.Tensor:  # [..., V] float32 -> [..., V] int64
-    """floor(clamp(probs, 0, 1) * 2**44) as int64, exactly; NaN and negatives count as 0."""
-    probs = probs.float()
-    probs = torch.where(probs > 0, probs, 0.0).clamp_(max=1.0)
-    return torch.floor_(probs.mul_(WEIGHT_SCALE)).to(torch.int64)
-
-
-def inverse_cdf(
-    weights: torch.Tensor,  # [N, V] int64, non-negative
-    u: torch.Tensor,  # [N] float64 in [0, 1)
-) -> tuple[torch.Tensor, torch.Tensor]:  # ids [N] int64, total [N] int64
-    """Index of the first cumsum > floor(u * total); ids are garbage where total == 0."""
-    cdf = weights.cumsum(dim=-1)  # [N, V] int64
-    total = cdf[:, -1]  # [N]
-    threshold = torch.floor(u.to(torch.float64) * total.to(torch.float64)).to(torch.int64)
-    threshold = torch.minimum(threshold, total - 1)  # [N]
-    ids = (cdf <= threshold[:, None]).sum(dim=-1)  # [N]
-    return ids.clamp(max=weights.shape[-1] - 1), total
-
+__all__ = ["WEIGHT_BITS", "WEIGHT_SCALE", "argmax_fallback", "integer_weights", "inverse_cdf", "sample_from_probs"]
 
 def sample_from_probs(
     probs: torch.Tensor,  # [N, V] float32
@@ -55,8 +35,3 @@ def sample_from_probs(
     u = u.to(device=probs.device, dtype=torch.float64).reshape(probs.shape[0])
     ids, total = inverse_cdf(integer_weights(probs), u)
     return torch.where(total > 0, ids, argmax_fallback(probs))
-
-
-def argmax_fallback(probs: torch.Tensor) -> torch.Tensor:  # [N, V] -> [N] int64
-    """argmax with NaN treated as 0 (first index on ties), the fallback for zero-mass rows."""
-    return torch.nan_to_num(probs.float(), nan=0.0).argmax(dim=-1)

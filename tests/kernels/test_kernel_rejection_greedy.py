@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from specsplit.sampling.rejection import greedy_rejection_ref
+from specsplit.kernels.reference import greedy_rejection_ref
 
 
 @pytest.fixture(scope="module")

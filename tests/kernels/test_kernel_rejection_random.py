@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from specsplit.sampling.rejection import RejectionSampler, random_accept_ref, random_finish_ref
+from specsplit.kernels.reference import random_accept_ref, random_finish_ref
+from specsplit.sampling.rejection import RejectionSampler
 from specsplit.sampling.sample import sample_from_probs
 
 
