@@ -114,6 +114,58 @@ def _features_for(s: _Seq, layers: tuple[int, ...], fused: torch.Tensor) -> torc
     return torch.cat([fused[:, layers.index(i) * h:(layers.index(i) + 1) * h] for i in s.feature_layers], dim=1)
 
 
+def check_token_ids(seq_id: str, ids: Sequence[int], vocab_size: int) -> None:
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise EngineError(f"sequence {seq_id!r}: token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+
+
+def check_seq_add(s: SeqAdd, running, side: str, vocab_size: int) -> None:
+    """What every engine refuses in an add: a running id, an empty prompt, bad ids or params."""
+    if s.seq_id in running:
+        raise EngineError(f"sequence {s.seq_id!r} is already running on the {side}")
+    if not s.prompt_token_ids:
+        raise EngineError(f"sequence {s.seq_id!r} has an empty prompt")
+    check_token_ids(s.seq_id, s.prompt_token_ids, vocab_size)
+    try:
+        s.params.validate()
+    except ValueError as e:
+        raise EngineError(f"sequence {s.seq_id!r}: {e}") from None
+
+
+def ingest_chain(s, new: Sequence[int], after: Sequence[int] = ()) -> int:
+    """A drafter's sequence `s` (.tokens, .drafted, .q_rows) takes the tokens emitted since the last
+    call (final) and the drafts being verified now (`after`, not final): the chain of drafts becomes
+    `after`. q rows are kept for the part of the old chain they confirm, so a pre-drafted branch
+    that came true costs nothing. Returns how many old drafts were confirmed (its KV stays valid)."""
+    target = list(new) + list(after)
+    matched = 0
+    for d, t in zip(s.drafted, target):
+        if d != t:
+            break
+        matched += 1
+    keep = max(0, matched - len(new))  # drafts of `after` whose q rows are still the old chain's
+    rows = s.q_rows[len(new):len(new) + keep]
+    s.tokens.extend(new)
+    s.drafted = list(after)
+    s.q_rows = rows + [None] * (len(after) - keep)
+    return matched
+
+
+def fetch_q_rows(get, fetch: Sequence[RowRequest]) -> list[QRow]:
+    """The requested q rows (get: seq_id -> the drafter's sequence): position j is the j-th draft
+    past the sequence's final tokens. Nothing is dropped here: a sampled draft's q row lives with
+    the chain and goes at the next propose that moves past it, or at release."""
+    out = []
+    for r in fetch:
+        s = get(r.seq_id)
+        row = s.q_rows[r.position] if 0 <= r.position < len(s.q_rows) else None
+        if row is None:
+            raise EngineError(f"sequence {r.seq_id!r} has no q row at draft position {r.position}")
+        out.append(QRow(r.seq_id, row.clone()))
+    return out
+
+
 class _EngineBase:
     side = "engine"
 
@@ -136,9 +188,7 @@ class _EngineBase:
         return self.runner.block_manager
 
     def _check_ids(self, seq_id: str, ids: Sequence[int]) -> None:
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise EngineError(f"sequence {seq_id!r}: token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        check_token_ids(seq_id, ids, self.vocab_size)
 
     def _get(self, seq_id: str) -> _Seq:
         try:
@@ -149,20 +199,12 @@ class _EngineBase:
     def add(self, seqs: Sequence[SeqAdd]) -> None:
         """Register sequences and reserve KV for their prompts; all or nothing."""
         for s in seqs:
-            if s.seq_id in self.seqs:
-                raise EngineError(f"sequence {s.seq_id!r} is already running on the {self.side}")
-            if not s.prompt_token_ids:
-                raise EngineError(f"sequence {s.seq_id!r} has an empty prompt")
+            check_seq_add(s, self.seqs, self.side, self.vocab_size)
             if len(s.prompt_token_ids) >= self.runner.max_model_len:
                 raise EngineError(
                     f"sequence {s.seq_id!r}: prompt of {len(s.prompt_token_ids)} tokens leaves no room "
                     f"under max_model_len {self.runner.max_model_len}"
                 )
-            self._check_ids(s.seq_id, s.prompt_token_ids)
-            try:
-                s.params.validate()
-            except ValueError as e:
-                raise EngineError(f"sequence {s.seq_id!r}: {e}") from None
             if s.logprobs is not None and not 0 <= s.logprobs <= MAX_LOGPROBS:
                 raise EngineError(f"sequence {s.seq_id!r}: logprobs must be in [0, {MAX_LOGPROBS}], got {s.logprobs}")
         added: list[str] = []
@@ -465,21 +507,10 @@ class DraftEngine(_EngineBase):
         return out
 
     def _ingest(self, seq_id: str, s: _Seq, new: Sequence[int], after: Sequence[int] = ()) -> None:
-        """Take the tokens emitted since the last call (final) and the drafts being verified
-        (`after`, not final): the chain of drafts becomes `after`. KV (and q rows) are kept for the
-        part of the old chain they confirm, so a pre-drafted branch that came true costs nothing."""
-        target = list(new) + list(after)
-        matched = 0
-        for d, t in zip(s.drafted, target):
-            if d != t:
-                break
-            matched += 1
-        s.num_computed = min(s.num_computed, len(s.tokens) + matched)
-        keep = max(0, matched - len(new))  # drafts of `after` whose q rows are still the old chain's
-        rows = s.q_rows[len(new):len(new) + keep]
-        s.tokens.extend(new)
-        s.drafted = list(after)
-        s.q_rows = rows + [None] * (len(after) - keep)
+        """ingest_chain, then KV kept only for the final tokens and the confirmed old drafts."""
+        before = len(s.tokens)
+        matched = ingest_chain(s, new, after)
+        s.num_computed = min(s.num_computed, before + matched)
         self.runner.truncate(seq_id, s.num_computed)
 
     def _sample(self, seqs: list[_Seq], logits: list[torch.Tensor], q_x, rows, live) -> list[int]:
@@ -491,19 +522,8 @@ class DraftEngine(_EngineBase):
         return sum(1 for s in self.seqs.values() for r in s.q_rows if r is not None)
 
     def finish_step(self, fetch: Sequence[RowRequest]) -> list[QRow]:
-        """The requested q rows: position j is the j-th draft past the sequence's final tokens.
-
-        Nothing is dropped here: a sampled draft's q row lives with the chain of drafts and goes at
-        the next propose that moves past it (at most K + 1 + K rows per sequence while
-        pre-drafting, K otherwise), or at release."""
-        out = []
-        for r in fetch:
-            s = self._get(r.seq_id)
-            row = s.q_rows[r.position] if 0 <= r.position < len(s.q_rows) else None
-            if row is None:
-                raise EngineError(f"sequence {r.seq_id!r} has no q row at draft position {r.position}")
-            out.append(QRow(r.seq_id, row.clone()))
-        return out
+        """The requested q rows (at most K + 1 + K per sequence while pre-drafting, K otherwise)."""
+        return fetch_q_rows(self._get, fetch)
 
 
 class NgramDrafter:

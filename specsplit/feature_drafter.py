@@ -34,7 +34,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from specsplit.engine import EngineError, sample_drafts
+from specsplit.engine import EngineError, check_seq_add, check_token_ids, fetch_q_rows, ingest_chain, sample_drafts
 from specsplit.models.eagle3 import DraftCache, Eagle3Head
 from specsplit.protocols import Proposal, ProposeRequest, QRow, RowRequest, SeqAdd
 from specsplit.sampling.params import SamplingParams
@@ -98,15 +98,7 @@ class FeatureDrafter:
     # ---- lifecycle ----------------------------------------------------------------------------
     def add(self, seqs: Sequence[SeqAdd]) -> None:
         for s in seqs:
-            if s.seq_id in self.seqs:
-                raise EngineError(f"sequence {s.seq_id!r} is already running on the drafter")
-            if not s.prompt_token_ids:
-                raise EngineError(f"sequence {s.seq_id!r} has an empty prompt")
-            self._check_ids(s.seq_id, s.prompt_token_ids)
-            try:
-                s.params.validate()
-            except ValueError as e:
-                raise EngineError(f"sequence {s.seq_id!r}: {e}") from None
+            check_seq_add(s, self.seqs, self.side, self.vocab_size)
         for s in seqs:
             self.seqs[s.seq_id] = _FSeq(list(s.prompt_token_ids), s.params, SeqRandom(s.params.seed, self.side))
 
@@ -115,9 +107,7 @@ class FeatureDrafter:
             self.seqs.pop(seq_id, None)
 
     def _check_ids(self, seq_id: str, ids: Sequence[int]) -> None:
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise EngineError(f"sequence {seq_id!r}: token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        check_token_ids(seq_id, ids, self.vocab_size)
 
     def _get(self, seq_id: str) -> _FSeq:
         try:
@@ -147,19 +137,9 @@ class FeatureDrafter:
         return out
 
     def _ingest(self, s: _FSeq, new: Sequence[int], after: Sequence[int]) -> None:
-        """New final tokens, and the drafts being verified now (`after`) as the chain; q rows are
-        kept for the part of the old chain they confirm (as specsplit.engine.DraftEngine)."""
-        target = list(new) + list(after)
-        matched = 0
-        for d, t in zip(s.drafted, target):
-            if d != t:
-                break
-            matched += 1
-        keep = max(0, matched - len(new))
-        rows = s.q_rows[len(new):len(new) + keep]
-        s.tokens.extend(new)
-        s.drafted = list(after)
-        s.q_rows = rows + [None] * (len(after) - keep)
+        """New final tokens and the chain (engine.ingest_chain); the chain's head-KV entries go (the
+        next verify's features replace them)."""
+        ingest_chain(s, new, after)
         s.cache.truncate(s.committed)
 
     @torch.no_grad()
@@ -220,15 +200,7 @@ class FeatureDrafter:
         return sum(1 for s in self.seqs.values() for r in s.q_rows if r is not None)
 
     def finish_step(self, fetch: Sequence[RowRequest]) -> list[QRow]:
-        """The requested q rows: position j is the j-th draft past the sequence's final tokens."""
-        out = []
-        for r in fetch:
-            s = self._get(r.seq_id)
-            row = s.q_rows[r.position] if 0 <= r.position < len(s.q_rows) else None
-            if row is None:
-                raise EngineError(f"sequence {r.seq_id!r} has no q row at draft position {r.position}")
-            out.append(QRow(r.seq_id, row.clone()))
-        return out
+        return fetch_q_rows(self._get, fetch)
 
 
 def load_feature_drafter(name: str, max_model_len: int, device: str | torch.device = "cpu",

@@ -19,3 +19,14 @@ def pooled_chisquare(counts: dict, probs: dict, n: int) -> tuple[float, float]:
     if f_exp[-1] == 0:
         f_obs, f_exp = f_obs[:-1], f_exp[:-1]
     return float(stats.chisquare(f_obs.numpy(), f_exp.numpy()).pvalue), tv
+
+
+def joint_fit(outputs, joint: dict) -> tuple[float, float]:
+    """(p-value, total variation) of sampled outputs (token sequences) against the target's joint
+    distribution of them; an output the target gives no mass fails at once."""
+    counts: dict[tuple[int, ...], int] = {}
+    for out in outputs:
+        key = tuple(out)
+        assert key in joint, f"emitted {key}, which the target gives no mass"
+        counts[key] = counts.get(key, 0) + 1
+    return pooled_chisquare(counts, joint, len(outputs))

@@ -12,9 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from specsplit.models.eagle3 import Eagle3Config, Eagle3Head, save_eagle3
 from specsplit.protocols import ProposeRequest, VerifyResult
 from specsplit.rpc import wire
+from tests.helpers.eagle3 import write_tiny_head
 from tests.helpers.greedy import assert_greedy_equal_or_tie
 from tests.services.procs import generate, request, service_info, start_colocated, start_split
 
@@ -24,17 +24,9 @@ K = ("--num-speculative-tokens", "3")
 
 @pytest.fixture(scope="module")
 def head_dir(tmp_path_factory, tiny_llama):
-    torch.manual_seed(11)
-    cfg = Eagle3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-                       vocab_size=256, draft_vocab_size=256, aux_layers=(0, 1, 1), rope_theta=10000.0)
-    head = Eagle3Head(cfg)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.normal_(0, 0.2) if p.dim() > 1 else p.fill_(1.0)
-    out = tmp_path_factory.mktemp("tiny-eagle3-svc")
     # the drafter process reads the target's embedding from its base model
-    save_eagle3(head, out, torch.arange(256), dtype=torch.float32, extra_json={"specsplit_base_model": str(tiny_llama)})
-    return out
+    return write_tiny_head(tmp_path_factory.mktemp("tiny-eagle3-svc"), torch.arange(256), seed=11,
+                           extra_json={"specsplit_base_model": str(tiny_llama)})
 
 
 @pytest.fixture(scope="module")

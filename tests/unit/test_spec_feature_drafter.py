@@ -15,11 +15,11 @@ from specsplit.config import EngineConfig, SpecConfig
 from specsplit.factory import build_colocated
 from specsplit.feature_drafter import FeatureDrafter
 from specsplit.generation import GenerationRequest, Generator
-from specsplit.models.eagle3 import Eagle3Config, Eagle3Head, save_eagle3
 from specsplit.protocols import SeqAdd
 from specsplit.sampling.params import SamplingParams
 from specsplit.spec import IDLE_FEATURE_ROWS
-from tests.helpers.chisquare import pooled_chisquare
+from tests.helpers.chisquare import joint_fit
+from tests.helpers.eagle3 import write_tiny_head
 from tests.helpers.greedy import assert_greedy_equal_or_tie
 from tests.unit.test_spec_async_draft import NEW_TOKENS, NUM_SAMPLES, PARAMS, PROMPT, _joint
 from tests.unit.test_spec_greedy_equality import MAX_LEN, _requests
@@ -27,18 +27,7 @@ from tests.unit.test_spec_greedy_equality import MAX_LEN, _requests
 
 @pytest.fixture(scope="module")
 def tiny_head(tmp_path_factory):
-    """A random EAGLE-3 head for tiny_llama (hidden 64, 4/2 heads, vocab 256), fusing the outputs
-    of layers 0, 1, 1 (a repeated layer exercises the verifier's column gathering)."""
-    torch.manual_seed(3)
-    cfg = Eagle3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-                       vocab_size=256, draft_vocab_size=256, aux_layers=(0, 1, 1), rope_theta=10000.0)
-    head = Eagle3Head(cfg)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.normal_(0, 0.2) if p.dim() > 1 else p.fill_(1.0)
-    out = tmp_path_factory.mktemp("tiny-eagle3")
-    save_eagle3(head, out, torch.arange(3, 200), dtype=torch.float32)  # a draft vocabulary subset
-    return out
+    return write_tiny_head(tmp_path_factory.mktemp("tiny-eagle3"), torch.arange(3, 200))  # a draft vocabulary subset
 
 
 def _colo(target, draft, k, max_num_seqs=16, async_draft=False, max_len=MAX_LEN):
@@ -158,24 +147,12 @@ def test_feature_drafter_sampling_keeps_the_target_distribution(tiny_llama, tmp_
     rejections and residual draws all happen)."""
     joint = _joint(tiny_llama)
     support = sorted({t for key in joint for t in key} | {3, 4, 250})
-    torch.manual_seed(5)
-    cfg = Eagle3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-                       vocab_size=256, draft_vocab_size=len(support), aux_layers=(0, 1, 1), rope_theta=10000.0)
-    head = Eagle3Head(cfg)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.normal_(0, 0.2) if p.dim() > 1 else p.fill_(1.0)
-    save_eagle3(head, tmp_path / "head", torch.tensor(support), dtype=torch.float32)
+    write_tiny_head(tmp_path / "head", support, seed=5)
     colo = _colo(tiny_llama, tmp_path / "head", 2, max_num_seqs=8, max_len=64)
     reqs = [GenerationRequest(f"r{i}", PROMPT, NEW_TOKENS, SamplingParams(seed=i, coupling=False, **PARAMS),
                               ignore_eos=True) for i in range(NUM_SAMPLES)]
     states = Generator(colo.decoder, colo.eos_token_ids, 8).run(reqs)
-    counts: dict[tuple[int, ...], int] = {}
-    for s in states:
-        key = tuple(s.output)
-        assert key in joint, f"emitted {key}, which the target gives no mass"
-        counts[key] = counts.get(key, 0) + 1
-    pvalue, tv = pooled_chisquare(counts, joint, NUM_SAMPLES)
+    pvalue, tv = joint_fit([s.output for s in states], joint)
     proposed, accepted = sum(s.proposed for s in states), sum(s.accepted for s in states)
     print(f"FIGURE feature drafter sampling: chi-square p {pvalue:.3g}, TV {tv:.4f}; accepted {accepted}/{proposed}")
     assert proposed > 1000 and 0 < accepted < proposed
