@@ -49,7 +49,7 @@ def request_from_args(args) -> gateway_pb2.GenerateRequest:
 
 def stream(address: str, request: gateway_pb2.GenerateRequest, timeout: float | None = None,
            security=None) -> Iterator[gateway_pb2.GenerateResponse]:
-    """`security`: a rpc.security.ClientSecurity (TLS CA, client certificate, token)."""
+    """`security`: a specsplit.rpc.security.ClientSecurity (TLS CA, client certificate, token)."""
     from specsplit.rpc.security import channel as make_channel
 
     with make_channel(address, security) as channel:

@@ -214,7 +214,7 @@ class GrpcDrafter(_PeerClient):
 
     def __init__(self, address: str, timeout: float = 5.0, **kw):
         super().__init__(address, timeout, **kw)
-        # The target layers a feature drafter reads: from its GetInfo at start-up (gateway.app);
+        # The target layers a feature drafter reads: from its GetInfo at start-up (specsplit.gateway.app);
         # a drafter unreachable then stays a plain drafter for this gateway's life.
         self.feature_layers: tuple[int, ...] = ()
 

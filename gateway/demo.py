@@ -3,7 +3,7 @@ through the gateway, print the tokens as they arrive and the acceptance rate, th
 prompt target-only (speculation disabled for that request) and print both speeds side by side;
 stop everything.
 
-    python -m gateway.demo [--target smollm2-135m] [--draft smollm2-135m-eagle3+ngram] [--max-tokens 96] [--port 0]
+    python -m specsplit.gateway.demo [--target smollm2-135m] [--draft smollm2-135m-eagle3+ngram] [--max-tokens 96] [--port 0]
 """
 from __future__ import annotations
 

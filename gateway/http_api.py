@@ -10,7 +10,7 @@ validation and admission); the scheduler's Events stream back as OpenAI objects 
   POST /v1/completions               prompt: a string, a list of one string, or token ids
   POST /v1/chat/completions          messages, rendered with the target's chat template
   GET  /health                       200 while serving; 503 while the verifier is down or draining
-  GET  /metrics                      Prometheus text, the process's registry (rpc.metrics)
+  GET  /metrics                      Prometheus text, the process's registry (specsplit.rpc.metrics)
 
 Defaults follow OpenAI: temperature 1.0 and top_p 1.0 when unset (the gRPC API's default is
 greedy: send temperature 0 for greedy here); max_tokens 16 for completions and the rest of

@@ -4,7 +4,7 @@ wait until all three report SERVING over gRPC health, and stop it on exit.
     with specsplit_up("smollm2-135m", "ngram", max_model_len=1024) as up:
         ...  # Generate on up.address
 
-Used by `make demo` (gateway.demo), the split arm of `specsplit bench`, and the end-to-end tests.
+Used by `make demo` (specsplit.gateway.demo), the split arm of `specsplit bench`, and the end-to-end tests.
 Stopping: SIGTERM to `specsplit up` (it drains the gateway, then stops the engines), then kill
 after `stop_timeout`; this happens on every exit from the block, an exception included.
 """

@@ -7,7 +7,7 @@ slot < 0 means "skip" (padding tokens, or positions another step already wrote).
 Triton kernel (one program per token, all heads at once), host wrapper and torch reference. Any
 strides are accepted for the inputs and the caches (e.g. a layer slice of a bigger cache tensor, or
 keys split out of a fused qkv projection), as long as head_dim is contiguous in the caches.
-This module imports without triton (the torch reference is the CPU path of kernels.dispatch).
+This module imports without triton (the torch reference is the CPU path of specsplit.kernels.dispatch).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ Padding query rows (i >= q_lens[b]) come out as zeros.
 Triton kernel (one program per (sequence, kv head), all Q * group query rows at once, online
 softmax over tiles of KV tokens gathered through the block table), host wrapper, torch reference.
 The kernel computes in float32; it matches the reference to float rounding, not bit for bit.
-This module imports without triton (the torch reference is the CPU path of kernels.dispatch).
+This module imports without triton (the torch reference is the CPU path of specsplit.kernels.dispatch).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from typing import Callable, Mapping
 
 def check(address: str, service: str = "", timeout: float = 3.0, security=None) -> str:
     """The serving status name (SERVING, NOT_SERVING, ...) or 'UNREACHABLE: <why>'.
-    `security`: a rpc.security.ClientSecurity for a TLS / mTLS server."""
+    `security`: a specsplit.rpc.security.ClientSecurity for a TLS / mTLS server."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 

@@ -22,7 +22,7 @@ MAX_MESSAGE_BYTES = sec.MAX_INTERNAL_MESSAGE_BYTES  # a batch of dense q rows ca
 
 class Server:
     """A grpc.aio server with health and (unless turned off) reflection for `service_names` (full
-    proto names); TLS, mTLS, the bearer token and keepalive as rpc.security builds them."""
+    proto names); TLS, mTLS, the bearer token and keepalive as specsplit.rpc.security builds them."""
 
     def __init__(self, name: str, host: str, port: int, service_names: Iterable[str],
                  security: sec.ServerSecurity | None = None, max_receive_bytes: int = MAX_MESSAGE_BYTES):

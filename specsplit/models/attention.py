@@ -104,7 +104,7 @@ def store_kv(
     v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     meta: BatchMetadata,
 ) -> None:
-    # One place decides torch vs Triton (kernels.dispatch): Triton on CUDA, torch on CPU.
+    # One place decides torch vs Triton (specsplit.kernels.dispatch): Triton on CUDA, torch on CPU.
     dispatch.store_kv(key, value, k_cache, v_cache, meta.slot_mapping, all_valid=meta.all_slots_valid)
 
 

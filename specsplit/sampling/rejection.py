@@ -1,7 +1,7 @@
 """Rejection sampler for speculative decoding: the torch reference.
 
-The Triton kernels in kernels/ must equal these functions exactly (torch.equal); kernels.dispatch
-picks one or the other per device. RejectionSampler routes through kernels.dispatch by default.
+The Triton kernels in kernels/ must equal these functions exactly (torch.equal); specsplit.kernels.dispatch
+picks one or the other per device. RejectionSampler routes through specsplit.kernels.dispatch by default.
 
 Shapes: B sequences, K = max drafted tokens per sequence (num_draft[b] <= K may differ per row,
 0 = plain decode), V = vocabulary. Rows of num_draft are clamped to [0, K].
@@ -70,7 +70,7 @@ def assemble_out_ids(
 class RejectionSampler:
     """Greedy and random rejection sampling over a batch.
 
-    backend: None = kernels.dispatch decides per device (Triton on CUDA, torch on CPU, or the
+    backend: None = specsplit.kernels.dispatch decides per device (Triton on CUDA, torch on CPU, or the
     SPECSPLIT_KERNELS override); "torch" = always this module's reference.
     """
 
@@ -145,7 +145,7 @@ class RejectionSampler:
 
 
 class _TorchOps:
-    """The reference functions under the names kernels.dispatch exposes."""
+    """The reference functions under the names specsplit.kernels.dispatch exposes."""
 
     greedy_rejection = staticmethod(greedy_rejection_ref)
     random_accept = staticmethod(random_accept_ref)

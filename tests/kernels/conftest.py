@@ -26,7 +26,7 @@ def _triton_error():
 
 
 def kernel_module(name: str):
-    """Import kernels.<name>, re-importing it if its kernels were built for the wrong mode."""
+    """Import specsplit.kernels.<name>, re-importing it if its kernels were built for the wrong mode."""
     error = _triton_error()
     if error:
         pytest.skip(f"triton does not import: {error}")
@@ -55,7 +55,7 @@ def device() -> torch.device:
 
 @pytest.fixture
 def force_triton(monkeypatch):
-    """Route kernels.dispatch to the Triton path for this test."""
+    """Route specsplit.kernels.dispatch to the Triton path for this test."""
     monkeypatch.setenv("SPECSPLIT_KERNELS", "triton")
     if not HAS_CUDA:
         monkeypatch.setenv("TRITON_INTERPRET", "1")

@@ -1,4 +1,4 @@
-"""kernels.dispatch: one place decides torch vs triton; SPECSPLIT_KERNELS forces either."""
+"""specsplit.kernels.dispatch: one place decides torch vs triton; SPECSPLIT_KERNELS forces either."""
 
 import pytest
 import torch

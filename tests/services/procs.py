@@ -41,7 +41,7 @@ def health(address: str, timeout: float = 1.0, security=None) -> str:
 
 
 class ServiceProcess:
-    """`env`: extra environment variables; `security`: the rpc.security.ClientSecurity its
+    """`env`: extra environment variables; `security`: the specsplit.rpc.security.ClientSecurity its
     health is checked with (a TLS / mTLS server)."""
 
     def __init__(self, name: str, argv: list[str], log_dir: Path, port: int | None = None, metrics_port: int | None = None,
