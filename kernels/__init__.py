@@ -4,7 +4,8 @@ This folder is installed and imported only as `specsplit.kernels` (specsplit/ker
 Where the repository root itself is on sys.path (pytest's rootdir, `python -m ...` run from the
 root), the folder would also answer to the bare name `kernels`, which is PyPI's package (current
 transformers imports it). Imported under that name, this module hands the import over to the
-real `kernels` from the rest of sys.path, or fails as a missing module would.
+real `kernels` from the rest of sys.path; where there is none it stays an empty module (what it
+was before, and what an older transformers, which only looks for the name, expects).
 """
 if __name__ == "kernels":  # not us: the bare name, found through the repository root
     import importlib.machinery as _machinery
@@ -15,9 +16,7 @@ if __name__ == "kernels":  # not us: the bare name, found through the repository
     _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
     _path = [p for p in _sys.path if _os.path.abspath(p or _os.getcwd()) != _root]
     _spec = _machinery.PathFinder.find_spec("kernels", _path)
-    if _spec is None:
-        raise ModuleNotFoundError("No module named 'kernels' (this repository's kernels/ folder is specsplit.kernels)",
-                                  name="kernels")
-    _module = _util.module_from_spec(_spec)
-    _sys.modules["kernels"] = _module  # what `import kernels` returns once this file has run
-    _spec.loader.exec_module(_module)
+    if _spec is not None:
+        _module = _util.module_from_spec(_spec)
+        _sys.modules["kernels"] = _module  # what `import kernels` returns once this file has run
+        _spec.loader.exec_module(_module)
