@@ -133,6 +133,16 @@ def check_seq_add(s: SeqAdd, running, side: str, vocab_size: int) -> None:
         raise EngineError(f"sequence {s.seq_id!r}: {e}") from None
 
 
+def check_propose(r: ProposeRequest, s, vocab_size: int, max_model_len: int) -> None:
+    """What every drafter refuses in a propose: bad ids, k < 0, or a chain past max_model_len
+    (the context plus k - 1 drafts: the last draft is never fed)."""
+    check_token_ids(r.seq_id, tuple(r.new_token_ids) + tuple(r.after), vocab_size)
+    if r.k < 0:
+        raise EngineError(f"sequence {r.seq_id!r}: k must be >= 0, got {r.k}")
+    if len(s.tokens) + len(r.new_token_ids) + len(r.after) + max(r.k - 1, 0) > max_model_len:
+        raise EngineError(f"sequence {r.seq_id!r}: drafting {r.k} tokens passes max_model_len {max_model_len}")
+
+
 def ingest_chain(s, new: Sequence[int], after: Sequence[int] = ()) -> int:
     """A drafter's sequence `s` (.tokens, .drafted, .q_rows) takes the tokens emitted since the last
     call (final) and the drafts being verified now (`after`, not final): the chain of drafts becomes
@@ -467,12 +477,7 @@ class DraftEngine(_EngineBase):
         being verified now, when pre-drafting); returns only the k new drafts."""
         seqs = [self._get(r.seq_id) for r in reqs]
         for r, s in zip(reqs, seqs):
-            self._check_ids(r.seq_id, tuple(r.new_token_ids) + tuple(r.after))
-            if r.k < 0:
-                raise EngineError(f"sequence {r.seq_id!r}: k must be >= 0, got {r.k}")
-            # KV positions needed: the context plus k-1 drafts (the last draft is never fed)
-            if len(s.tokens) + len(r.new_token_ids) + len(r.after) + max(r.k - 1, 0) > self.runner.max_model_len:
-                raise EngineError(f"sequence {r.seq_id!r}: drafting {r.k} tokens passes max_model_len {self.runner.max_model_len}")
+            check_propose(r, s, self.vocab_size, self.runner.max_model_len)
         for r, s in zip(reqs, seqs):
             self._ingest(r.seq_id, s, r.new_token_ids, r.after)
         active = [i for i, r in enumerate(reqs) if r.k > 0]

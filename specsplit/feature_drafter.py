@@ -34,7 +34,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from specsplit.engine import EngineError, check_seq_add, check_token_ids, fetch_q_rows, ingest_chain, sample_drafts
+from specsplit.engine import EngineError, check_propose, check_seq_add, fetch_q_rows, ingest_chain, sample_drafts
 from specsplit.models.eagle3 import DraftCache, Eagle3Head
 from specsplit.protocols import Proposal, ProposeRequest, QRow, RowRequest, SeqAdd
 from specsplit.sampling.params import SamplingParams
@@ -106,9 +106,6 @@ class FeatureDrafter:
         for seq_id in seq_ids:
             self.seqs.pop(seq_id, None)
 
-    def _check_ids(self, seq_id: str, ids: Sequence[int]) -> None:
-        check_token_ids(seq_id, ids, self.vocab_size)
-
     def _get(self, seq_id: str) -> _FSeq:
         try:
             return self.seqs[seq_id]
@@ -119,11 +116,7 @@ class FeatureDrafter:
     def propose(self, reqs: Sequence[ProposeRequest]) -> list[Proposal]:
         seqs = [self._get(r.seq_id) for r in reqs]
         for r, s in zip(reqs, seqs):
-            self._check_ids(r.seq_id, tuple(r.new_token_ids) + tuple(r.after))
-            if r.k < 0:
-                raise EngineError(f"sequence {r.seq_id!r}: k must be >= 0, got {r.k}")
-            if len(s.tokens) + len(r.new_token_ids) + len(r.after) + max(r.k - 1, 0) > self.max_model_len:
-                raise EngineError(f"sequence {r.seq_id!r}: drafting {r.k} tokens passes max_model_len {self.max_model_len}")
+            check_propose(r, s, self.vocab_size, self.max_model_len)
             f = r.features
             if f is not None and (f.dim() != 2 or f.shape[1] != self.feature_size):
                 raise EngineError(f"sequence {r.seq_id!r}: features of shape {tuple(f.shape)}, the head reads "
