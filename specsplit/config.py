@@ -56,21 +56,6 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
-class CacheConfig:
-    block_size: int = 16
-    num_blocks: int = 0  # 0 = sized by the memory profiler
-    dtype: torch.dtype = torch.float32
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 32
-    max_model_len: int = 2048
-    max_prefill_tokens: int = 512  # largest prefill chunk in one forward
-    max_queue: int = 64  # waiting requests beyond max_num_seqs before RESOURCE_EXHAUSTED
-
-
-@dataclass(frozen=True)
 class SpecConfig:
     num_speculative_tokens: int = 4
     disable_by_batch_size: int = 0  # 0 = never disable

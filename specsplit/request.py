@@ -273,6 +273,3 @@ class Request:
                 self.sink(ev)
             return True
 
-
-# Old name: the live request used to be `RequestState`.
-RequestState = Request

@@ -46,7 +46,8 @@ def main() -> None:
     from specsplit.factory import build_draft_engine, build_target_engine
     from specsplit.hybrid_drafter import HybridDrafter
     from specsplit.models.registry import DRAFT_ALIAS
-    from specsplit.generation import GenerationRequest, Generator
+    from specsplit.request import GenerationRequest
+    from specsplit.scheduler import Scheduler
     from specsplit.models.loader import hf_dir_for, load_tokenizer
     from specsplit.parallel.group import TPGroup
     from specsplit.spec import SpecDecoder
@@ -83,7 +84,7 @@ def main() -> None:
 
     def run(name, prompt, i):
         torch.set_num_threads(arms[name][1])
-        gen = Generator(decoders[name], (), 1)
+        gen = Scheduler(decoders[name], (), 1)
         req = GenerationRequest(f"{name}-{i}", tuple(prompt), args.new_tokens, ignore_eos=True)
         times = []
         t0 = time.perf_counter()

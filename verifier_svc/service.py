@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import time
 
 import grpc
 
@@ -24,55 +22,10 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 
 
-class VerifyFault:
-    """TEST HOOK, off unless the environment sets it (read once, at start-up):
-
-    SPECSPLIT_FAULT_VERIFY_AFTER_STEPS=N   after N verify steps, every verify raises
-                                           (UNAVAILABLE "injected fault") ...
-    SPECSPLIT_FAULT_VERIFY_SECONDS=T       ... for T seconds, then the verifier recovers
-                                           (unset or 0: it never recovers)
-
-    Used by tests/reliability to check that a failing forward ends every stream with an error
-    status, that new requests fail until it recovers, and that nothing hangs."""
-
-    def __init__(self, after_steps: int | None, seconds: float = 0.0):
-        self.after_steps = after_steps
-        self.seconds = seconds
-        self.steps = 0
-        self.failing_since: float | None = None
-
-    @classmethod
-    def from_env(cls) -> "VerifyFault":
-        after = os.environ.get("SPECSPLIT_FAULT_VERIFY_AFTER_STEPS")
-        fault = cls(int(after) if after else None, float(os.environ.get("SPECSPLIT_FAULT_VERIFY_SECONDS") or 0))
-        if fault.after_steps is not None:
-            log.warning("verifier: TEST FAULT HOOK armed: verify fails after %d steps%s", fault.after_steps,
-                        f" for {fault.seconds:g}s" if fault.seconds else " for good")
-        return fault
-
-    def check(self) -> None:
-        if self.after_steps is None:
-            return
-        self.steps += 1
-        if self.steps <= self.after_steps:
-            return
-        now = time.monotonic()
-        if self.failing_since is None:
-            self.failing_since = now
-            log.warning("verifier: TEST FAULT HOOK: verify fails from step %d", self.steps)
-        if self.seconds and now - self.failing_since >= self.seconds:
-            log.warning("verifier: TEST FAULT HOOK: recovered after %.1fs", now - self.failing_since)
-            self.after_steps = None
-            return
-        raise wire.ServiceError(grpc.StatusCode.UNAVAILABLE, "injected fault (SPECSPLIT_FAULT_VERIFY_AFTER_STEPS): "
-                                                             "the target forward failed")
-
-
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def __init__(self, built: BuiltEngine, threads: int = 0):
         self.built = built
         self.host = SessionHost("verifier", built.engine, threads, max_seqs_per_session=built.cfg.max_num_seqs)
-        self.fault = VerifyFault.from_env()
         self.tp = getattr(built.engine, "tensor_parallel", None)  # specsplit.parallel.group.TPGroup
 
     def _tp_unavailable(self) -> wire.ServiceError:
@@ -110,7 +63,6 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             self.host.add(session, wire.seq_adds_from_pb(req.add, session.to_engine))
             return verifier_pb2.VerifierResponse(id=req.id, ack=common_pb2.Ack())
         if kind == "verify":
-            self.fault.check()
             results = engine.verify(wire.verify_from_pb(req.verify, session.to_engine))
             return verifier_pb2.VerifierResponse(id=req.id, results=wire.results_to_pb(results, session.from_engine))
         if kind == "resolve":

@@ -19,7 +19,8 @@ from typing import Callable
 
 import torch
 
-from specsplit.generation import GenerationRequest, Generator
+from specsplit.request import GenerationRequest
+from specsplit.scheduler import Scheduler
 
 
 @dataclass
@@ -78,7 +79,7 @@ def median_timing(runs: list[Timing]) -> Timing:
 def generate_timed(colo, batch: list[list[int]], new_tokens: int, k: int | None, tag: str,
                    max_num_seqs: int | None = None) -> list[Timing]:
     """One batch of greedy generations through the colocated SpecDecoder, timed per request."""
-    gen = Generator(colo.decoder, colo.eos_token_ids, max_num_seqs or max(len(batch), 1))
+    gen = Scheduler(colo.decoder, colo.eos_token_ids, max_num_seqs or max(len(batch), 1))
     reqs = [GenerationRequest(f"{tag}-{i}", tuple(p), new_tokens, ignore_eos=True, num_speculative_tokens=k or 0)
             for i, p in enumerate(batch)]
     first: dict[str, float] = {}

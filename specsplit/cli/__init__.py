@@ -24,10 +24,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-class CheckFailed(SystemExit):
-    pass
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specsplit", description="Lossless speculative decoding over gRPC.")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")

@@ -12,7 +12,8 @@ import torch
 
 from specsplit.config import EngineConfig, SpecConfig
 from specsplit.factory import build_colocated
-from specsplit.generation import GenerationRequest, Generator
+from specsplit.request import GenerationRequest
+from specsplit.scheduler import Scheduler
 from specsplit.models.registry import ASSETS_DIR, DRAFT_ALIAS
 from tests.helpers.greedy import assert_greedy_equal_or_tie, hf_next_logits
 
@@ -73,7 +74,7 @@ def _requests(tok):
 
 
 def test_native_greedy_equals_hf_generate(target_only, hf_reference, hf_logits, prompt_ids):
-    states = Generator(target_only.decoder, target_only.eos_token_ids, 4).run(_requests(target_only.tokenizer))
+    states = Scheduler(target_only.decoder, target_only.eos_token_ids, 4).run(_requests(target_only.tokenizer))
     for p, s in zip(PROMPTS, states):
         assert_greedy_equal_or_tie(hf_reference[p], hf_logits, s.output, prompt=prompt_ids[p])
 
@@ -138,7 +139,7 @@ def test_speculative_greedy_equals_target_only(target_only, hf_reference, hf_log
     colo = build_colocated(EngineConfig(model="smollm2-135m", max_model_len=256, max_num_seqs=4),
                            EngineConfig(model=name, max_model_len=256, max_num_seqs=4),
                            SpecConfig(num_speculative_tokens=3), show_progress=False)
-    states = Generator(colo.decoder, colo.eos_token_ids, 4).run(_requests(colo.tokenizer))
+    states = Scheduler(colo.decoder, colo.eos_token_ids, 4).run(_requests(colo.tokenizer))
     for p, s in zip(PROMPTS, states):
         assert_greedy_equal_or_tie(hf_reference[p], hf_logits, s.output, prompt=prompt_ids[p])
     assert sum(s.proposed for s in states) > 0

@@ -46,14 +46,15 @@ def servers(tmp_path_factory):
 def target_only():
     from specsplit.config import EngineConfig, SpecConfig
     from specsplit.factory import build_colocated
-    from specsplit.generation import GenerationRequest, Generator
+    from specsplit.request import GenerationRequest
+    from specsplit.scheduler import Scheduler
 
     colo = build_colocated(EngineConfig(model="smollm2-135m", max_model_len=256, max_prefill_tokens=128, max_num_seqs=1),
                            None, SpecConfig(num_speculative_tokens=0), show_progress=False)
     out = {}
     for p in PROMPTS:
         ids = tuple(colo.tokenizer(p).input_ids)
-        (state,) = Generator(colo.decoder, colo.eos_token_ids, 1).run([GenerationRequest("r", ids, NEW, ignore_eos=True)])
+        (state,) = Scheduler(colo.decoder, colo.eos_token_ids, 1).run([GenerationRequest("r", ids, NEW, ignore_eos=True)])
         out[p] = (ids, state.output, colo.tokenizer.decode(state.output))
     colo.close()
     out["next_logits"] = native_next_logits(colo.target_model.model)

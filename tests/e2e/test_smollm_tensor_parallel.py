@@ -10,7 +10,8 @@ import torch
 
 from specsplit.config import EngineConfig, SpecConfig
 from specsplit.factory import build_draft_engine
-from specsplit.generation import GenerationRequest, Generator
+from specsplit.request import GenerationRequest
+from specsplit.scheduler import Scheduler
 from specsplit.hybrid_drafter import HybridDrafter
 from specsplit.models.loader import hf_dir_for, load_tokenizer
 from specsplit.models.registry import ASSETS_DIR, DRAFT_ALIAS
@@ -91,7 +92,7 @@ def test_tp2_greedy_equals_hf_fp32(tp_engine, prompts, hf, hf_greedy, mode):
     else:
         decoder = SpecDecoder(engine, _draft(), SpecConfig(num_speculative_tokens=K), MAX_LEN)
     requests = [GenerationRequest(f"p{i}", tuple(p), NEW, ignore_eos=True) for i, p in enumerate(prompts)]
-    states = Generator(decoder, (), 4).run(requests)
+    states = Scheduler(decoder, (), 4).run(requests)
     ties = []
     for p, ref, s in zip(prompts, hf_greedy, states):
         cmp = assert_greedy_equal_or_tie(ref, hf_next_logits(hf), s.output, prompt=p)

@@ -6,6 +6,7 @@ import torch
 from specsplit.kernels.reference import random_accept_ref, random_finish_ref
 from specsplit.sampling.rejection import RejectionSampler
 from specsplit.sampling.sample import sample_from_probs
+from tests.helpers.rejection import sample_full
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +137,7 @@ def test_sampler_through_dispatch_equals_torch(force_triton, device, batch, k, v
     u_a = torch.rand(batch, k, dtype=torch.float64, generator=g)
     u_f = torch.rand(batch, dtype=torch.float64, generator=g)
     args = [t.to(device) for t in (draft, q, num_draft, p, u_a, u_f)]
-    n_t, out_t = RejectionSampler().sample_full(*args)
-    n_r, out_r = RejectionSampler(backend="torch").sample_full(*args)
+    n_t, out_t = sample_full(RejectionSampler(), *args)
+    n_r, out_r = sample_full(RejectionSampler(backend="torch"), *args)
     assert torch.equal(n_t, n_r) and torch.equal(out_t, out_r)
     assert (n_t[: batch // 2] == num_draft[: batch // 2].to(device)).all()

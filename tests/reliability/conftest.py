@@ -6,7 +6,8 @@ secure:     drafter + verifier + gateway, each with mTLS (--tls-cert/--tls-key/-
             and serves its OpenAI-compatible HTTP API too (HTTPS, mTLS, the token)
 tls_only:   an n-gram drafter serving plain TLS (no client certificates)
 plain:      drafter + verifier + gateway without security, --disable-by-batch-size 4, max_queue 128
-faulty:     verifier + gateway, the verifier's test-only fault hook armed
+faulty:     verifier + gateway, the verifier run by tests/helpers/faulty_verifier.py (verify fails
+            after a number of steps, for a while)
 The gateways ping their peers every second (--keepalive-time 1, --keepalive-timeout 2).
 """
 from __future__ import annotations
@@ -50,7 +51,8 @@ def rel_servers(tmp_path_factory, tiny_llama, tiny_draft_close, pki):
         "faulty": start_split(tmp_path_factory.mktemp("faulty-logs"), tiny_llama, None, max_num_seqs=4, max_queue=16,
                               gateway_extra=KEEPALIVE,
                               verifier_env={"SPECSPLIT_FAULT_VERIFY_AFTER_STEPS": str(FAULT_AFTER_STEPS),
-                                            "SPECSPLIT_FAULT_VERIFY_SECONDS": str(FAULT_SECONDS)}),
+                                            "SPECSPLIT_FAULT_VERIFY_SECONDS": str(FAULT_SECONDS)},
+                              verifier_module="tests.helpers.faulty_verifier"),
     }
     tls_only = ServiceProcess("tls-drafter", ["drafter", "--model", "ngram", "--port", str(tport), "--tls-cert",
                                               str(pki.server_cert), "--tls-key", str(pki.server_key)],

@@ -1,6 +1,6 @@
 """The verifier failing under the gateway, on the `faulty` stack (verifier + gateway):
 
-1. the test-only fault hook (SPECSPLIT_FAULT_VERIFY_AFTER_STEPS / _SECONDS) makes every verify
+1. the fault wrapper tests/helpers/faulty_verifier.py (SPECSPLIT_FAULT_VERIFY_AFTER_STEPS / _SECONDS) makes every verify
    fail after N steps for a few seconds: every in-flight stream ends with UNAVAILABLE within 5 s,
    new requests fail fast until the verifier recovers, then they succeed; nothing hangs.
 2. keepalive: the verifier SIGSTOP'd mid-stream (a frozen peer: TCP stays up, nothing answers)

@@ -62,7 +62,8 @@ def reference(tiny_llama):
     """target_only(prompt_ids, max_tokens, ignore_eos) -> greedy tokens of the target alone."""
     from specsplit.config import EngineConfig, SpecConfig
     from specsplit.factory import build_colocated
-    from specsplit.generation import GenerationRequest, Generator
+    from specsplit.request import GenerationRequest
+from specsplit.scheduler import Scheduler
 
     colo = build_colocated(EngineConfig(model=str(tiny_llama), max_model_len=256, max_prefill_tokens=128, max_num_seqs=1),
                            None, SpecConfig(num_speculative_tokens=0), show_progress=False)
@@ -71,7 +72,7 @@ def reference(tiny_llama):
     def target_only(ids, max_tokens: int, ignore_eos: bool = False) -> list[int]:
         key = (tuple(ids), max_tokens, ignore_eos)
         if key not in cache:
-            gen = Generator(colo.decoder, colo.eos_token_ids, max_num_seqs=1)
+            gen = Scheduler(colo.decoder, colo.eos_token_ids, max_num_seqs=1)
             (state,) = gen.run([GenerationRequest("ref", tuple(ids), max_tokens, ignore_eos=ignore_eos)])
             cache[key] = state.output
         return cache[key]

@@ -42,11 +42,13 @@ def health(address: str, timeout: float = 1.0, security=None) -> str:
 
 class ServiceProcess:
     """`env`: extra environment variables; `security`: the specsplit.rpc.security.ClientSecurity its
-    health is checked with (a TLS / mTLS server)."""
+    health is checked with (a TLS / mTLS server); `module`: what `python -m` runs (the CLI, or a
+    test wrapper around it such as tests.helpers.faulty_verifier)."""
 
     def __init__(self, name: str, argv: list[str], log_dir: Path, port: int | None = None, metrics_port: int | None = None,
-                 env: dict[str, str] | None = None, security=None):
+                 env: dict[str, str] | None = None, security=None, module: str = "specsplit.cli"):
         self.name = name
+        self.module = module
         self.env = dict(env or {})
         self.security = security
         self.metrics_port = metrics_port
@@ -68,7 +70,7 @@ class ServiceProcess:
         log.write(f"\n==== {' '.join(self.argv)}\n".encode())
         log.flush()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "specsplit.cli", "--log-level", "INFO", *self.argv],
+            [sys.executable, "-m", self.module, "--log-level", "INFO", *self.argv],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO, env=env,
         )
         log.close()
@@ -146,14 +148,17 @@ class Stack:
 
 def start_split(log_dir: Path, target: Path, draft: Path | str | None, max_num_seqs: int = 8, max_queue: int = 32,
                 gateway_extra: tuple[str, ...] = (), service_extra: tuple[str, ...] = (),
-                verifier_env: dict[str, str] | None = None, security=None) -> Stack:
+                verifier_env: dict[str, str] | None = None, security=None,
+                verifier_module: str = "specsplit.cli") -> Stack:
     """service_extra: flags for the drafter and the verifier (e.g. --tls-cert ...); security: the
-    ClientSecurity the health checks use; verifier_env: e.g. a fault hook."""
+    ClientSecurity the health checks use; verifier_env and verifier_module: e.g. the fault hook
+    (tests.helpers.faulty_verifier and its environment)."""
     stack = Stack()
     vport, gport = free_port(), free_port()
     stack.procs["verifier"] = ServiceProcess(
         "verifier", ["verifier", "--model", str(target), "--port", str(vport), "--max-num-seqs", str(max_num_seqs),
-                     *TINY_ENGINE, *service_extra], log_dir, vport, free_port(), env=verifier_env, security=security)
+                     *TINY_ENGINE, *service_extra], log_dir, vport, free_port(), env=verifier_env, security=security,
+        module=verifier_module)
     gw = ["gateway", "--verifier", f"{HOST}:{vport}", "--port", str(gport), "--max-num-seqs", str(max_num_seqs),
           "--max-queue", str(max_queue), "--drain-timeout", "20", "--drafter-timeout", "2", *SPECULATE_ALWAYS,
           *gateway_extra]

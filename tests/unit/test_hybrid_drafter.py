@@ -6,7 +6,8 @@ import pytest
 
 from specsplit.config import EngineConfig, SpecConfig
 from specsplit.factory import build_colocated, build_draft_engine
-from specsplit.generation import GenerationRequest, Generator
+from specsplit.request import GenerationRequest
+from specsplit.scheduler import Scheduler
 from specsplit.hybrid_drafter import HybridDrafter, split_draft_name
 from specsplit.sampling.params import SamplingParams
 from tests.unit.test_spec_greedy_equality import MAX_LEN, _requests
@@ -22,7 +23,7 @@ def _colo(target, draft, k, max_num_seqs=16):
 def _target_only(target, requests):
     tc = EngineConfig(model=str(target), max_model_len=MAX_LEN, max_num_seqs=16)
     colo = build_colocated(tc, None, SpecConfig(num_speculative_tokens=0), show_progress=False)
-    return [s.output for s in Generator(colo.decoder, colo.eos_token_ids, 16).run(requests)]
+    return [s.output for s in Scheduler(colo.decoder, colo.eos_token_ids, 16).run(requests)]
 
 
 def test_split_draft_name():
@@ -40,7 +41,7 @@ def test_hybrid_greedy_equals_target_only(request, tiny_llama, tiny_llama_logits
     requests = _requests(batch, seed=batch + 10)
     colo = _colo(tiny_llama, request.getfixturevalue(draft), k)
     assert isinstance(colo.drafter, HybridDrafter)
-    states = Generator(colo.decoder, colo.eos_token_ids, 16).run(requests)
+    states = Scheduler(colo.decoder, colo.eos_token_ids, 16).run(requests)
     assert_outputs_equal_or_tie(_target_only(tiny_llama, requests), [s.output for s in states],
                                 [r.prompt_token_ids for r in requests], tiny_llama_logits)
     # Repetitive prompts: lookup drafts some steps, the model the others.
@@ -53,7 +54,7 @@ def test_hybrid_greedy_equals_target_only(request, tiny_llama, tiny_llama_logits
 
 def test_sampled_requests_use_the_model_and_stay_seeded(tiny_llama, tiny_draft_close):
     colo = _colo(tiny_llama, tiny_draft_close, 3, max_num_seqs=8)
-    gen = Generator(colo.decoder, colo.eos_token_ids, 8)
+    gen = Scheduler(colo.decoder, colo.eos_token_ids, 8)
 
     def req(rid, seed):
         # rejection sampling needs the model's q rows (coupled seeded requests may use lookup:

@@ -8,7 +8,8 @@ import torch
 from specsplit.calibration import StepCosts
 from specsplit.config import EngineConfig, SpecConfig
 from specsplit.factory import build_colocated
-from specsplit.generation import GenerationRequest, Generator
+from specsplit.request import GenerationRequest
+from specsplit.scheduler import Scheduler
 from specsplit.k_policy import Acceptance, KPolicy
 from specsplit.protocols import SeqAdd
 from tests.helpers.greedy import assert_outputs_equal_or_tie
@@ -140,7 +141,7 @@ def _run(target, draft, requests, policy=None):
     colo = build_colocated(tc, dc, spec, show_progress=False)
     if policy is not None:
         colo.decoder.policy = policy
-    states = Generator(colo.decoder, colo.eos_token_ids, 16).run(requests)
+    states = Scheduler(colo.decoder, colo.eos_token_ids, 16).run(requests)
     bm = colo.target.block_manager
     assert bm.num_free_blocks == bm.num_blocks
     return [s.output for s in states], colo.decoder

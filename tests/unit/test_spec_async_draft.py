@@ -12,7 +12,8 @@ import pytest
 
 from specsplit.config import EngineConfig, SpecConfig
 from specsplit.factory import build_colocated
-from specsplit.generation import GenerationRequest, Generator
+from specsplit.request import GenerationRequest
+from specsplit.scheduler import Scheduler
 from specsplit.sampling import logits_to_probs
 from specsplit.sampling.params import SamplingParams
 from tests.helpers.chisquare import joint_fit
@@ -41,7 +42,7 @@ def reference(tiny_llama):
     def get(batch):
         if batch not in cache:
             colo = _colo(tiny_llama, None, 0)
-            cache[batch] = [s.output for s in Generator(colo.decoder, colo.eos_token_ids, 16).run(_requests(batch, seed=batch))]
+            cache[batch] = [s.output for s in Scheduler(colo.decoder, colo.eos_token_ids, 16).run(_requests(batch, seed=batch))]
             colo.close()
         return cache[batch]
 
@@ -53,7 +54,7 @@ def reference(tiny_llama):
 def test_async_greedy_equal(request, tiny_llama, tiny_llama_logits, reference, draft, k, batch):
     colo = _colo(tiny_llama, request.getfixturevalue(draft), k)
     dec = colo.decoder
-    states = Generator(dec, colo.eos_token_ids, 16).run(_requests(batch, seed=batch))
+    states = Scheduler(dec, colo.eos_token_ids, 16).run(_requests(batch, seed=batch))
     for req, s, ref in zip(_requests(batch, seed=batch), states, reference(batch)):
         assert_greedy_equal_or_tie(ref, tiny_llama_logits, s.output, prompt=req.prompt_token_ids)
     assert len(states) == batch
@@ -70,7 +71,7 @@ def test_lockstep_and_async_emit_the_same_tokens(tiny_llama, tiny_draft_close):
     outs = []
     for async_draft in (False, True):
         colo = _colo(tiny_llama, tiny_draft_close, 3, async_draft=async_draft)
-        outs.append([s.output for s in Generator(colo.decoder, colo.eos_token_ids, 16).run(_requests(6, seed=3))])
+        outs.append([s.output for s in Scheduler(colo.decoder, colo.eos_token_ids, 16).run(_requests(6, seed=3))])
         colo.close()
     assert outs[0] == outs[1]
 
@@ -86,7 +87,7 @@ def test_sampled_async_equals_lockstep_token_for_token(tiny_llama, tiny_draft_cl
         reqs = [GenerationRequest(f"r{i}", (5, 6, 7, 8, 9, 5, 6, 7), 6,
                                   SamplingParams(seed=i, coupling=False, temperature=1.0, top_k=3), ignore_eos=True)
                 for i in range(120)]
-        outs.append([s.output for s in Generator(colo.decoder, colo.eos_token_ids, 4).run(reqs)])
+        outs.append([s.output for s in Scheduler(colo.decoder, colo.eos_token_ids, 4).run(reqs)])
         hits = colo.decoder.branch_hits
         colo.close()
     assert hits > 20 and outs[0] == outs[1]
@@ -97,7 +98,7 @@ def test_drafter_lost_mid_pre_draft_keeps_greedy_output(tiny_llama, tiny_draft_c
     flaky = FailsAhead(colo.drafter)
     colo.decoder.drafter = flaky
     colo.decoder.drafter_retry_s = 0.0  # re-sync at once, so pre-drafts keep failing and recovering
-    states = Generator(colo.decoder, colo.eos_token_ids, 16).run(_requests(4, seed=4))
+    states = Scheduler(colo.decoder, colo.eos_token_ids, 16).run(_requests(4, seed=4))
     for req, s, ref in zip(_requests(4, seed=4), states, reference(4)):
         assert_greedy_equal_or_tie(ref, tiny_llama_logits, s.output, prompt=req.prompt_token_ids)
     assert flaky.failures >= 2 and sum(s.proposed for s in states) > 0
@@ -140,7 +141,7 @@ def test_async_sampling_keeps_the_target_distribution(tiny_llama, tiny_draft_clo
     if flaky:
         colo.decoder.drafter = FailsAhead(colo.drafter)
         colo.decoder.drafter_retry_s = 0.0
-    gen = Generator(colo.decoder, colo.eos_token_ids, 8)
+    gen = Scheduler(colo.decoder, colo.eos_token_ids, 8)
     reqs = [GenerationRequest(f"r{i}", PROMPT, NEW_TOKENS, SamplingParams(seed=i, coupling=False, **PARAMS),
                               ignore_eos=True) for i in range(NUM_SAMPLES)]
     states = gen.run(reqs)

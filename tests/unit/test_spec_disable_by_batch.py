@@ -8,7 +8,8 @@ import torch
 
 from specsplit.config import EngineConfig, SpecConfig
 from specsplit.factory import build_colocated
-from specsplit.generation import GenerationRequest, Generator
+from specsplit.request import GenerationRequest
+from specsplit.scheduler import Scheduler
 from tests.helpers.greedy import assert_outputs_equal_or_tie
 
 
@@ -41,7 +42,7 @@ def test_memory_flat_while_disabled_then_resumes_equal(tiny_llama, tiny_draft_cl
     tc = EngineConfig(model=str(tiny_llama), max_model_len=128, max_num_seqs=8)
     dc = EngineConfig(model=str(tiny_draft_close), max_model_len=128, max_num_seqs=8)
     colo = build_colocated(tc, dc, SpecConfig(num_speculative_tokens=3, disable_by_batch_size=4), show_progress=False)
-    gen = Generator(colo.decoder, colo.eos_token_ids, max_num_seqs=8)
+    gen = Scheduler(colo.decoder, colo.eos_token_ids, max_num_seqs=8)
     next_id = 0
     snapshots = {}
     # Keep 8 sequences running (> 4): every step decodes target-only. Finished ones are replaced.
@@ -75,7 +76,7 @@ def test_memory_flat_while_disabled_then_resumes_equal(tiny_llama, tiny_draft_cl
     assert gen.speculative_steps > 0
 
     ref = build_colocated(tc, None, SpecConfig(num_speculative_tokens=0), show_progress=False)
-    ref_states = Generator(ref.decoder, ref.eos_token_ids, 8).run(reqs)
+    ref_states = Scheduler(ref.decoder, ref.eos_token_ids, 8).run(reqs)
     assert_outputs_equal_or_tie([s.output for s in ref_states], [s.output for s in spec_states],
                                 [r.prompt_token_ids for r in reqs], tiny_llama_logits)
 
@@ -86,10 +87,10 @@ def test_drafter_catches_up_after_missed_steps(tiny_llama, tiny_draft_close, tin
     dc = EngineConfig(model=str(tiny_draft_close), max_model_len=160, max_num_seqs=8)
     reqs = [GenerationRequest(f"x{i}", tuple(range(3 + i, 12 + 2 * i)), max_tokens=10 + 9 * i, ignore_eos=True) for i in range(6)]
     colo = build_colocated(tc, dc, SpecConfig(num_speculative_tokens=3, disable_by_batch_size=3), show_progress=False)
-    gen = Generator(colo.decoder, colo.eos_token_ids, 8)
+    gen = Scheduler(colo.decoder, colo.eos_token_ids, 8)
     states = gen.run(reqs)
     assert 0 < gen.speculative_steps < gen.steps  # both modes happened as requests finished
     ref = build_colocated(tc, None, SpecConfig(num_speculative_tokens=0), show_progress=False)
-    ref_states = Generator(ref.decoder, ref.eos_token_ids, 8).run(reqs)
+    ref_states = Scheduler(ref.decoder, ref.eos_token_ids, 8).run(reqs)
     assert_outputs_equal_or_tie([s.output for s in ref_states], [s.output for s in states],
                                 [r.prompt_token_ids for r in reqs], tiny_llama_logits)

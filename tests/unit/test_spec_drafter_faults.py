@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from specsplit.config import EngineConfig, SpecConfig
 from specsplit.factory import build_colocated
-from specsplit.generation import GenerationRequest, Generator
+from specsplit.request import GenerationRequest
+from specsplit.scheduler import Scheduler
 from tests.helpers.greedy import assert_outputs_equal_or_tie
 
 
@@ -53,7 +54,7 @@ def test_drafter_outage_keeps_greedy_output_and_resumes(tiny_llama, tiny_draft_c
     flaky = FlakyDrafter(colo.drafter)
     colo.decoder.drafter = flaky
     colo.decoder.drafter_retry_s = 0.0
-    gen = Generator(colo.decoder, colo.eos_token_ids, 4)
+    gen = Scheduler(colo.decoder, colo.eos_token_ids, 4)
     states = [gen.submit(r) for r in _reqs()]
     phases = []
     for step in range(200):
@@ -71,7 +72,7 @@ def test_drafter_outage_keeps_greedy_output_and_resumes(tiny_llama, tiny_draft_c
     assert flaky.calls_while_down >= 1
 
     ref = build_colocated(tc, None, SpecConfig(num_speculative_tokens=0), show_progress=False)
-    ref_states = Generator(ref.decoder, ref.eos_token_ids, 4).run(_reqs())
+    ref_states = Scheduler(ref.decoder, ref.eos_token_ids, 4).run(_reqs())
     assert_outputs_equal_or_tie([s.output for s in ref_states], [s.output for s in states],
                                 [r.prompt_token_ids for r in _reqs()], tiny_llama_logits)
     assert colo.drafter.block_manager.num_free_blocks == colo.drafter.block_manager.num_blocks
@@ -87,7 +88,7 @@ def test_sequences_finished_while_the_drafter_was_down_are_released_there(tiny_l
     flaky = FlakyDrafter(colo.drafter)
     colo.decoder.drafter = flaky
     colo.decoder.drafter_retry_s = 0.0
-    gen = Generator(colo.decoder, colo.eos_token_ids, 4)
+    gen = Scheduler(colo.decoder, colo.eos_token_ids, 4)
     short = [GenerationRequest(f"s{i}", tuple(range(5 + i, 12 + i)), 6, ignore_eos=True) for i in range(2)]
     long = GenerationRequest("long", tuple(range(30, 40)), 40, ignore_eos=True)
     states = [gen.submit(r) for r in [*short, long]]

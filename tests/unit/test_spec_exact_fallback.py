@@ -8,7 +8,8 @@ from scipy import stats
 
 from specsplit.config import EngineConfig, SpecConfig
 from specsplit.factory import build_colocated
-from specsplit.generation import GenerationRequest, Generator
+from specsplit.request import GenerationRequest
+from specsplit.scheduler import Scheduler
 from specsplit.sampling import logits_to_probs
 from specsplit.sampling.params import SamplingParams
 from tests.helpers.chisquare import pooled_chisquare
@@ -40,7 +41,7 @@ def test_drafter_lost_mid_step_keeps_the_target_distribution(tiny_llama, tiny_dr
     lossy = LosesRows(colo.drafter)
     colo.decoder.drafter = lossy
     colo.decoder.drafter_retry_s = 0.0  # re-sync at once: most steps speculate and lose their rows
-    gen = Generator(colo.decoder, colo.eos_token_ids, 8)
+    gen = Scheduler(colo.decoder, colo.eos_token_ids, 8)
     # coupling=False: rejection sampling, the path that needs the q rows (coupled requests need none)
     reqs = [GenerationRequest(f"r{i}", PROMPT, 2, SamplingParams(seed=i, coupling=False, **PARAMS), ignore_eos=True)
             for i in range(NUM_SAMPLES)]

@@ -14,7 +14,8 @@ import torch
 from specsplit.config import EngineConfig, SpecConfig
 from specsplit.factory import build_colocated
 from specsplit.feature_drafter import FeatureDrafter
-from specsplit.generation import GenerationRequest, Generator
+from specsplit.request import GenerationRequest
+from specsplit.scheduler import Scheduler
 from specsplit.protocols import SeqAdd
 from specsplit.sampling.params import SamplingParams
 from specsplit.spec import IDLE_FEATURE_ROWS
@@ -58,7 +59,7 @@ def reference(tiny_llama):
         if batch not in cache:
             tc = EngineConfig(model=str(tiny_llama), max_model_len=MAX_LEN, max_num_seqs=16)
             colo = build_colocated(tc, None, SpecConfig(num_speculative_tokens=0), show_progress=False)
-            cache[batch] = [s.output for s in Generator(colo.decoder, colo.eos_token_ids, 16).run(_requests(batch, seed=batch))]
+            cache[batch] = [s.output for s in Scheduler(colo.decoder, colo.eos_token_ids, 16).run(_requests(batch, seed=batch))]
             colo.close()
         return cache[batch]
 
@@ -72,7 +73,7 @@ def test_feature_drafter_greedy_equals_target_only(tiny_llama, tiny_llama_logits
                                                    hybrid, async_draft):
     colo = _colo(tiny_llama, f"{tiny_head}+ngram" if hybrid else tiny_head, 3, async_draft=async_draft)
     assert colo.decoder.feature_layers == (0, 1, 1)
-    states = Generator(colo.decoder, colo.eos_token_ids, 16).run(_requests(batch, seed=batch))
+    states = Scheduler(colo.decoder, colo.eos_token_ids, 16).run(_requests(batch, seed=batch))
     for req, s, ref in zip(_requests(batch, seed=batch), states, reference(batch)):
         assert_greedy_equal_or_tie(ref, tiny_llama_logits, s.output, prompt=req.prompt_token_ids)
     assert sum(s.proposed for s in states) > 0  # the head drafted (its first step has no features yet)
@@ -133,7 +134,7 @@ def test_drafter_restart_loses_features_output_unchanged(tiny_llama, tiny_llama_
         return real_propose(reqs)
 
     fd.propose = forgetful
-    states = Generator(dec, colo.eos_token_ids, 16).run(_requests(4, seed=4))
+    states = Scheduler(dec, colo.eos_token_ids, 16).run(_requests(4, seed=4))
     for req, s, ref in zip(_requests(4, seed=4), states, reference(4)):
         assert_greedy_equal_or_tie(ref, tiny_llama_logits, s.output, prompt=req.prompt_token_ids)
     assert calls[0] >= 10 and sum(s.proposed for s in states) > 0
@@ -151,7 +152,7 @@ def test_feature_drafter_sampling_keeps_the_target_distribution(tiny_llama, tmp_
     colo = _colo(tiny_llama, tmp_path / "head", 2, max_num_seqs=8, max_len=64)
     reqs = [GenerationRequest(f"r{i}", PROMPT, NEW_TOKENS, SamplingParams(seed=i, coupling=False, **PARAMS),
                               ignore_eos=True) for i in range(NUM_SAMPLES)]
-    states = Generator(colo.decoder, colo.eos_token_ids, 8).run(reqs)
+    states = Scheduler(colo.decoder, colo.eos_token_ids, 8).run(reqs)
     pvalue, tv = joint_fit([s.output for s in states], joint)
     proposed, accepted = sum(s.proposed for s in states), sum(s.accepted for s in states)
     print(f"FIGURE feature drafter sampling: chi-square p {pvalue:.3g}, TV {tv:.4f}; accepted {accepted}/{proposed}")

@@ -10,7 +10,8 @@ import torch
 
 from specsplit.config import EngineConfig, SpecConfig
 from specsplit.factory import build_colocated
-from specsplit.generation import GenerationRequest, Generator
+from specsplit.request import GenerationRequest
+from specsplit.scheduler import Scheduler
 from tests.helpers.greedy import assert_greedy_equal_or_tie
 
 MAX_LEN = 160
@@ -32,7 +33,7 @@ def _run(target, draft, k, requests, max_num_seqs=16):
     tc = EngineConfig(model=str(target), max_model_len=MAX_LEN, max_num_seqs=max_num_seqs)
     dc = None if draft is None else EngineConfig(model=str(draft), max_model_len=MAX_LEN, max_num_seqs=max_num_seqs)
     colo = build_colocated(tc, dc, SpecConfig(num_speculative_tokens=k), show_progress=False)
-    gen = Generator(colo.decoder, colo.eos_token_ids, max_num_seqs)
+    gen = Scheduler(colo.decoder, colo.eos_token_ids, max_num_seqs)
     states = gen.run(requests)
     free = colo.target.block_manager.num_free_blocks, colo.target.block_manager.num_blocks
     assert free[0] == free[1], "target KV blocks leaked"

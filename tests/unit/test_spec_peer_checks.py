@@ -11,7 +11,8 @@ import torch
 
 from specsplit.config import EngineConfig, SpecConfig
 from specsplit.factory import build_colocated
-from specsplit.generation import GenerationRequest, Generator
+from specsplit.request import GenerationRequest
+from specsplit.scheduler import Scheduler
 from specsplit.sampling.params import SamplingParams
 from tests.helpers.greedy import assert_outputs_equal_or_tie
 
@@ -111,7 +112,7 @@ def _run(tiny_llama, tiny_draft, drafter_wrap):
     colo.decoder.drafter = wrapped
     colo.decoder.verifier = CheckedVerifier(colo.target, 3)
     colo.decoder.drafter_retry_s = 0.0  # a drafter marked failed is retried at once
-    states = {s.request.request_id: s for s in Generator(colo.decoder, colo.eos_token_ids, 4).run(_requests())}
+    states = {s.request.request_id: s for s in Scheduler(colo.decoder, colo.eos_token_ids, 4).run(_requests())}
     return colo, wrapped, states
 
 
@@ -125,7 +126,7 @@ class _Reference(dict):
 def reference(tiny_llama, tiny_llama_logits):
     tc = EngineConfig(model=str(tiny_llama), max_model_len=64, max_num_seqs=4)
     colo = build_colocated(tc, None, SpecConfig(num_speculative_tokens=0), show_progress=False)
-    states = Generator(colo.decoder, colo.eos_token_ids, 4).run([r for r in _requests() if r.params.greedy])
+    states = Scheduler(colo.decoder, colo.eos_token_ids, 4).run([r for r in _requests() if r.params.greedy])
     ref = _Reference({s.request.request_id: s.output for s in states})
     ref.next_logits = tiny_llama_logits
     yield ref

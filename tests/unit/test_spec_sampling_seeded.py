@@ -5,7 +5,8 @@ import pytest
 
 from specsplit.config import EngineConfig, SpecConfig
 from specsplit.factory import build_colocated
-from specsplit.generation import GenerationRequest, Generator
+from specsplit.request import GenerationRequest
+from specsplit.scheduler import Scheduler
 from specsplit.sampling.params import SamplingParams
 
 
@@ -13,7 +14,7 @@ def _gen(target, draft, k=3):
     tc = EngineConfig(model=str(target), max_model_len=128, max_num_seqs=8)
     dc = None if draft is None else EngineConfig(model=str(draft), max_model_len=128, max_num_seqs=8)
     colo = build_colocated(tc, dc, SpecConfig(num_speculative_tokens=k if dc else 0), show_progress=False)
-    return colo, Generator(colo.decoder, colo.eos_token_ids, 8)
+    return colo, Scheduler(colo.decoder, colo.eos_token_ids, 8)
 
 
 def _req(rid, seed, temperature=1.0, top_p=1.0, top_k=0):

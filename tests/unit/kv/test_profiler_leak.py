@@ -15,7 +15,8 @@ import torch
 
 from specsplit.config import SpecConfig
 from specsplit.factory import build_colocated
-from specsplit.generation import GenerationRequest, Generator
+from specsplit.request import GenerationRequest
+from specsplit.scheduler import Scheduler
 from specsplit.kv.meters import TorchMeter, rss_bytes, trim_host_memory
 from specsplit.sampling.params import SamplingParams
 from tests.unit.kv.conftest import MiB, engine_cfg
@@ -48,7 +49,7 @@ def _tensor_census() -> int:
 def test_a_thousand_requests_leave_memory_where_it_was(warm, tiny_llama):
     t = engine_cfg(tiny_llama, memory_budget_bytes=256 * MiB, max_num_seqs=N)
     colo = build_colocated(t, engine_cfg("ngram", max_num_seqs=N), SpecConfig(num_speculative_tokens=3), show_progress=False)
-    gen = Generator(colo.decoder, colo.eos_token_ids, max_num_seqs=N)
+    gen = Scheduler(colo.decoder, colo.eos_token_ids, max_num_seqs=N)
     rng = random.Random(0)
     gen.run(_requests(rng, 0, 2 * N))  # warm: every code path once
 

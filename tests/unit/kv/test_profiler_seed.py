@@ -12,7 +12,8 @@ import random
 
 from specsplit.config import SpecConfig
 from specsplit.factory import build_colocated, plan_memory
-from specsplit.generation import GenerationRequest, Generator
+from specsplit.request import GenerationRequest
+from specsplit.scheduler import Scheduler
 from specsplit.kv.meters import TorchMeter, peak_rss_bytes, reset_peak_rss, rss_bytes, trim_host_memory
 from specsplit.sampling.params import SamplingParams
 from tests.unit.kv.conftest import MiB, engine_cfg
@@ -63,7 +64,7 @@ def test_full_run_stays_within_the_budget(warm, kv_target, heavy_draft):
                           SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=i), ignore_eos=True)
         for i in range(t.max_num_seqs)
     ]
-    gen = Generator(colo.decoder, colo.eos_token_ids, max_num_seqs=t.max_num_seqs)
+    gen = Scheduler(colo.decoder, colo.eos_token_ids, max_num_seqs=t.max_num_seqs)
     with TorchMeter("cpu") as run:
         states = gen.run(reqs)
     assert all(len(s.output) == 20 for s in states)

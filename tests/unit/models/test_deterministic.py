@@ -8,7 +8,8 @@ import torch
 
 from specsplit.config import EngineConfig, SpecConfig
 from specsplit.factory import build_colocated, build_draft_engine
-from specsplit.generation import GenerationRequest, Generator
+from specsplit.request import GenerationRequest
+from specsplit.scheduler import Scheduler
 from specsplit.models.loader import load_model
 from specsplit.models.runner import ForwardItem, ModelRunner
 from specsplit.spec import SpecDecoder
@@ -83,8 +84,8 @@ def colocated(tiny_llama, tiny_draft_close):
 @pytest.mark.parametrize("batch", [1, 4, 16])
 def test_spec_equals_target_only_exactly(colocated, batch):
     target_only = SpecDecoder(colocated.target, None, SpecConfig(num_speculative_tokens=0), MAX_LEN)
-    ref = Generator(target_only, (), 16).run(_requests(batch, batch))
-    out = Generator(colocated.decoder, (), 16).run(_requests(batch, batch))
+    ref = Scheduler(target_only, (), 16).run(_requests(batch, batch))
+    out = Scheduler(colocated.decoder, (), 16).run(_requests(batch, batch))
     assert [s.output for s in out] == [s.output for s in ref]  # exact: no tie is certified here
     assert sum(s.accepted for s in out) > 0
 
@@ -99,9 +100,9 @@ def test_tp2_spec_equals_target_only_exactly(tiny_llama, tiny_draft_close):
         draft = build_draft_engine(EngineConfig(model=str(tiny_draft_close), max_model_len=MAX_LEN, max_num_seqs=16,
                                                 max_prefill_tokens=64), spec).engine
         for batch in (1, 4, 16):
-            ref = Generator(SpecDecoder(tp, None, SpecConfig(num_speculative_tokens=0), MAX_LEN), (), 16).run(
+            ref = Scheduler(SpecDecoder(tp, None, SpecConfig(num_speculative_tokens=0), MAX_LEN), (), 16).run(
                 _requests(batch, batch))
-            out = Generator(SpecDecoder(tp, draft, spec, MAX_LEN), (), 16).run(_requests(batch, batch))
+            out = Scheduler(SpecDecoder(tp, draft, spec, MAX_LEN), (), 16).run(_requests(batch, batch))
             assert [s.output for s in out] == [s.output for s in ref], batch
             assert sum(s.accepted for s in out) > 0
     finally:

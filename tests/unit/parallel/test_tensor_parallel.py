@@ -13,7 +13,8 @@ import torch
 
 from specsplit.config import EngineConfig, SpecConfig
 from specsplit.factory import build_draft_engine, build_target_engine
-from specsplit.generation import GenerationRequest, Generator
+from specsplit.request import GenerationRequest
+from specsplit.scheduler import Scheduler
 from specsplit.kv.profiler import MemoryBudgetError
 from specsplit.models.runner import ForwardItem
 from specsplit.parallel.group import TPGroup
@@ -168,7 +169,7 @@ def test_tp2_greedy_target_only_and_speculative_equal_hf(tiny_llama, tiny_draft_
     }
     ref = [_hf_greedy(hf_tiny, p, n) for p in prompts]
     for name, decoder in runs.items():
-        states = Generator(decoder, (2,), 4).run(requests)
+        states = Scheduler(decoder, (2,), 4).run(requests)
         for p, r, s in zip(prompts, ref, states):
             assert_greedy_equal_or_tie(r, hf_next_logits(hf_tiny), s.output, prompt=p)
         if name == "speculative":

@@ -7,7 +7,8 @@ from scipy import stats
 
 from specsplit.config import EngineConfig, SpecConfig
 from specsplit.factory import build_colocated
-from specsplit.generation import GenerationRequest, Generator
+from specsplit.request import GenerationRequest
+from specsplit.scheduler import Scheduler
 from specsplit.sampling import logits_to_probs
 from specsplit.sampling.coupled import coupled_sample, gumbel_noise
 from specsplit.sampling.params import SamplingParams
@@ -39,7 +40,7 @@ def _colo(target, draft, k, disable_by_batch_size=0, max_num_seqs=8):
 
 
 def _run(colo, seeds, max_tokens=24, temperature=0.9, top_k=0, **kw):
-    gen = Generator(colo.decoder, colo.eos_token_ids, 8)
+    gen = Scheduler(colo.decoder, colo.eos_token_ids, 8)
     reqs = [GenerationRequest(f"r{s}", PROMPT, max_tokens, SamplingParams(temperature, 1.0, top_k, s), ignore_eos=True,
                               **kw) for s in seeds]
     return gen.run(reqs)

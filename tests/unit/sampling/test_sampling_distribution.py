@@ -14,6 +14,7 @@ from scipy import stats
 from specsplit.sampling import logits_to_probs
 from specsplit.sampling.rejection import RejectionSampler
 from specsplit.sampling.sample import integer_weights, sample_from_probs
+from tests.helpers.rejection import sample_full
 
 SAMPLER = RejectionSampler(backend="torch")
 NUM_SAMPLES = 200_000
@@ -91,7 +92,7 @@ def test_context_free_positions_follow_p(vocab, k, q_filter):
     num_draft = torch.full((n,), k)
     u_a = torch.rand(n, k, dtype=torch.float64, generator=gen)
     u_f = torch.rand(n, dtype=torch.float64, generator=gen)
-    num_accepted, out = SAMPLER.sample_full(draft, q_full, num_draft, p_full, u_a, u_f)
+    num_accepted, out = sample_full(SAMPLER, draft, q_full, num_draft, p_full, u_a, u_f)
 
     _check(torch.bincount(out[:, 0], minlength=vocab), p_pos[0], tv_max=0.01)
     for j in range(1, k + 1):
@@ -133,7 +134,7 @@ def _generate_markov(p_table, q_table, k, length, n, gen, mixed_num_draft):
             num_draft = torch.full((m,), k)
         u_a = torch.rand(m, k, dtype=torch.float64, generator=gen)
         u_f = torch.rand(m, dtype=torch.float64, generator=gen)
-        num_accepted, out = SAMPLER.sample_full(draft, q_full, num_draft, p_full, u_a, u_f)
+        num_accepted, out = sample_full(SAMPLER, draft, q_full, num_draft, p_full, u_a, u_f)
         emitted = num_accepted + 1
         cols = count[active, None] + torch.arange(k + 1)[None]  # [m, K+1]
         valid = torch.arange(k + 1)[None] < emitted[:, None]

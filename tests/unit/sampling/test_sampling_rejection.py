@@ -6,6 +6,7 @@ import torch
 from specsplit.sampling.rejection import RejectionSampler
 from specsplit.sampling.rng import SeqRandom, draw_step_uniforms
 from specsplit.sampling.sample import sample_from_probs
+from tests.helpers.rejection import sample_full
 
 SAMPLER = RejectionSampler(backend="torch")
 
@@ -67,7 +68,7 @@ def test_random_all_accepted_bonus_from_p():
     p = torch.full((1, k + 1, vocab), 1.0 / vocab)
     q = torch.full((1, k, vocab), 1.0 / vocab)
     draft = torch.tensor([[0, 1, 2]])
-    n, out = SAMPLER.sample_full(
+    n, out = sample_full(SAMPLER,
         draft,
         q,
         torch.tensor([k]),
@@ -85,7 +86,7 @@ def test_random_all_rejected_exactly_one():
     q = torch.zeros(2, k, vocab)
     q[..., 0] = 1.0
     draft = torch.zeros(2, k, dtype=torch.long)
-    n, out = SAMPLER.sample_full(
+    n, out = sample_full(SAMPLER,
         draft,
         q,
         torch.tensor([k, 2]),
@@ -99,14 +100,14 @@ def test_random_all_rejected_exactly_one():
 
 def test_random_draft_equals_target_accepts_everything():
     draft, q, p, u_a, u_f = _random_case(16, 5, 12, seed=0, q_equals_p=True)
-    n, out = SAMPLER.sample_full(draft, q, torch.full((16,), 5), p, u_a, u_f)
+    n, out = sample_full(SAMPLER, draft, q, torch.full((16,), 5), p, u_a, u_f)
     assert (n == 5).all() and torch.equal(out[:, :5], draft)
 
 
 def test_random_k_zero_is_plain_sampling():
     p = torch.softmax(torch.randn(3, 1, 7), -1)
     u = torch.rand(3, dtype=torch.float64)
-    n, out = SAMPLER.sample_full(
+    n, out = sample_full(SAMPLER,
         torch.zeros(3, 0, dtype=torch.long),
         torch.zeros(3, 0, 7),
         torch.zeros(3, dtype=torch.long),
@@ -123,7 +124,7 @@ def test_random_ids_in_range_and_lengths(seed):
     batch, k, vocab = 31, 6, 9
     draft, q, p, u_a, u_f = _random_case(batch, k, vocab, seed)
     num_draft = torch.randint(0, k + 1, (batch,), generator=torch.Generator().manual_seed(seed))
-    n, out = SAMPLER.sample_full(draft, q, num_draft, p, u_a, u_f)
+    n, out = sample_full(SAMPLER, draft, q, num_draft, p, u_a, u_f)
     assert (n <= num_draft).all() and (n >= 0).all()
     valid = out >= 0
     assert (valid.sum(-1) == n + 1).all()
@@ -139,7 +140,7 @@ def test_two_stage_equals_sample_full():
     batch, k, vocab = 12, 4, 11
     draft, q, p, u_a, u_f = _random_case(batch, k, vocab, seed=5)
     num_draft = torch.tensor([4, 3, 0, 1, 4, 4, 2, 2, 4, 0, 3, 1])
-    n_full, out_full = SAMPLER.sample_full(draft, q, num_draft, p, u_a, u_f)
+    n_full, out_full = sample_full(SAMPLER, draft, q, num_draft, p, u_a, u_f)
     q_x = q.gather(2, draft[:, :, None])[:, :, 0]
     n = SAMPLER.accept(draft, q_x, num_draft, p, u_a)
     assert torch.equal(n, n_full)
@@ -178,7 +179,7 @@ def test_batched_equals_one_at_a_time_and_seeded():
     def run(indices):
         rngs = [SeqRandom(seeds[i]) for i in indices]
         u_a, u_f = draw_step_uniforms(rngs, num_draft[indices].tolist(), k_max=k)
-        return SAMPLER.sample_full(
+        return sample_full(SAMPLER,
             draft[indices], q[indices], num_draft[indices], p[indices], u_a, u_f
         )
 
@@ -203,7 +204,7 @@ def test_one_hot_rows_behave_like_greedy():
     p = torch.nn.functional.one_hot(target_argmax, vocab).float()
     q = torch.nn.functional.one_hot(draft, vocab).float()
     nd = torch.randint(0, k + 1, (batch,), generator=g)
-    n_r, out_r = SAMPLER.sample_full(
+    n_r, out_r = sample_full(SAMPLER,
         draft,
         q,
         nd,
