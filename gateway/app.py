@@ -196,7 +196,6 @@ def build_split(args) -> Gateway:
     verifier = GrpcVerifier(args.verifier, timeout=args.verifier_timeout, security=internal, keepalive=keepalive)
     log.info("gateway: waiting for the verifier at %s (up to %.0fs)", args.verifier, args.connect_timeout)
     vinfo = _wait_for_verifier(verifier, args.connect_timeout)
-    verifier.vocab_size = vinfo.vocab_size
     log.info("gateway: verifier serves %s (vocab %d, max_model_len %d, max_num_seqs %d, KV %d/%d blocks free)",
              vinfo.model, vinfo.vocab_size, vinfo.max_model_len, vinfo.max_num_seqs, vinfo.kv.free_blocks, vinfo.kv.num_blocks)
     tok_dir = args.tokenizer or vinfo.tokenizer_dir
@@ -213,7 +212,6 @@ def build_split(args) -> Gateway:
         try:
             dinfo = drafter.info(timeout=args.drafter_timeout, wait_for_ready=True)
             draft_model = dinfo.model
-            drafter.feature_layers = tuple(dinfo.feature_layers)
             if dinfo.vocab_size and dinfo.vocab_size != vinfo.vocab_size:
                 raise ValueError(f"the drafter's vocabulary ({dinfo.vocab_size}) differs from the verifier's "
                                  f"({vinfo.vocab_size}); they must share a tokenizer")

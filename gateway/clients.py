@@ -29,7 +29,8 @@ from specsplit.rpc import wire
 from specsplit.rpc import security as sec
 from specsplit.rpc.serving import MAX_MESSAGE_BYTES
 from specsplit.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
-from specsplit.protocols import Proposal, ProposeRequest, QRow, RowRequest, SeqAdd, VerifyRequest, VerifyResult
+from specsplit.protocols import (DrafterTraits, Proposal, ProposeRequest, QRow, RowRequest, SeqAdd, VerifierTraits,
+                                 VerifyRequest, VerifyResult)
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +205,7 @@ class _PeerClient:
         self.channel.close()
 
 
-class GrpcDrafter(_PeerClient):
+class GrpcDrafter(_PeerClient, DrafterTraits):
     """The Drafter protocol over a drafter_svc Session stream (short deadlines: a slow drafter
     must not hold up the step; SpecDecoder falls back to target-only)."""
 
@@ -214,9 +215,14 @@ class GrpcDrafter(_PeerClient):
 
     def __init__(self, address: str, timeout: float = 5.0, **kw):
         super().__init__(address, timeout, **kw)
-        # The target layers a feature drafter reads: from its GetInfo at start-up (specsplit.gateway.app);
-        # a drafter unreachable then stays a plain drafter for this gateway's life.
+        # The target layers a feature drafter reads: from its GetInfo (info() records them); a
+        # drafter unreachable at the gateway's start-up stays a plain drafter for the gateway's life.
         self.feature_layers: tuple[int, ...] = ()
+
+    def info(self, timeout: float = 5.0, wait_for_ready: bool = False) -> common_pb2.ServiceInfo:
+        info = super().info(timeout, wait_for_ready)
+        self.feature_layers = tuple(info.feature_layers)
+        return info
 
     def propose(self, reqs: Sequence[ProposeRequest]) -> list[Proposal]:
         self._check_live(r.seq_id for r in reqs)
@@ -229,7 +235,7 @@ class GrpcDrafter(_PeerClient):
         return wire.rows_from_pb(resp.rows.rows)
 
 
-class GrpcVerifier(_PeerClient):
+class GrpcVerifier(_PeerClient, VerifierTraits):
     """The Verifier protocol over a verifier_svc Session stream."""
 
     role = "verifier"
@@ -238,7 +244,12 @@ class GrpcVerifier(_PeerClient):
 
     def __init__(self, address: str, timeout: float = 120.0, vocab_size: int | None = None, **kw):
         super().__init__(address, timeout, **kw)
-        self.vocab_size = vocab_size
+        self.vocab_size = vocab_size  # recorded by info() from the verifier's GetInfo
+
+    def info(self, timeout: float = 5.0, wait_for_ready: bool = False) -> common_pb2.ServiceInfo:
+        info = super().info(timeout, wait_for_ready)
+        self.vocab_size = info.vocab_size or None
+        return info
 
     def verify(self, reqs: Sequence[VerifyRequest]) -> list[VerifyResult]:
         if not reqs:

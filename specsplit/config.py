@@ -1,7 +1,7 @@
 """Small frozen configuration dataclasses shared by the engines, services and CLI."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -93,4 +93,10 @@ class EngineConfig:
     num_blocks: int = 0  # 0 = sized by the memory profiler from the budget
     memory_budget_bytes: int | None = None
     memory_utilization: float = 0.9
-    extra: dict = field(default_factory=dict, compare=False, hash=False)
+    # --tensor-parallel-size: ranks the target is sharded over (specsplit.parallel); 1 = one process
+    tensor_parallel_size: int = 1
+    # --deterministic: batch-invariant numerics (models/deterministic.py); the target's only
+    deterministic: bool = False
+    # False: the KV cache is sized from the memory budget alone, not capped at what max_num_seqs
+    # sequences of max_model_len can use (the profiler's tests make the budget bind)
+    kv_cap: bool = True

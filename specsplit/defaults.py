@@ -89,7 +89,7 @@ def engine_config(args, model: str, device: str | None = None):
         num_blocks=args.num_blocks,
         memory_budget_bytes=args.memory_budget,
         memory_utilization=args.memory_utilization,
-        extra={"tensor_parallel_size": getattr(args, "tensor_parallel_size", 1),
-               # the target's numerics; a draft's do not change the output
-               "deterministic": bool(getattr(args, "deterministic", False)) and model != getattr(args, "draft", None)},
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1) or 1,
+        # the target's numerics; a draft's do not change the output
+        deterministic=bool(getattr(args, "deterministic", False)) and model != getattr(args, "draft", None),
     )

@@ -18,11 +18,13 @@ import torch
 from specsplit.kv.block_manager import OutOfBlocks
 from specsplit.models.runner import ForwardItem, ModelRunner
 from specsplit.protocols import (
+    DrafterTraits,
     Proposal,
     ProposeRequest,
     QRow,
     RowRequest,
     SeqAdd,
+    VerifierTraits,
     VerifyRequest,
     VerifyResult,
 )
@@ -268,7 +270,7 @@ class _EngineBase:
         return logits
 
 
-class TargetEngine(_EngineBase):
+class TargetEngine(_EngineBase, VerifierTraits):
     """The target model: scores k drafts + 1 in one forward and applies the rejection sampler."""
 
     side = "verifier"
@@ -276,6 +278,9 @@ class TargetEngine(_EngineBase):
     def __init__(self, runner: ModelRunner, max_prefill_tokens: int = 512, sampler: RejectionSampler | None = None):
         super().__init__(runner, max_prefill_tokens)
         self.sampler = sampler or RejectionSampler()
+        # One rank of a tensor-parallel group (specsplit.parallel.group sets it when it builds the
+        # group): the verifier servicer watches it and reports a dead worker. None: one process.
+        self.tensor_parallel = None
 
     def verify(self, reqs: Sequence[VerifyRequest]) -> list[VerifyResult]:
         if not reqs:
@@ -467,7 +472,7 @@ class TargetEngine(_EngineBase):
         return VerifyResult(seq_id, num_accepted, tuple(emitted), features=feats, features_start=start)
 
 
-class DraftEngine(_EngineBase):
+class DraftEngine(_EngineBase, DrafterTraits):
     """The draft model: catches up on emitted tokens, rolls back rejected drafts, drafts k more."""
 
     side = "drafter"
@@ -531,7 +536,7 @@ class DraftEngine(_EngineBase):
         return fetch_q_rows(self._get, fetch)
 
 
-class NgramDrafter:
+class NgramDrafter(DrafterTraits):
     """Prompt-lookup drafting with no model; implements the Drafter protocol.
 
     Its drafts are deterministic, so q(x) = 1 and the q row is one-hot: the verifier resolves

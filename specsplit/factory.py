@@ -42,7 +42,7 @@ VERIFIER, DRAFTER = "verifier", "drafter"
 
 def load_for(cfg: EngineConfig, show_progress: bool = True) -> LoadedModel:
     loaded = load_model(cfg.model, cfg.device, cfg.dtype, max_positions=cfg.max_model_len + 16, show_progress=show_progress)
-    if cfg.extra.get("deterministic"):  # --deterministic: batch-invariant numerics (models/deterministic.py)
+    if cfg.deterministic:  # --deterministic: batch-invariant numerics (models/deterministic.py)
         from specsplit.models.deterministic import make_deterministic
 
         make_deterministic(loaded.model)
@@ -67,7 +67,7 @@ def forward_bound(cfg: EngineConfig, num_speculative_tokens: int) -> ForwardBoun
 def kv_shape(loaded: LoadedModel, cfg: EngineConfig) -> KVShape:
     return KVShape.for_model(
         loaded.config, cfg.dtype, cfg.block_size, cfg.max_model_len, cfg.max_num_seqs, cfg.num_blocks,
-        cap=bool(cfg.extra.get("kv_cap", True)),
+        cap=cfg.kv_cap,
     )
 
 
@@ -232,8 +232,8 @@ def _allocate(s: _Service, sp: ServicePlan, calibrate: bool = False):
 
 def joint_costs(verifier, drafter, network_s: float = 0.0) -> StepCosts:
     """The verifier's and the drafter's calibrated costs as one StepCosts for the K policy."""
-    v = getattr(verifier, "step_costs", None) or StepCosts()
-    d = getattr(getattr(drafter, "model", drafter), "step_costs", None) or StepCosts()
+    v = verifier.step_costs or StepCosts()
+    d = (drafter.step_costs if drafter is not None else None) or StepCosts()
     return StepCosts(verify=dict(v.verify), draft=dict(d.draft), network_s=network_s)
 
 
@@ -324,9 +324,9 @@ def build_colocated(
     """Target (+ draft) in this process. On one device the two share the target's budget flags.
 
     The tokenizer is loaded inside the measured window, so on CPU its memory is part of the
-    verifier's non-torch bytes. target.extra["tensor_parallel_size"] > 1: a tensor-parallel
+    verifier's non-torch bytes. target.tensor_parallel_size > 1: a tensor-parallel
     target (specsplit.parallel.colocated)."""
-    tp = int(target.extra.get("tensor_parallel_size", 1) or 1)
+    tp = max(1, int(target.tensor_parallel_size))
     if tp > 1:
         from specsplit.parallel.colocated import build_colocated_tp
 

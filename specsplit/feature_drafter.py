@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from specsplit.engine import EngineError, check_propose, check_seq_add, fetch_q_rows, ingest_chain, sample_drafts
 from specsplit.models.eagle3 import DraftCache, Eagle3Head
-from specsplit.protocols import Proposal, ProposeRequest, QRow, RowRequest, SeqAdd
+from specsplit.protocols import DrafterTraits, Proposal, ProposeRequest, QRow, RowRequest, SeqAdd
 from specsplit.sampling.params import SamplingParams
 from specsplit.sampling.rng import SeqRandom
 
@@ -56,7 +56,7 @@ class _FSeq:
     q_rows: list = field(default_factory=list)  # per chain draft: [V] q row (sampled) or None
 
 
-class FeatureDrafter:
+class FeatureDrafter(DrafterTraits):
     """EAGLE-3 drafting; implements the Drafter protocol (specsplit.protocols)."""
 
     side = "drafter"
@@ -66,7 +66,7 @@ class FeatureDrafter:
         self.embedding = embedding  # [V, H] the target's token embedding (shared, frozen)
         self.max_model_len = max_model_len
         self.seqs: dict[str, _FSeq] = {}
-        self.step_costs = None
+        self.step_costs = None  # calibration.StepCosts (factory.build_feature_drafter)
 
     # ---- what the step needs to know --------------------------------------------------------
     @property

@@ -27,7 +27,7 @@ from dataclasses import replace
 from typing import Sequence
 
 from specsplit.engine import DraftEngine, EngineError
-from specsplit.protocols import Proposal, ProposeRequest, QRow, RowRequest, SeqAdd
+from specsplit.protocols import DrafterTraits, Proposal, ProposeRequest, QRow, RowRequest, SeqAdd
 from specsplit.sampling.ngram import ngram_propose
 from specsplit.sampling.params import SamplingParams
 
@@ -41,16 +41,16 @@ def split_draft_name(name: str) -> tuple[str, bool]:
     return name, False
 
 
-class HybridDrafter:
+class HybridDrafter(DrafterTraits):
     """Implements the Drafter protocol over a DraftEngine plus prompt lookup on the same tokens."""
 
     side = "drafter"
-    is_hybrid = True  # the K policy prices only `model_tokens` model drafts per step
 
     def __init__(self, model: DraftEngine, ngram_min: int = 1, ngram_max: int = 4, model_tokens: int = 1):
         self.model = model
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
-        self.model_tokens = model_tokens  # most drafts the model makes per step (0 = k)
+        # the K policy prices only this many model drafts per step (0 = k)
+        self.model_tokens: int | None = model_tokens
         self.tokens: dict[str, list[int]] = {}  # the context as the drafter knows it
         self.params: dict[str, SamplingParams] = {}
         self.lookup_steps = 0  # sequence-steps drafted by prompt lookup
@@ -77,7 +77,11 @@ class HybridDrafter:
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
-        return getattr(self.model, "feature_layers", ())
+        return self.model.feature_layers
+
+    @property
+    def step_costs(self):
+        return self.model.step_costs
 
     @property
     def num_running(self) -> int:

@@ -19,11 +19,15 @@ with Drafter.finish_step after the verifier says which position that is.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import torch
 
 from specsplit.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from specsplit.calibration import StepCosts
+    from specsplit.kv.block_manager import BlockManager
 
 
 @dataclass(frozen=True)
@@ -106,7 +110,41 @@ class QRow:
     row: torch.Tensor  # [vocab] float32, the draft distribution at the requested position
 
 
+class DrafterTraits:
+    """What the step, the K policy and the scheduler read of a drafter beside its calls, with the
+    values of a drafter that has none of it. Every Drafter inherits this and overrides what
+    applies (a property or an attribute); nobody probes for a missing name."""
+
+    # The target layers whose fused outputs it reads (a feature drafter); the verifier returns
+    # them with each step's result. () = none.
+    feature_layers: tuple[int, ...] = ()
+    # Calibrated drafting cost (specsplit.calibration, timed at start-up); None = not measured.
+    step_costs: "StepCosts | None" = None
+    # A hybrid (model + prompt lookup): the most tokens its model drafts a step (0 = all k), for
+    # the K policy's price of a step. None = not a hybrid.
+    model_tokens: int | None = None
+    # The share of drafting steps on which its model drafted (what drafting costs); 1.0 = always.
+    model_share: float = 1.0
+    # Its in-process paged KV cache (the scheduler admits against it); None = none or remote.
+    block_manager: "BlockManager | None" = None
+
+
+class VerifierTraits:
+    """What the step and the scheduler read of a verifier beside its calls (see DrafterTraits)."""
+
+    # The target's vocabulary: bounds for drafted ids and q rows; None = not known (unchecked).
+    vocab_size: int | None = None
+    step_costs: "StepCosts | None" = None  # calibrated verify cost per (batch, k)
+    block_manager: "BlockManager | None" = None  # its in-process paged KV cache; None = remote
+
+
 class Drafter(Protocol):
+    feature_layers: tuple[int, ...]
+    step_costs: "StepCosts | None"
+    model_tokens: int | None
+    model_share: float
+    block_manager: "BlockManager | None"
+
     def add(self, seqs: Sequence[SeqAdd]) -> None: ...
 
     def propose(self, reqs: Sequence[ProposeRequest]) -> list[Proposal]: ...
@@ -120,6 +158,10 @@ class Drafter(Protocol):
 
 
 class Verifier(Protocol):
+    vocab_size: int | None
+    step_costs: "StepCosts | None"
+    block_manager: "BlockManager | None"
+
     def add(self, seqs: Sequence[SeqAdd]) -> None: ...
 
     def verify(self, reqs: Sequence[VerifyRequest]) -> list[VerifyResult]: ...

@@ -68,7 +68,7 @@ def kv_budgets_of(decoder: SpecDecoder) -> list[KvBudget]:
     """The paged caches of in-process engines (gRPC clients have none: pass their ServiceInfo's)."""
     out = []
     for name, engine in (("verifier", decoder.verifier), ("drafter", decoder.drafter)):
-        bm = getattr(engine, "block_manager", None) if engine is not None else None
+        bm = engine.block_manager if engine is not None else None
         if bm is not None:
             out.append(KvBudget(name, bm.num_blocks, bm.block_size))
     return out
@@ -107,7 +107,7 @@ class Scheduler:
         self.max_queue = max_queue  # None: unbounded (the CLI and the bench)
         self.kv = list(kv_budgets_of(decoder) if kv is None else kv)
         if limits is None:
-            vocab = getattr(decoder.verifier, "vocab_size", None)
+            vocab = decoder.verifier.vocab_size
             limits = Limits(vocab, decoder.max_model_len) if vocab else None
         self.limits = limits
         self.decode = decode

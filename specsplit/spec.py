@@ -128,14 +128,14 @@ class SpecDecoder:
         self._probes = 0  # probe steps so far: which sequence drafts in the next one
         if costs is not None and costs.verify and spec.k_policy == "auto":
             # A hybrid's model drafts at most model_tokens a step (0: all k, as a feature drafter does)
-            hybrid = (getattr(drafter, "model_tokens", spec.draft_model_tokens) or None) if getattr(drafter, "is_hybrid", False) else None
+            hybrid = drafter.model_tokens or None if drafter is not None else None
             self.policy = KPolicy(costs, spec.num_speculative_tokens, hybrid, async_draft=self.async_draft)
 
     # ---- lifecycle -----------------------------------------------------------------------
     @property
     def feature_layers(self) -> tuple[int, ...]:
         """Target layers a feature drafter reads (the verifier returns them with each step)."""
-        return tuple(getattr(self.drafter, "feature_layers", ()) or ())
+        return tuple(self.drafter.feature_layers) if self.drafter is not None else ()
 
     @property
     def drafter_up(self) -> bool:
@@ -328,7 +328,7 @@ class SpecDecoder:
             return 0, None
         if self.policy is None:
             return max(self.tracks[s].k for s in live), None
-        self.policy.model_fraction = float(getattr(self.drafter, "model_share", 1.0))
+        self.policy.model_fraction = float(self.drafter.model_share)
         # Sequences that do not speculate still take a row in the verify forward.
         others = [Acceptance(prior_rate=0.0, prior_weight=1.0)] * (len(ids) - len(live))
         k = self.policy.choose([self.tracks[s].acceptance for s in live] + others,
@@ -372,7 +372,7 @@ class SpecDecoder:
         a finite number in (0, 1]. A peer's bad answer never reaches the verifier, so it can
         neither fail the stream nor any other stream."""
         asked = {r.seq_id: r.k for r in reqs}
-        vocab = getattr(self.verifier, "vocab_size", None)
+        vocab = self.verifier.vocab_size
         out = {}
         for p in proposals:
             if p.seq_id in self._hold_now:  # its last step was abandoned: one step target-only
@@ -402,7 +402,7 @@ class SpecDecoder:
             return self._abandon_sampled(results, proposals, "the drafter was lost before it sent its q rows")
         if not pending:
             return results
-        why = _rows_problem(fetch, rows, getattr(self.verifier, "vocab_size", None))
+        why = _rows_problem(fetch, rows, self.verifier.vocab_size)
         if why is not None:
             self._drafter_failed(ValueError(f"it sent unusable q rows: {why}"))
             return self._abandon_sampled(results, proposals, "the drafter's q rows were unusable")

@@ -26,7 +26,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def __init__(self, built: BuiltEngine, threads: int = 0):
         self.built = built
         self.host = SessionHost("verifier", built.engine, threads, max_seqs_per_session=built.cfg.max_num_seqs)
-        self.tp = getattr(built.engine, "tensor_parallel", None)  # specsplit.parallel.group.TPGroup
+        self.tp = built.engine.tensor_parallel  # specsplit.parallel.group.TPGroup, or None
 
     def _tp_unavailable(self) -> wire.ServiceError:
         return wire.ServiceError(grpc.StatusCode.UNAVAILABLE, f"the verifier cannot serve: {self.tp.failed}")

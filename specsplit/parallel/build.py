@@ -98,10 +98,10 @@ def build_rank(cfg: EngineConfig, spec: SpecConfig, rank: int, world: int, start
 
     def load():
         with unpacked_load() as policy:  # dense weights to shard; kernels chosen for the shard after
-            loaded = load_for(replace(rcfg, extra={**rcfg.extra, "deterministic": False}), show_progress and rank == 0)
+            loaded = load_for(replace(rcfg, deterministic=False), show_progress and rank == 0)
         check_shardable(loaded.config, world)
         loaded.config = shard_model(loaded.model, rank, world, compute_group, policy)
-        if rcfg.extra.get("deterministic"):
+        if rcfg.deterministic:
             from specsplit.models.deterministic import make_deterministic
 
             make_deterministic(loaded.model)

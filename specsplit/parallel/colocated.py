@@ -50,7 +50,6 @@ def build_colocated_tp(target: EngineConfig, draft: EngineConfig | None, spec: S
         decoder = SpecDecoder(verifier, drafter, spec if drafter else SpecConfig(num_speculative_tokens=0),
                               target.max_model_len)
         colo = Colocated(decoder, verifier, drafter, loaded, None, tokenizer, plan)
-        colo.tensor_parallel = group
         return colo
     except BaseException:
         group.close()

@@ -1,8 +1,10 @@
 """Fault injection around a real Drafter: subclasses override one call and delegate the rest."""
 from __future__ import annotations
 
+from specsplit.protocols import DrafterTraits
 
-class DrafterWrapper:
+
+class DrafterWrapper(DrafterTraits):
     """Delegates every Drafter call to a real engine (DraftEngine, HybridDrafter, NgramDrafter)."""
 
     def __init__(self, engine):

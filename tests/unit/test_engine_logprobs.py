@@ -14,6 +14,7 @@ from specsplit.factory import build_colocated
 from specsplit.request import GenerationRequest
 from specsplit.sampling.params import SamplingParams
 from specsplit.scheduler import Scheduler
+from specsplit.protocols import VerifierTraits
 from tests.helpers.drafters import LosesRows
 from tests.helpers.logprobs import TOL, reference_logprobs
 
@@ -182,7 +183,7 @@ def test_engine_refuses_more_than_20_alternatives(spec_close):
     assert "x" not in spec_close.target.seqs
 
 
-class _NoLogprobs:
+class _NoLogprobs(VerifierTraits):
     """A real target engine behind a verifier that drops logprobs (one older than the field)."""
 
     def __init__(self, engine):

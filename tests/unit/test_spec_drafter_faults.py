@@ -5,10 +5,11 @@ from specsplit.config import EngineConfig, SpecConfig
 from specsplit.factory import build_colocated
 from specsplit.request import GenerationRequest
 from specsplit.scheduler import Scheduler
+from specsplit.protocols import DrafterTraits
 from tests.helpers.greedy import assert_outputs_equal_or_tie
 
 
-class FlakyDrafter:
+class FlakyDrafter(DrafterTraits):
     """A real DraftEngine behind a switch: while `down`, every call raises like a dead peer, and
     coming back up it has lost all its sequences (a restarted process)."""
 

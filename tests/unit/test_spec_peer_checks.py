@@ -14,6 +14,7 @@ from specsplit.factory import build_colocated
 from specsplit.request import GenerationRequest
 from specsplit.scheduler import Scheduler
 from specsplit.sampling.params import SamplingParams
+from specsplit.protocols import DrafterTraits, VerifierTraits
 from tests.helpers.greedy import assert_outputs_equal_or_tie
 
 VOCAB = 256
@@ -38,7 +39,7 @@ def _is_victim(seq) -> bool:
     return seq.params.seed == 3 or tuple(seq.prompt_token_ids[:3]) == (9, 10, 11)
 
 
-class BadDrafter:
+class BadDrafter(DrafterTraits):
     """A real draft engine whose answers for the victim sequences are corrupted."""
 
     def __init__(self, engine, corrupt=None, bad_rows: bool = False):
@@ -71,7 +72,7 @@ class BadDrafter:
         return self.engine.release(ids)
 
 
-class CheckedVerifier:
+class CheckedVerifier(VerifierTraits):
     """The real target engine, asserting that every proposal it is asked to verify is sound."""
 
     def __init__(self, engine, k: int):

@@ -20,12 +20,11 @@ from tests.unit.kv.conftest import MiB, engine_cfg
 
 SPEC = SpecConfig(num_speculative_tokens=3)
 BUDGET = 96 * MiB
-UNCAPPED = {"kv_cap": False}  # size from the budget alone, so the budget is what binds
 
 
 def _cfgs(kv_target, heavy_draft):
-    t = engine_cfg(kv_target, memory_budget_bytes=BUDGET, max_model_len=128, max_num_seqs=4, extra=UNCAPPED)
-    d = engine_cfg(heavy_draft, max_model_len=128, max_num_seqs=4, extra=UNCAPPED)
+    t = engine_cfg(kv_target, memory_budget_bytes=BUDGET, max_model_len=128, max_num_seqs=4, kv_cap=False)
+    d = engine_cfg(heavy_draft, max_model_len=128, max_num_seqs=4, kv_cap=False)
     return t, d
 
 

@@ -60,9 +60,8 @@ def test_colocated_logs_one_line_per_service_with_both_weights(warm, kv_target, 
 
 def test_the_cache_uses_the_budget(warm, kv_target, heavy_draft):
     """After sizing, KV bytes >= 90% of (budget - weights - peak - non-torch), split and joint."""
-    uncapped = {"kv_cap": False}
-    t = engine_cfg(kv_target, memory_budget_bytes=80 * MiB, extra=uncapped)
-    for plan in (plan_memory(t, None, SPEC), plan_memory(t, engine_cfg(heavy_draft, extra=uncapped), SPEC, colocated=True)):
+    t = engine_cfg(kv_target, memory_budget_bytes=80 * MiB, kv_cap=False)
+    for plan in (plan_memory(t, None, SPEC), plan_memory(t, engine_cfg(heavy_draft, kv_cap=False), SPEC, colocated=True)):
         services = plan.services.values()
         fixed = sum(s.weights_bytes + s.activation_peak_bytes + s.non_torch_bytes for s in services)
         left = plan.budget_bytes - fixed
