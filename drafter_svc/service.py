@@ -1,6 +1,6 @@
 """drafter_svc: a draft model (or the n-gram proposer, --model ngram) behind a thin grpc.aio
 servicer. Session messages map one to one onto the Drafter protocol (add, propose,
-finish_step, release); the servicer converts and calls the engine, nothing else.
+fetch_rows, release); the servicer converts and calls the engine, nothing else.
 """
 from __future__ import annotations
 
@@ -31,13 +31,13 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         if kind == "propose":
             proposals = engine.propose(wire.propose_from_pb(req.propose, session.to_engine))
             return drafter_pb2.DrafterResponse(id=req.id, proposals=wire.proposals_to_pb(proposals, session.from_engine))
-        if kind == "finish_step":
-            rows = engine.finish_step(wire.finish_step_from_pb(req.finish_step, session.to_engine))
+        if kind == "fetch_rows":
+            rows = engine.fetch_rows(wire.fetch_rows_from_pb(req.fetch_rows, session.to_engine))
             return drafter_pb2.DrafterResponse(id=req.id, rows=drafter_pb2.QRows(rows=wire.rows_to_pb(rows, session.from_engine)))
         if kind == "release":
             self.host.release(session, [session.to_engine(s) for s in req.release.seq_ids])
             return drafter_pb2.DrafterResponse(id=req.id, ack=common_pb2.Ack())
-        raise wire.EngineError("empty DrafterRequest: set add, propose, finish_step or release")
+        raise wire.EngineError("empty DrafterRequest: set add, propose, fetch_rows or release")
 
     async def Session(self, request_iterator, context):
         async for resp in self.host.session(request_iterator, context, self._handle, drafter_pb2.DrafterResponse):

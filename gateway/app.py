@@ -23,9 +23,8 @@ from grpc_health.v1 import health_pb2
 from specsplit.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from specsplit.request import RequestError
 from specsplit.scheduler import KvBudget
-from specsplit.defaults import default_k_for, disable_by_batch_size
+from specsplit.defaults import spec_config
 from specsplit.calibration import StepCosts
-from specsplit.config import SpecConfig
 from specsplit.spec import SpecDecoder
 
 log = logging.getLogger(__name__)
@@ -223,13 +222,8 @@ def build_split(args) -> Gateway:
         except Exception as e:
             log.warning("gateway: drafter at %s not reachable yet (%s); target-only until it answers", args.drafter,
                         e.details() if hasattr(e, "details") else e)
-    k = args.num_speculative_tokens
-    if k is None:
-        k = 0 if drafter is None else default_k_for(draft_model)
-    spec = SpecConfig(num_speculative_tokens=k, disable_by_batch_size=disable_by_batch_size(args, vinfo.device),
-                      draft_model_tokens=args.draft_model_tokens, k_policy=args.k_policy,
-                      # split: the drafter has its own process, so pre-drafting overlaps by default
-                      async_draft=getattr(args, "async_draft", None) is not False)
+    spec = spec_config(args, None if drafter is None else draft_model, device=vinfo.device, split=True)
+    k = spec.num_speculative_tokens
     costs = None
     if spec.k_policy == "auto" and drafter is not None and k > 0:
         costs = _split_costs(verifier, drafter, vinfo, dinfo if draft_model else None, args.verifier_timeout)
@@ -294,7 +288,7 @@ def run_split(args) -> int:
 
 # ---- colocated mode --------------------------------------------------------------------------
 def build_colocated_gateway(args) -> Gateway:
-    from specsplit.defaults import engine_config, spec_config
+    from specsplit.defaults import engine_config
     from specsplit.factory import build_colocated
 
     target = engine_config(args, args.target)

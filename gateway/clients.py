@@ -229,9 +229,9 @@ class GrpcDrafter(_PeerClient, DrafterTraits):
         resp = self._request(propose=wire.propose_to_pb(reqs))
         return wire.proposals_from_pb(resp.proposals)
 
-    def finish_step(self, fetch: Sequence[RowRequest]) -> list[QRow]:
+    def fetch_rows(self, fetch: Sequence[RowRequest]) -> list[QRow]:
         self._check_live(r.seq_id for r in fetch)
-        resp = self._request(finish_step=wire.finish_step_to_pb(fetch))
+        resp = self._request(fetch_rows=wire.fetch_rows_to_pb(fetch))
         return wire.rows_from_pb(resp.rows.rows)
 
 

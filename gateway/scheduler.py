@@ -12,10 +12,9 @@ import logging
 import threading
 from typing import Callable, Sequence
 
-import grpc
 
 from specsplit.rpc import metrics
-from specsplit.rpc.wire import ServiceError
+from specsplit.rpc.wire import ServiceError, code_for_kind
 from specsplit.request import Event, GenerationRequest, Limits, Request, RequestError, error_from_exception
 from specsplit.scheduler import KvBudget, Observer
 from specsplit.scheduler import Scheduler as CoreScheduler
@@ -37,11 +36,7 @@ def classify(e: BaseException) -> RequestError:
 
 def status_of(err: RequestError) -> ServiceError:
     """RequestError -> the ServiceError (gRPC status + message) the client gets."""
-    try:
-        code = grpc.StatusCode[err.kind.upper()]
-    except KeyError:
-        code = grpc.StatusCode.INTERNAL
-    return ServiceError(code, err.message)
+    return ServiceError(code_for_kind(err.kind), err.message)
 
 
 class _Metrics(Observer):

@@ -13,10 +13,10 @@ import numpy as np
 import torch
 
 from specsplit.v1 import common_pb2, drafter_pb2, verifier_pb2
-from specsplit.kv.block_manager import OutOfBlocks
 from specsplit.engine import EngineError
 from specsplit.protocols import (Proposal, ProposeRequest, QRow, RowRequest, SeqAdd, TokenLogprob, VerifyRequest,
                                  VerifyResult)
+from specsplit.request import error_from_exception
 from specsplit.sampling.params import SamplingParams
 
 
@@ -33,21 +33,27 @@ class ServiceError(Exception):
         return self.message
 
 
+def code_for_kind(kind: str) -> grpc.StatusCode:
+    """A RequestError kind (a status name in lower case) -> its gRPC status; unknown -> INTERNAL."""
+    try:
+        return grpc.StatusCode[kind.upper()]
+    except KeyError:
+        return grpc.StatusCode.INTERNAL
+
+
 def status_code_for(error: BaseException) -> grpc.StatusCode:
-    """engine.EngineError -> INVALID_ARGUMENT, OutOfBlocks -> RESOURCE_EXHAUSTED, ..."""
+    """A ServiceError's own code; anything else as specsplit.request.error_from_exception
+    classifies it (EngineError/ValueError -> INVALID_ARGUMENT, OutOfBlocks -> RESOURCE_EXHAUSTED,
+    the rest INTERNAL): the one rule, shared with the gateway's scheduler."""
     if isinstance(error, ServiceError):
         return error.code
-    if isinstance(error, OutOfBlocks):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED
-    if isinstance(error, (EngineError, ValueError)):
-        return grpc.StatusCode.INVALID_ARGUMENT
-    return grpc.StatusCode.INTERNAL
+    return code_for_kind(error_from_exception(error).kind)
 
 
 def status_message_for(error: BaseException) -> str:
-    if status_code_for(error) is grpc.StatusCode.INTERNAL and not isinstance(error, ServiceError):
-        return f"internal error: {type(error).__name__}: {error}"
-    return str(error)
+    if isinstance(error, ServiceError):
+        return error.message
+    return error_from_exception(error).message
 
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
@@ -182,7 +188,7 @@ def unpack_row(m: common_pb2.PackedRow, expected_size: int | None = None) -> tor
 # ---- drafter ---------------------------------------------------------------------------------
 def propose_to_pb(reqs: Sequence[ProposeRequest]) -> drafter_pb2.ProposeBatch:
     return drafter_pb2.ProposeBatch(items=[
-        drafter_pb2.ProposeItem(seq_id=r.seq_id, new_token_ids=r.new_token_ids, k=r.k, after=r.after, ahead=r.ahead,
+        drafter_pb2.ProposeItem(seq_id=r.seq_id, new_token_ids=r.new_token_ids, k=r.k, pending_drafts=r.pending_drafts, pre_draft=r.pre_draft,
                                 features=features_to_pb(r.features, r.features_start))
         for r in reqs
     ])
@@ -192,7 +198,7 @@ def propose_from_pb(m: drafter_pb2.ProposeBatch, rename=lambda s: s) -> list[Pro
     out = []
     for i in m.items:
         feats, start = features_from_pb(i.features, i.HasField("features"))
-        out.append(ProposeRequest(rename(i.seq_id), tuple(i.new_token_ids), int(i.k), tuple(i.after), bool(i.ahead),
+        out.append(ProposeRequest(rename(i.seq_id), tuple(i.new_token_ids), int(i.k), tuple(i.pending_drafts), bool(i.pre_draft),
                                   features=feats, features_start=start))
     return out
 
@@ -212,11 +218,11 @@ def proposals_from_pb(m: drafter_pb2.Proposals) -> list[Proposal]:
     ]
 
 
-def finish_step_to_pb(fetch: Sequence[RowRequest]) -> drafter_pb2.FinishStep:
-    return drafter_pb2.FinishStep(fetch=[drafter_pb2.RowRequest(seq_id=r.seq_id, position=r.position) for r in fetch])
+def fetch_rows_to_pb(fetch: Sequence[RowRequest]) -> drafter_pb2.FetchRows:
+    return drafter_pb2.FetchRows(fetch=[drafter_pb2.RowRequest(seq_id=r.seq_id, position=r.position) for r in fetch])
 
 
-def finish_step_from_pb(m: drafter_pb2.FinishStep, rename=lambda s: s) -> list[RowRequest]:
+def fetch_rows_from_pb(m: drafter_pb2.FetchRows, rename=lambda s: s) -> list[RowRequest]:
     return [RowRequest(rename(r.seq_id), int(r.position)) for r in m.fetch]
 
 

@@ -55,6 +55,23 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
 
 
+def step_k_cap(k: int, tokens: int, max_model_len: int, budget: int | None = None) -> int:
+    """Drafts a sequence holding `tokens` tokens may verify in one step: at most k, so that its
+    drafts and the one token the step emits fit in max_model_len and in `budget`, the tokens it may
+    still emit (None: unbounded). The step (specsplit.spec) and the scheduler's KV reservation
+    (specsplit.scheduler) both ask this."""
+    cap = min(k, max_model_len - tokens - 1)
+    if budget is not None:
+        cap = min(cap, budget - 1)
+    return max(0, cap)
+
+
+def drafter_reach(k: int, pre_draft: bool) -> int:
+    """Positions past its tokens a drafter holds in one step for k drafts: the k, or while it
+    pre-drafts (specsplit.spec) the branch past them too: the bonus token's guess and k more."""
+    return 2 * k + 1 if pre_draft else k
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     num_speculative_tokens: int = 4

@@ -61,16 +61,22 @@ def default_k_for(draft: str | None) -> int:
     return DEFAULT_K_HYBRID if draft.endswith("+ngram") else DEFAULT_K_MODEL
 
 
-def spec_config(args, draft: str | None):
+def spec_config(args, draft: str | None, device: str | None = None, split: bool = False):
+    """The SpecConfig of a server or command from its flags: the one place (serve, generate,
+    profile, the split gateway). draft: the draft's name (None: no draft, K 0); device: where the
+    target runs (default args.device); split: the drafter has its own process, so pre-drafting is
+    on unless --no-async-draft (in one process it is off unless --async-draft)."""
     from specsplit.config import SpecConfig
 
     k = args.num_speculative_tokens
     if k is None:
         k = default_k_for(draft)
-    return SpecConfig(num_speculative_tokens=k, disable_by_batch_size=disable_by_batch_size(args, getattr(args, "device", None)),
+    asked = getattr(args, "async_draft", None)
+    return SpecConfig(num_speculative_tokens=k,
+                      disable_by_batch_size=disable_by_batch_size(args, device or getattr(args, "device", None)),
                       draft_model_tokens=getattr(args, "draft_model_tokens", DEFAULT_DRAFT_MODEL_TOKENS),
                       k_policy=getattr(args, "k_policy", None) or DEFAULT_K_POLICY,
-                      async_draft=bool(getattr(args, "async_draft", None)))  # one process: off unless asked
+                      async_draft=asked is not False if split else bool(asked))
 
 
 def engine_config(args, model: str, device: str | None = None):

@@ -122,45 +122,57 @@ def check_token_ids(seq_id: str, ids: Sequence[int], vocab_size: int) -> None:
         raise EngineError(f"sequence {seq_id!r}: token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
 
 
-def check_seq_add(s: SeqAdd, running, side: str, vocab_size: int) -> None:
-    """What every engine refuses in an add: a running id, an empty prompt, bad ids or params."""
-    if s.seq_id in running:
-        raise EngineError(f"sequence {s.seq_id!r} is already running on the {side}")
-    if not s.prompt_token_ids:
-        raise EngineError(f"sequence {s.seq_id!r} has an empty prompt")
-    check_token_ids(s.seq_id, s.prompt_token_ids, vocab_size)
-    try:
-        s.params.validate()
-    except ValueError as e:
-        raise EngineError(f"sequence {s.seq_id!r}: {e}") from None
+def check_seq_adds(seqs: Sequence[SeqAdd], running, side: str, vocab_size: int | None,
+                   max_model_len: int | None) -> None:
+    """What every engine refuses in an add, before it allocates anything (all or nothing): an id
+    already running or given twice, an empty prompt or one that leaves no room under
+    max_model_len, ids outside the vocabulary (None: unchecked), bad sampling params or logprobs."""
+    seen: set[str] = set()
+    for s in seqs:
+        if s.seq_id in running or s.seq_id in seen:
+            raise EngineError(f"sequence {s.seq_id!r} is already running on the {side}")
+        seen.add(s.seq_id)
+        if not s.prompt_token_ids:
+            raise EngineError(f"sequence {s.seq_id!r} has an empty prompt")
+        if max_model_len is not None and len(s.prompt_token_ids) >= max_model_len:
+            raise EngineError(f"sequence {s.seq_id!r}: prompt of {len(s.prompt_token_ids)} tokens leaves no room "
+                              f"under max_model_len {max_model_len}")
+        if vocab_size is not None:
+            check_token_ids(s.seq_id, s.prompt_token_ids, vocab_size)
+        try:
+            s.params.validate()
+        except ValueError as e:
+            raise EngineError(f"sequence {s.seq_id!r}: {e}") from None
+        if s.logprobs is not None and not 0 <= s.logprobs <= MAX_LOGPROBS:
+            raise EngineError(f"sequence {s.seq_id!r}: logprobs must be in [0, {MAX_LOGPROBS}], got {s.logprobs}")
 
 
 def check_propose(r: ProposeRequest, s, vocab_size: int, max_model_len: int) -> None:
     """What every drafter refuses in a propose: bad ids, k < 0, or a chain past max_model_len
     (the context plus k - 1 drafts: the last draft is never fed)."""
-    check_token_ids(r.seq_id, tuple(r.new_token_ids) + tuple(r.after), vocab_size)
+    check_token_ids(r.seq_id, tuple(r.new_token_ids) + tuple(r.pending_drafts), vocab_size)
     if r.k < 0:
         raise EngineError(f"sequence {r.seq_id!r}: k must be >= 0, got {r.k}")
-    if len(s.tokens) + len(r.new_token_ids) + len(r.after) + max(r.k - 1, 0) > max_model_len:
+    if len(s.tokens) + len(r.new_token_ids) + len(r.pending_drafts) + max(r.k - 1, 0) > max_model_len:
         raise EngineError(f"sequence {r.seq_id!r}: drafting {r.k} tokens passes max_model_len {max_model_len}")
 
 
-def ingest_chain(s, new: Sequence[int], after: Sequence[int] = ()) -> int:
+def ingest_chain(s, new: Sequence[int], pending: Sequence[int] = ()) -> int:
     """A drafter's sequence `s` (.tokens, .drafted, .q_rows) takes the tokens emitted since the last
-    call (final) and the drafts being verified now (`after`, not final): the chain of drafts becomes
-    `after`. q rows are kept for the part of the old chain they confirm, so a pre-drafted branch
+    call (final) and the drafts being verified now (`pending`, not final): the chain of drafts becomes
+    `pending`. q rows are kept for the part of the old chain they confirm, so a pre-drafted branch
     that came true costs nothing. Returns how many old drafts were confirmed (its KV stays valid)."""
-    target = list(new) + list(after)
+    target = list(new) + list(pending)
     matched = 0
     for d, t in zip(s.drafted, target):
         if d != t:
             break
         matched += 1
-    keep = max(0, matched - len(new))  # drafts of `after` whose q rows are still the old chain's
+    keep = max(0, matched - len(new))  # drafts of `pending` whose q rows are still the old chain's
     rows = s.q_rows[len(new):len(new) + keep]
     s.tokens.extend(new)
-    s.drafted = list(after)
-    s.q_rows = rows + [None] * (len(after) - keep)
+    s.drafted = list(pending)
+    s.q_rows = rows + [None] * (len(pending) - keep)
     return matched
 
 
@@ -210,15 +222,7 @@ class _EngineBase:
 
     def add(self, seqs: Sequence[SeqAdd]) -> None:
         """Register sequences and reserve KV for their prompts; all or nothing."""
-        for s in seqs:
-            check_seq_add(s, self.seqs, self.side, self.vocab_size)
-            if len(s.prompt_token_ids) >= self.runner.max_model_len:
-                raise EngineError(
-                    f"sequence {s.seq_id!r}: prompt of {len(s.prompt_token_ids)} tokens leaves no room "
-                    f"under max_model_len {self.runner.max_model_len}"
-                )
-            if s.logprobs is not None and not 0 <= s.logprobs <= MAX_LOGPROBS:
-                raise EngineError(f"sequence {s.seq_id!r}: logprobs must be in [0, {MAX_LOGPROBS}], got {s.logprobs}")
+        check_seq_adds(seqs, self.seqs, self.side, self.vocab_size, self.runner.max_model_len)
         added: list[str] = []
         try:
             for s in seqs:
@@ -290,7 +294,7 @@ class TargetEngine(_EngineBase, VerifierTraits):
             self._check_ids(r.seq_id, r.draft_token_ids)
             if s.p_row is not None:
                 raise EngineError(f"sequence {r.seq_id!r} is waiting for resolve(), not verify()")
-            if not s.params.greedy and not s.params.coupled and r.draft_token_ids and (
+            if not s.params.accepts_by_match and r.draft_token_ids and (
                 r.draft_probs is None or len(r.draft_probs) != len(r.draft_token_ids)
             ):
                 raise EngineError(f"sequence {r.seq_id!r} samples, so it needs q(x) for each draft token")
@@ -313,8 +317,8 @@ class TargetEngine(_EngineBase, VerifierTraits):
         results: list[VerifyResult | None] = [None] * len(reqs)
         # Greedy and coupled (seeded, specsplit.sampling.coupled) sequences accept while the draft
         # equals the target's own choice; the others run the rejection sampler.
-        greedy = [i for i, s in enumerate(seqs) if s.params.greedy or s.params.coupled]
-        sampled = [i for i, s in enumerate(seqs) if not (s.params.greedy or s.params.coupled)]
+        greedy = [i for i, s in enumerate(seqs) if s.params.accepts_by_match]
+        sampled = [i for i, s in enumerate(seqs) if not s.params.accepts_by_match]
         if greedy:
             self._verify_greedy(greedy, reqs, seqs, logits, results)
         if sampled:
@@ -478,13 +482,13 @@ class DraftEngine(_EngineBase, DrafterTraits):
     side = "drafter"
 
     def propose(self, reqs: Sequence[ProposeRequest]) -> list[Proposal]:
-        """Per request: ingest new_token_ids, then draft k tokens after them and `after` (the drafts
+        """Per request: ingest new_token_ids, then draft k tokens after them and `pending_drafts` (the drafts
         being verified now, when pre-drafting); returns only the k new drafts."""
         seqs = [self._get(r.seq_id) for r in reqs]
         for r, s in zip(reqs, seqs):
             check_propose(r, s, self.vocab_size, self.runner.max_model_len)
         for r, s in zip(reqs, seqs):
-            self._ingest(r.seq_id, s, r.new_token_ids, r.after)
+            self._ingest(r.seq_id, s, r.new_token_ids, r.pending_drafts)
         active = [i for i, r in enumerate(reqs) if r.k > 0]
         for i in active:
             s = seqs[i]
@@ -510,16 +514,16 @@ class DraftEngine(_EngineBase, DrafterTraits):
                 seqs[i].drafted.append(t)
         out = []
         for i, (r, s) in enumerate(zip(reqs, seqs)):
-            new = s.drafted[len(r.after):]
+            new = s.drafted[len(r.pending_drafts):]
             sampled = bool(rows.get(i))
             s.q_rows.extend(rows[i] if sampled else [None] * len(new))  # [V] per draft, kept with the chain
             out.append(Proposal(r.seq_id, tuple(new), tuple(q_x[i]) if sampled else None))
         return out
 
-    def _ingest(self, seq_id: str, s: _Seq, new: Sequence[int], after: Sequence[int] = ()) -> None:
+    def _ingest(self, seq_id: str, s: _Seq, new: Sequence[int], pending: Sequence[int] = ()) -> None:
         """ingest_chain, then KV kept only for the final tokens and the confirmed old drafts."""
         before = len(s.tokens)
-        matched = ingest_chain(s, new, after)
+        matched = ingest_chain(s, new, pending)
         s.num_computed = min(s.num_computed, before + matched)
         self.runner.truncate(seq_id, s.num_computed)
 
@@ -528,10 +532,10 @@ class DraftEngine(_EngineBase, DrafterTraits):
 
     @property
     def num_q_rows(self) -> int:
-        """q rows kept across every sequence (bounded by the chains: see finish_step)."""
+        """q rows kept across every sequence (bounded by the chains: see fetch_rows)."""
         return sum(1 for s in self.seqs.values() for r in s.q_rows if r is not None)
 
-    def finish_step(self, fetch: Sequence[RowRequest]) -> list[QRow]:
+    def fetch_rows(self, fetch: Sequence[RowRequest]) -> list[QRow]:
         """The requested q rows (at most K + 1 + K per sequence while pre-drafting, K otherwise)."""
         return fetch_q_rows(self._get, fetch)
 
@@ -540,7 +544,7 @@ class NgramDrafter(DrafterTraits):
     """Prompt-lookup drafting with no model; implements the Drafter protocol.
 
     Its drafts are deterministic, so q(x) = 1 and the q row is one-hot: the verifier resolves
-    rejections locally and finish_step never needs to send a row.
+    rejections locally and fetch_rows never needs to send a row.
     """
 
     side = "drafter"
@@ -556,9 +560,7 @@ class NgramDrafter(DrafterTraits):
         return len(self.seqs)
 
     def add(self, seqs: Sequence[SeqAdd]) -> None:
-        for s in seqs:
-            if s.seq_id in self.seqs:
-                raise EngineError(f"sequence {s.seq_id!r} is already running on the drafter")
+        check_seq_adds(seqs, self.seqs, self.side, self.vocab_size, self.max_model_len)
         for s in seqs:
             self.seqs[s.seq_id] = list(s.prompt_token_ids)
 
@@ -569,11 +571,11 @@ class NgramDrafter(DrafterTraits):
                 raise EngineError(f"unknown sequence {r.seq_id!r} on the drafter: add it first")
             tokens = self.seqs[r.seq_id]
             tokens.extend(r.new_token_ids)
-            drafts = ngram_propose(tokens + list(r.after), r.k, self.n_min, self.n_max) if r.k > 0 else []
+            drafts = ngram_propose(tokens + list(r.pending_drafts), r.k, self.n_min, self.n_max) if r.k > 0 else []
             out.append(Proposal(r.seq_id, tuple(drafts), tuple(1.0 for _ in drafts)))
         return out
 
-    def finish_step(self, fetch: Sequence[RowRequest]) -> list[QRow]:
+    def fetch_rows(self, fetch: Sequence[RowRequest]) -> list[QRow]:
         if fetch:
             raise EngineError("the n-gram drafter's q rows are one-hot; the verifier resolves them itself")
         return []

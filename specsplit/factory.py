@@ -22,7 +22,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from specsplit.calibration import StepCosts, calibrate_drafter, calibrate_verifier
-from specsplit.config import EngineConfig, SpecConfig
+from specsplit.config import EngineConfig, SpecConfig, drafter_reach
 from specsplit.engine import DraftEngine, NgramDrafter, TargetEngine
 from specsplit.feature_drafter import FeatureDrafter, calibrate_feature_drafter, head_bytes, load_feature_drafter
 from specsplit.hybrid_drafter import HybridDrafter, split_draft_name
@@ -94,7 +94,7 @@ def _profile_steps(s: _Service):
     run_shape = run_verifier_shape if s.name == VERIFIER else run_drafter_shape
     # A drafter keeps the q rows of its chain of drafts: K, or K + 1 + K while a gateway pre-drafts
     # (specsplit/spec.py); the profile drafts the longer chain so its rows are in the plan.
-    k = max(0, min(s.k if s.name == VERIFIER else 2 * s.k + 1, cfg.max_model_len - 2))
+    k = max(0, min(s.k if s.name == VERIFIER else drafter_reach(s.k, pre_draft=True), cfg.max_model_len - 2))
 
     def setup():
         return engine_cls(make_profile_runner(model, cfg.block_size, cfg.max_model_len, bound), bound.max_prefill_tokens)

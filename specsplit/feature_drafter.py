@@ -34,7 +34,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from specsplit.engine import EngineError, check_propose, check_seq_add, fetch_q_rows, ingest_chain, sample_drafts
+from specsplit.engine import EngineError, check_propose, check_seq_adds, fetch_q_rows, ingest_chain, sample_drafts
 from specsplit.models.eagle3 import DraftCache, Eagle3Head
 from specsplit.protocols import DrafterTraits, Proposal, ProposeRequest, QRow, RowRequest, SeqAdd
 from specsplit.sampling.params import SamplingParams
@@ -97,8 +97,7 @@ class FeatureDrafter(DrafterTraits):
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def add(self, seqs: Sequence[SeqAdd]) -> None:
-        for s in seqs:
-            check_seq_add(s, self.seqs, self.side, self.vocab_size)
+        check_seq_adds(seqs, self.seqs, self.side, self.vocab_size, self.max_model_len)
         for s in seqs:
             self.seqs[s.seq_id] = _FSeq(list(s.prompt_token_ids), s.params, SeqRandom(s.params.seed, self.side))
 
@@ -123,7 +122,7 @@ class FeatureDrafter(DrafterTraits):
                                   f"[rows, {self.feature_size}] (layers {self.feature_layers})")
         out = []
         for r, s in zip(reqs, seqs):
-            self._ingest(s, r.new_token_ids, r.after)
+            self._ingest(s, r.new_token_ids, r.pending_drafts)
             if r.features is not None and r.features.shape[0]:
                 self._commit_features(s, r.features, r.features_start)
             out.append(self._draft(r, s))
@@ -190,7 +189,7 @@ class FeatureDrafter(DrafterTraits):
     def num_q_rows(self) -> int:
         return sum(1 for s in self.seqs.values() for r in s.q_rows if r is not None)
 
-    def finish_step(self, fetch: Sequence[RowRequest]) -> list[QRow]:
+    def fetch_rows(self, fetch: Sequence[RowRequest]) -> list[QRow]:
         return fetch_q_rows(self._get, fetch)
 
 

@@ -99,15 +99,15 @@ class HybridDrafter(DrafterTraits):
                 raise EngineError(f"unknown sequence {r.seq_id!r} on the drafter: add it first")
         lookup: dict[str, tuple[int, ...]] = {}
         for r in reqs:
-            if r.k > 0 and (self.params[r.seq_id].greedy or self.params[r.seq_id].coupled):  # no q needed
-                context = self.tokens[r.seq_id] + list(r.new_token_ids) + list(r.after)
+            if r.k > 0 and self.params[r.seq_id].accepts_by_match:  # no q needed
+                context = self.tokens[r.seq_id] + list(r.new_token_ids) + list(r.pending_drafts)
                 drafts = ngram_propose(context, r.k, self.ngram_min, self.ngram_max)
                 if len(drafts) == r.k:
                     lookup[r.seq_id] = tuple(drafts)
         # The model sees every sequence's new tokens (k = 0: ingest only, where lookup drafted),
         # so its KV stays in step and it can draft for that sequence next time. A pre-draft runs
         # off the critical path, so there the model may draft all k.
-        model_reqs = [replace(r, k=0 if r.seq_id in lookup else (r.k if r.ahead else self._model_k(r.k)), ahead=False)
+        model_reqs = [replace(r, k=0 if r.seq_id in lookup else (r.k if r.pre_draft else self._model_k(r.k)), pre_draft=False)
                       for r in reqs]
         proposals = self.model.propose(model_reqs)
         out = []
@@ -124,8 +124,8 @@ class HybridDrafter(DrafterTraits):
     def _model_k(self, k: int) -> int:
         return k if self.model_tokens <= 0 else min(k, self.model_tokens)
 
-    def finish_step(self, fetch: Sequence[RowRequest]) -> list[QRow]:
-        return self.model.finish_step(fetch)  # only sampled (model-drafted) sequences have rows
+    def fetch_rows(self, fetch: Sequence[RowRequest]) -> list[QRow]:
+        return self.model.fetch_rows(fetch)  # only sampled (model-drafted) sequences have rows
 
     def release(self, seq_ids: Sequence[str]) -> None:
         self.model.release(seq_ids)

@@ -14,7 +14,7 @@ Token bookkeeping (deltas only, never the whole context):
 
 q (the draft distribution) crosses only where the math needs it: greedy needs none; sampling
 needs q(x) of each drafted token, and the full q row only at the first rejected position, fetched
-with Drafter.finish_step after the verifier says which position that is.
+with Drafter.fetch_rows after the verifier says which position that is.
 """
 from __future__ import annotations
 
@@ -59,11 +59,11 @@ class ProposeRequest:
     seq_id: str
     new_token_ids: tuple[int, ...]  # tokens emitted since the drafter last saw this sequence
     k: int  # tokens to draft; 0 = only ingest new_token_ids
-    # Pre-drafting (specsplit.spec, async): draft the k tokens that follow new_token_ids + `after`,
-    # where `after` are the drafts being verified right now (not final). The first of the k is the
+    # Pre-drafting (specsplit.spec, async): draft the k tokens that follow new_token_ids +
+    # pending_drafts, the drafts being verified right now (not final). The first of the k is the
     # drafter's guess of the step's bonus token, the rest the next step's drafts on that branch.
-    after: tuple[int, ...] = ()
-    ahead: bool = False  # a pre-draft: off the critical path (a hybrid drafter lets its model draft all k)
+    pending_drafts: tuple[int, ...] = ()
+    pre_draft: bool = False  # off the critical path (a hybrid drafter lets its model draft all k)
     # A feature drafter's input: the target's fused features [rows, F] of the positions
     # features_start.. that the verifier committed since the drafter last heard (None: none).
     features: torch.Tensor | None = None
@@ -149,7 +149,7 @@ class Drafter(Protocol):
 
     def propose(self, reqs: Sequence[ProposeRequest]) -> list[Proposal]: ...
 
-    def finish_step(self, fetch: Sequence[RowRequest]) -> list[QRow]:
+    def fetch_rows(self, fetch: Sequence[RowRequest]) -> list[QRow]:
         """Return the requested q rows (the drafter keeps a sampled draft's q row until the tokens
         that follow show it was verified: the next propose)."""
         ...

@@ -29,6 +29,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
+from specsplit.config import drafter_reach, step_k_cap
 from specsplit.request import (
     Event,
     GenerationRequest,
@@ -270,7 +271,7 @@ class Scheduler:
         track = self.decoder.tracks.get(req.seq_id)
         if track is not None:
             k = max(k, track.k)
-        return max(0, min(k, req.budget - 1, self.decoder.max_model_len - req.num_tokens - 1))
+        return step_k_cap(k, req.num_tokens, self.decoder.max_model_len, req.budget)
 
     def _blocks(self, budget: KvBudget, req: Request) -> int:
         """Blocks the request holds at the end of the next step's forward on this engine. A
@@ -278,7 +279,7 @@ class Scheduler:
         the bonus guess and k more."""
         k = self._lookahead(req)
         if k and budget.name == "drafter" and self.decoder.async_draft:
-            k = min(2 * k + 1, self.decoder.max_model_len - req.num_tokens)
+            k = min(drafter_reach(k, pre_draft=True), self.decoder.max_model_len - req.num_tokens)
         return budget.blocks(req.num_tokens + k)
 
     def _fits(self, reqs: Iterable[Request], headroom: int = 0) -> KvBudget | None:

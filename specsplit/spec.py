@@ -1,6 +1,6 @@
 """The speculative step over the Drafter and Verifier protocols.
 
-    propose (drafter) -> verify (target, rejection sampler) -> [finish_step + resolve, sampling only]
+    propose (drafter) -> verify (target, rejection sampler) -> [fetch_rows + resolve, sampling only]
 
 Asynchronous pre-drafting (`async_draft`, the default in split mode): while the verifier verifies
 step t's drafts D, the drafter drafts the branch "every draft of D accepted": its guess b of the
@@ -36,7 +36,7 @@ from typing import Sequence
 import torch
 
 from specsplit.calibration import StepCosts
-from specsplit.config import SpecConfig
+from specsplit.config import SpecConfig, step_k_cap
 from specsplit.k_policy import Acceptance, KPolicy
 from specsplit.protocols import (
     Drafter,
@@ -269,9 +269,8 @@ class SpecDecoder:
 
     def _k_for(self, t: _Track, budget: int | None, k_step: int, extra: int) -> int:
         """Drafts a sequence may verify in a step that starts `extra` tokens from now."""
-        room = self.max_model_len - len(t.tokens) - extra - 1
-        budget = t.k + 1 if budget is None else budget - extra
-        return min(t.k, k_step, room, budget - 1)
+        return step_k_cap(min(t.k, k_step), len(t.tokens) + extra, self.max_model_len,
+                          None if budget is None else budget - extra)
 
     def _start_predraft(self, reqs: list[VerifyRequest], budgets: dict[str, int], k_step: int,
                         only: str | None) -> tuple[list[ProposeRequest], Future] | None:
@@ -286,7 +285,7 @@ class SpecDecoder:
             if k <= 0:
                 continue
             feats, start = t.take_features()
-            asks.append(ProposeRequest(r.seq_id, tuple(t.unsent), 1 + k, r.draft_token_ids, ahead=True,
+            asks.append(ProposeRequest(r.seq_id, tuple(t.unsent), 1 + k, r.draft_token_ids, pre_draft=True,
                                        features=feats, features_start=start))
         if not asks:
             return None
@@ -396,7 +395,7 @@ class SpecDecoder:
         if not self.drafter_up:  # it failed during this step's pre-draft: its q rows are lost
             return self._abandon_sampled(results, proposals, "the drafter was lost before it sent its q rows")
         try:
-            rows = self.drafter.finish_step(fetch)
+            rows = self.drafter.fetch_rows(fetch)
         except Exception as e:
             self._drafter_failed(e)
             return self._abandon_sampled(results, proposals, "the drafter was lost before it sent its q rows")
@@ -429,7 +428,7 @@ class SpecDecoder:
         Greedy and coupled (seeded) sequences never need q rows: their results stand.
         """
         drop = {sid for sid, p in proposals.items()
-                if p.token_ids and not (self.tracks[sid].add.params.greedy or self.tracks[sid].add.params.coupled)}
+                if p.token_ids and not self.tracks[sid].add.params.accepts_by_match}
         drop |= {r.seq_id for r in results if r.pending_position is not None}
         if not drop:
             return results
@@ -497,7 +496,7 @@ def _proposal_problem(p, asked: dict[str, int], vocab: int | None, tracks: dict[
         if bad:
             return f"token ids {bad[:3]} outside the vocabulary [0, {vocab})"
     params = tracks[p.seq_id].add.params
-    if p.probs is not None or not (params.greedy or params.coupled):
+    if p.probs is not None or not params.accepts_by_match:
         if n and (p.probs is None or len(p.probs) != n) and not params.coupled:
             return f"{0 if p.probs is None else len(p.probs)} q(x) values for {n} drafts"
         if p.probs is not None and not all(math.isfinite(q) and 0.0 < q <= 1.0 for q in p.probs):
@@ -506,7 +505,7 @@ def _proposal_problem(p, asked: dict[str, int], vocab: int | None, tracks: dict[
 
 
 def _rows_problem(fetch: list[RowRequest], rows, vocab: int | None) -> str | None:
-    """Why finish_step's rows cannot resolve the pending sequences, or None."""
+    """Why fetch_rows's rows cannot resolve the pending sequences, or None."""
     if sorted(r.seq_id for r in rows) != sorted(f.seq_id for f in fetch):
         return f"rows for {sorted(r.seq_id for r in rows)[:3]}, asked for {sorted(f.seq_id for f in fetch)[:3]}"
     for r in rows:

@@ -1,6 +1,6 @@
 """The profile run: the real engine code at the largest forwards the scheduler may form.
 
-A TargetEngine (verify, resolve) or DraftEngine (propose, finish_step) runs over a ProfileRunner:
+A TargetEngine (verify, resolve) or DraftEngine (propose, fetch_rows) runs over a ProfileRunner:
 the real model and a small scratch KV cache, but every sequence is presented to attention as if
 it sat at `max_model_len` tokens of context. Block tables cycle through the sequence's few
 scratch blocks, so attention gathers (and masks, and scores) full-length contexts while the
@@ -118,7 +118,7 @@ def run_verifier_shape(engine, shape: ProfileShape, k: int, seed: int = 0) -> No
 
 
 def run_drafter_shape(engine, shape: ProfileShape, k: int, seed: int = 0) -> None:
-    """One draft step of `shape` through a DraftEngine: add, propose k (sampled), finish_step, release."""
+    """One draft step of `shape` through a DraftEngine: add, propose k (sampled), fetch_rows, release."""
     from specsplit.engine import DraftEngine
 
     assert isinstance(engine, DraftEngine)
@@ -129,6 +129,6 @@ def run_drafter_shape(engine, shape: ProfileShape, k: int, seed: int = 0) -> Non
     engine.add([SeqAdd(s, _ids(rng, vocab, max(1, min(q, room))), PROFILE_PARAMS) for s, q in zip(ids, shape.new_tokens)])
     try:
         engine.propose([ProposeRequest(s, (), k) for s in ids])
-        engine.finish_step([RowRequest(ids[0], 0)] if k > 0 else [])
+        engine.fetch_rows([RowRequest(ids[0], 0)] if k > 0 else [])
     finally:
         engine.release(ids)

@@ -37,6 +37,12 @@ class SamplingParams:
         """Sampled with shared noise: the verifier needs no q(x) and no q rows."""
         return self.temperature != 0.0 and self.seed is not None and self.coupling is not False
 
+    @property
+    def accepts_by_match(self) -> bool:
+        """Greedy or coupled: the verifier accepts a draft when it equals the target's own token at
+        that position (no q(x), no q rows cross); otherwise the rejection sampler runs on q."""
+        return self.greedy or self.coupled
+
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError with a message a client can act on. The one place these rules live:
         the gateway, `specsplit generate` and the engines (for what peers send) all call it.

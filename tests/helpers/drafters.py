@@ -18,34 +18,34 @@ class DrafterWrapper(DrafterTraits):
     def propose(self, reqs):
         return self.engine.propose(reqs)
 
-    def finish_step(self, fetch):
-        return self.engine.finish_step(fetch)
+    def fetch_rows(self, fetch):
+        return self.engine.fetch_rows(fetch)
 
     def release(self, ids):
         return self.engine.release(ids)
 
 
 class LosesRows(DrafterWrapper):
-    """finish_step fails all but one call in `every` (a drafter lost after it proposed): a
+    """fetch_rows fails all but one call in `every` (a drafter lost after it proposed): a
     failure pattern that does not look at the step's outcome."""
 
     def __init__(self, engine, every: int = 3):
         super().__init__(engine)
         self.every = every
 
-    def finish_step(self, fetch):
+    def fetch_rows(self, fetch):
         self.calls += 1
         if self.calls % self.every:
             self.failures += 1
             raise ConnectionError("drafter lost before it sent its q rows")
-        return self.engine.finish_step(fetch)
+        return self.engine.fetch_rows(fetch)
 
 
 class FailsAhead(DrafterWrapper):
-    """Pre-draft calls (ProposeRequest.ahead) fail one in two: the drafter lost mid-pre-draft."""
+    """Pre-draft calls (ProposeRequest.pre_draft) fail one in two: the drafter lost mid-pre-draft."""
 
     def propose(self, reqs):
-        if any(r.ahead for r in reqs):
+        if any(r.pre_draft for r in reqs):
             self.calls += 1
             if self.calls % 2:
                 self.failures += 1

@@ -145,7 +145,7 @@ drafter_requests = st.one_of(
     st.lists(st.builds(lambda s, ids, k: drafter_pb2.ProposeItem(seq_id=s, new_token_ids=ids, k=k), seq_ids, token_ids,
                        k_values), max_size=3).map(lambda items: drafter_pb2.DrafterRequest(propose=drafter_pb2.ProposeBatch(items=items))),
     st.lists(st.builds(lambda s, pos: drafter_pb2.RowRequest(seq_id=s, position=pos), seq_ids, k_values), max_size=3)
-    .map(lambda f: drafter_pb2.DrafterRequest(finish_step=drafter_pb2.FinishStep(fetch=f))),
+    .map(lambda f: drafter_pb2.DrafterRequest(fetch_rows=drafter_pb2.FetchRows(fetch=f))),
     releases.map(lambda m: drafter_pb2.DrafterRequest(release=m)),
     st.just(drafter_pb2.DrafterRequest()),
 )

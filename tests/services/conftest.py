@@ -63,7 +63,7 @@ def reference(tiny_llama):
     from specsplit.config import EngineConfig, SpecConfig
     from specsplit.factory import build_colocated
     from specsplit.request import GenerationRequest
-from specsplit.scheduler import Scheduler
+    from specsplit.scheduler import Scheduler
 
     colo = build_colocated(EngineConfig(model=str(tiny_llama), max_model_len=256, max_prefill_tokens=128, max_num_seqs=1),
                            None, SpecConfig(num_speculative_tokens=0), show_progress=False)

@@ -35,9 +35,9 @@ class FlakyDrafter(DrafterTraits):
         self._check()
         return self.engine.propose(reqs)
 
-    def finish_step(self, fetch):
+    def fetch_rows(self, fetch):
         self._check()
-        return self.engine.finish_step(fetch)
+        return self.engine.fetch_rows(fetch)
 
     def release(self, ids):
         self._check()

@@ -1,4 +1,4 @@
-"""When the drafter is lost between propose and finish_step, sampled output keeps the target's
+"""When the drafter is lost between propose and fetch_rows, sampled output keeps the target's
 distribution: the step is abandoned as a whole (Verifier.abandon) and sampled again, instead of
 resolving the rejection with a one-hot q (biased)."""
 from __future__ import annotations

@@ -59,8 +59,8 @@ class BadDrafter(DrafterTraits):
         self.corrupted += sum(a is not b for a, b in zip(bad, out))
         return bad
 
-    def finish_step(self, fetch):
-        rows = self.engine.finish_step(fetch)
+    def fetch_rows(self, fetch):
+        rows = self.engine.fetch_rows(fetch)
         if self.bad_rows:
             for r in rows:
                 if r.seq_id in self.victims:
@@ -160,5 +160,5 @@ def test_bad_proposals_fall_back_to_target_only(tiny_llama, tiny_draft_close, re
 
 
 def test_unusable_q_rows_abandon_the_step(tiny_llama, tiny_draft_far, reference):
-    """NaN q rows from finish_step: the sampled sequences discard the step; nothing fails."""
+    """NaN q rows from fetch_rows: the sampled sequences discard the step; nothing fails."""
     _check(*_run(tiny_llama, tiny_draft_far, lambda engine: BadDrafter(engine, bad_rows=True)), reference)

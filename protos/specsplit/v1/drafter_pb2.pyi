@@ -8,20 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ProposeItem(_message.Message):
-    __slots__ = ("seq_id", "new_token_ids", "k", "after", "ahead", "features")
+    __slots__ = ("seq_id", "new_token_ids", "k", "pending_drafts", "pre_draft", "features")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
-    AFTER_FIELD_NUMBER: _ClassVar[int]
-    AHEAD_FIELD_NUMBER: _ClassVar[int]
+    PENDING_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    PRE_DRAFT_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     k: int
-    after: _containers.RepeatedScalarFieldContainer[int]
-    ahead: bool
+    pending_drafts: _containers.RepeatedScalarFieldContainer[int]
+    pre_draft: bool
     features: _common_pb2.Features
-    def __init__(self, seq_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., after: _Optional[_Iterable[int]] = ..., ahead: _Optional[bool] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ...) -> None: ...
+    def __init__(self, seq_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., pending_drafts: _Optional[_Iterable[int]] = ..., pre_draft: _Optional[bool] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ...) -> None: ...
 
 class ProposeBatch(_message.Message):
     __slots__ = ("items",)
@@ -55,7 +55,7 @@ class RowRequest(_message.Message):
     position: int
     def __init__(self, seq_id: _Optional[str] = ..., position: _Optional[int] = ...) -> None: ...
 
-class FinishStep(_message.Message):
+class FetchRows(_message.Message):
     __slots__ = ("fetch",)
     FETCH_FIELD_NUMBER: _ClassVar[int]
     fetch: _containers.RepeatedCompositeFieldContainer[RowRequest]
@@ -68,18 +68,18 @@ class QRows(_message.Message):
     def __init__(self, rows: _Optional[_Iterable[_Union[_common_pb2.PackedRow, _Mapping]]] = ...) -> None: ...
 
 class DrafterRequest(_message.Message):
-    __slots__ = ("id", "add", "propose", "finish_step", "release")
+    __slots__ = ("id", "add", "propose", "fetch_rows", "release")
     ID_FIELD_NUMBER: _ClassVar[int]
     ADD_FIELD_NUMBER: _ClassVar[int]
     PROPOSE_FIELD_NUMBER: _ClassVar[int]
-    FINISH_STEP_FIELD_NUMBER: _ClassVar[int]
+    FETCH_ROWS_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     id: int
     add: _common_pb2.AddSeqs
     propose: ProposeBatch
-    finish_step: FinishStep
+    fetch_rows: FetchRows
     release: _common_pb2.Release
-    def __init__(self, id: _Optional[int] = ..., add: _Optional[_Union[_common_pb2.AddSeqs, _Mapping]] = ..., propose: _Optional[_Union[ProposeBatch, _Mapping]] = ..., finish_step: _Optional[_Union[FinishStep, _Mapping]] = ..., release: _Optional[_Union[_common_pb2.Release, _Mapping]] = ...) -> None: ...
+    def __init__(self, id: _Optional[int] = ..., add: _Optional[_Union[_common_pb2.AddSeqs, _Mapping]] = ..., propose: _Optional[_Union[ProposeBatch, _Mapping]] = ..., fetch_rows: _Optional[_Union[FetchRows, _Mapping]] = ..., release: _Optional[_Union[_common_pb2.Release, _Mapping]] = ...) -> None: ...
 
 class DrafterResponse(_message.Message):
     __slots__ = ("id", "error", "compute_s", "ack", "proposals", "rows")
