@@ -8,8 +8,8 @@ import asyncio
 import logging
 
 from specsplit.rpc import wire
-from specsplit.rpc.engine_service import info_pb, log_startup, serve
-from specsplit.rpc.engines import BuiltEngine, build_engine
+from specsplit.rpc.engine_server import info_pb, log_startup, serve
+from specsplit.rpc.build import BuiltEngine, build_engine
 from specsplit.rpc.sessions import PeerSession, SessionHost
 from specsplit.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
 from specsplit.rpc import metrics
-from specsplit.gateway.clients import GrpcDrafter, GrpcVerifier
-from specsplit.rpc.engines import plan_to_dict, static_plan
-from specsplit.gateway.scheduler import GatewayScheduler
+from specsplit.gateway.peer_clients import GrpcDrafter, GrpcVerifier
+from specsplit.rpc.build import plan_to_dict, static_plan
+from specsplit.gateway.scheduler_thread import SchedulerThread
 from specsplit.gateway.service import SERVICE_NAME, GatewayServicer, Limits, Tokenizer
 from specsplit.rpc.security import MAX_REQUEST_BYTES, ClientSecurity, ServerSecurity, keepalive_options
 from specsplit.rpc.serving import Server, wait_until
@@ -89,7 +89,7 @@ def _kv_pb(kv) -> gateway_pb2.KvBlocks:
 
 
 async def run(gw: Gateway, args) -> int:
-    scheduler = GatewayScheduler(gw.decoder, gw.tokenizer.decode, gw.eos_token_ids, gw.max_num_seqs, gw.max_queue,
+    scheduler = SchedulerThread(gw.decoder, gw.tokenizer.decode, gw.eos_token_ids, gw.max_num_seqs, gw.max_queue,
                                  kv=gw.kv, limits=gw.limits, timing_sources=gw.timing_sources)
     spec = gw.decoder.spec
 
@@ -128,7 +128,7 @@ async def run(gw: Gateway, args) -> int:
              "max_model_len %d, pre-drafting %s", gw.mode, gw.target_model, gw.draft_model or "none",
              spec.num_speculative_tokens if gw.decoder.drafter is not None else 0, spec.disable_by_batch_size,
              gw.max_num_seqs, gw.max_queue, gw.limits.max_model_len, "on" if gw.decoder.async_draft else "off")
-    for b in scheduler.core.kv:
+    for b in scheduler.scheduler.kv:
         log.info("gateway: KV-aware admission over the %s's cache: %d blocks x %d tokens", b.name, b.num_blocks,
                  b.block_size)
 

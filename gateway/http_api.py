@@ -45,7 +45,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specsplit.gateway.scheduler import status_of
+from specsplit.gateway.scheduler_thread import status_of
 from specsplit.gateway.service import GatewayServicer, build_request, check_before_tokenizing
 from specsplit.v1 import gateway_pb2
 from specsplit.rpc.security import ServerSecurity, read_token
@@ -471,7 +471,7 @@ def create_app(backend: HttpBackend) -> FastAPI:
             raise api_error(status_of(ev.error))
         return ev
 
-    eos_ids = frozenset(getattr(getattr(scheduler, "core", None), "eos_token_ids", ()))
+    eos_ids = frozenset(scheduler.scheduler.eos_token_ids)
 
     def without_eos(ev: Event, ignore_eos: bool) -> Event:
         """OpenAI's text never holds the end-of-sequence token's own text (`<|im_end|>`, `</s>`)."""

@@ -21,7 +21,7 @@ from typing import Awaitable, Callable
 import grpc
 import numpy as np
 
-from specsplit.gateway.scheduler import Event, GatewayScheduler, status_of
+from specsplit.gateway.scheduler_thread import Event, SchedulerThread, status_of
 from specsplit.v1 import gateway_pb2, gateway_pb2_grpc
 from specsplit.rpc.wire import ServiceError, logprobs_to_pb
 from specsplit.request import MAX_REQUEST_ID_BYTES, GenerationRequest, Limits, RequestError, validate
@@ -162,7 +162,7 @@ def response_pb(ev: Event) -> gateway_pb2.GenerateResponse:
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    def __init__(self, scheduler: GatewayScheduler, tokenizer: Tokenizer, limits: Limits,
+    def __init__(self, scheduler: SchedulerThread, tokenizer: Tokenizer, limits: Limits,
                  server_info: Callable[[], Awaitable[gateway_pb2.ServerInfo]]):
         self.scheduler = scheduler
         self.tokenizer = tokenizer

@@ -15,8 +15,8 @@ imports gateway, drafter_svc, verifier_svc or specsplit.cli.
 
   wire.py            proto <-> dataclasses of specsplit.protocols, packed rows, exception -> status
   sessions.py        the Session stream of an engine service (worker thread, per-session namespace)
-  engines.py         build one engine for a service from its flags; its memory plan
-  engine_service.py  GetInfo, the start-up log line, serve() with drain
+  build.py           build one engine for a service from its flags; its memory plan
+  engine_server.py   GetInfo, the start-up log line, serve() with drain
   serving.py         every server's health, reflection, metrics endpoint and SIGTERM drain
   security.py        TLS / mTLS, bearer token, keepalive and message-size limits (server and client)
   health.py          the health probe and free-port helper of `specsplit health`, `up` and tests

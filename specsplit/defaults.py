@@ -2,7 +2,7 @@
 parsed command line (an argparse namespace, or anything with the same attributes) into config
 objects.
 
-They sit below the CLI on purpose: the engine services (specsplit.rpc.engines) and the gateway need the same
+They sit below the CLI on purpose: the engine services (specsplit.rpc.build) and the gateway need the same
 defaults the parsers print, and must not import specsplit.cli (the layering contracts in
 pyproject.toml forbid it). Nothing here imports torch at module level, so the parsers stay cheap.
 """

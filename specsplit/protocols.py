@@ -1,6 +1,6 @@
 """The two small protocols the speculative step depends on, and the messages they exchange.
 
-In-process engines (specsplit.engine) and gRPC clients (specsplit.gateway.clients) both implement them; the
+In-process engines (specsplit.engine) and gRPC clients (specsplit.gateway.peer_clients) both implement them; the
 step (specsplit.spec) and the scheduler never know which one they hold.
 
 Lifecycle of one sequence, on each side:  add -> step ... step -> release.

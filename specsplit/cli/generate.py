@@ -6,7 +6,7 @@ import json
 import sys
 import time
 
-from specsplit.gateway.client import parse_ids
+from specsplit.gateway.generate_client import parse_ids
 from specsplit.cli.common import (add_deterministic_flag, add_engine_flags, add_spec_flags, engine_config, nonneg_int,
                                   positive_int, spec_config, validate_engine)
 
@@ -82,7 +82,7 @@ def _prompt_ids(args, tokenizer) -> list[int]:
 
 def run(args) -> int:
     if args.server:
-        from specsplit.gateway.client import generate_over_grpc
+        from specsplit.gateway.generate_client import generate_over_grpc
 
         return generate_over_grpc(args)
     return run_local(args)
@@ -125,7 +125,7 @@ def run_local(args) -> int:
         "usage": state.usage(),  # the same dict the gateway streams as Usage
     }
     if state.logprobs is not None:
-        from specsplit.gateway.client import logprobs_json
+        from specsplit.gateway.generate_client import logprobs_json
 
         result["logprobs"] = logprobs_json(state.logprobs)
     if args.json:

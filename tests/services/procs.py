@@ -193,7 +193,7 @@ def request(ids=None, prompt: str = "", max_tokens: int = 16, **kw) -> gateway_p
 
 def generate(address: str, req: gateway_pb2.GenerateRequest, timeout: float = 60.0) -> dict:
     """One stream -> {token_ids, text, finish_reason, usage, messages}."""
-    from specsplit.gateway.client import collect
+    from specsplit.gateway.generate_client import collect
 
     with grpc.insecure_channel(address) as ch:
         responses = list(gateway_pb2_grpc.GatewayStub(ch).Generate(req, timeout=timeout))

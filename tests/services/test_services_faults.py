@@ -226,7 +226,7 @@ def test_drafter_killed_mid_stream_then_back(split_stack, prompts, reference, ex
         started.wait(30)
         msgs.extend(call)
         ch.close()
-        from specsplit.gateway.client import collect
+        from specsplit.gateway.generate_client import collect
 
         outs[i] = collect(msgs)
 

@@ -58,7 +58,7 @@ def tp_stack(tmp_path_factory, tiny_llama):
 def test_tp2_greedy_equals_target_only_and_plan_lists_ranks(tp_stack, prompts, expect_greedy, tiny_llama):
     from transformers import AutoModelForCausalLM
 
-    from specsplit.gateway.client import collect
+    from specsplit.gateway.generate_client import collect
 
     stack, workers = tp_stack
     assert len(workers) == 1

@@ -1,4 +1,4 @@
-"""A transport that never blocks (gateway/service.py, gateway/scheduler.py, gateway/app.py), on its
+"""A transport that never blocks (gateway/service.py, gateway/scheduler_thread.py, gateway/app.py), on its
 own verifier + gateway (real processes, loopback): a cancel is honoured while the step's verifier
 RPC hangs (SIGSTOP), health follows the verifier, request_id is bounded, and a drain that times
 out ends the streams it aborts with UNAVAILABLE.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from argparse import Namespace
 
-from specsplit.gateway.client import collect, logprobs_json, request_from_args
+from specsplit.gateway.generate_client import collect, logprobs_json, request_from_args
 from specsplit.v1 import common_pb2, gateway_pb2
 from specsplit.request import TokenLogprob
 

@@ -37,7 +37,7 @@ class _Scheduler:
         self.requests, self.aborted = [], []
         self.fail_after: int | None = None
         self.finish = "length"
-        self.core = type("Core", (), {"eos_token_ids": (9,)})()
+        self.scheduler = type("Core", (), {"eos_token_ids": (9,)})()
 
     def submit(self, req, sink):
         self.requests.append(req)

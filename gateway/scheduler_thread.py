@@ -17,12 +17,12 @@ from specsplit.rpc import metrics
 from specsplit.rpc.wire import ServiceError, code_for_kind
 from specsplit.request import Event, GenerationRequest, Limits, Request, RequestError, error_from_exception
 from specsplit.scheduler import KvBudget, Observer
-from specsplit.scheduler import Scheduler as CoreScheduler
+from specsplit.scheduler import Scheduler
 from specsplit.spec import SpecDecoder
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Event", "GatewayScheduler", "classify", "status_of"]
+__all__ = ["Event", "SchedulerThread", "classify", "status_of"]
 
 
 def classify(e: BaseException) -> RequestError:
@@ -83,7 +83,10 @@ class _Metrics(Observer):
                 metrics.POSITION_ACCEPTED.labels(str(j)).inc(a)
 
 
-class GatewayScheduler:
+class SchedulerThread:
+    """The one Scheduler (`.scheduler`), stepped on its own thread; submit and abort are safe from
+    the event loop. Adds the Prometheus observer, nothing else."""
+
     def __init__(
         self,
         decoder: SpecDecoder,
@@ -96,8 +99,8 @@ class GatewayScheduler:
         timing_sources: Sequence = (),
         idle_poll_s: float = 0.05,
     ):
-        self.core = CoreScheduler(decoder, eos_token_ids, max_num_seqs, max_queue, kv=kv, limits=limits,
-                                  decode=decode, observer=_Metrics(timing_sources, decoder.async_draft),
+        self.scheduler = Scheduler(decoder, eos_token_ids, max_num_seqs, max_queue, kv=kv, limits=limits,
+                                   decode=decode, observer=_Metrics(timing_sources, decoder.async_draft),
                                   classify=classify)
         self.decoder = decoder
         self.idle_poll_s = idle_poll_s
@@ -107,15 +110,15 @@ class GatewayScheduler:
     # ---- any thread ----------------------------------------------------------------------
     @property
     def inflight(self) -> int:
-        return self.core.inflight
+        return self.scheduler.inflight
 
     @property
     def running(self):
-        return self.core.running
+        return self.scheduler.running
 
     @property
     def waiting(self):
-        return self.core.waiting
+        return self.scheduler.waiting
 
     def start(self) -> None:
         self._thread.start()
@@ -123,20 +126,20 @@ class GatewayScheduler:
     def submit(self, request: GenerationRequest, sink: Callable[[Event], None]) -> Request:
         """Queue a request; ServiceError (INVALID_ARGUMENT, RESOURCE_EXHAUSTED) when it cannot be."""
         try:
-            return self.core.submit(request, sink)
+            return self.scheduler.submit(request, sink)
         except RequestError as e:
             raise status_of(e) from None
 
     def abort(self, request: Request, reason: str = "cancelled") -> None:
         """Client cancel or deadline: the stream ends now; the KV is freed after the current step."""
-        self.core.abort(request, reason)
+        self.scheduler.abort(request, reason)
 
     def abort_all(self, error: RequestError | None = None, reason: str = "abort") -> int:
-        return self.core.abort_all(reason, error)
+        return self.scheduler.abort_all(reason, error)
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stopping = True
-        self.core.abort_all("abort", RequestError(RequestError.UNAVAILABLE, "the gateway is shutting down"))
+        self.scheduler.abort_all("abort", RequestError(RequestError.UNAVAILABLE, "the gateway is shutting down"))
         if self._thread.is_alive():
             self._thread.join(timeout)
 
@@ -144,16 +147,16 @@ class GatewayScheduler:
     def _loop(self) -> None:
         while not self._stopping:
             try:
-                self.core.wait_for_work(self.idle_poll_s)
+                self.scheduler.wait_for_work(self.idle_poll_s)
                 if self._stopping:
                     break
-                self.core.step()
+                self.scheduler.step()
             except Exception:  # a bug: end what is running rather than hang every stream
                 log.exception("scheduler step failed")
-                self.core.fail_all(RequestError(RequestError.INTERNAL, "internal error in the gateway's scheduler"))
+                self.scheduler.fail_all(RequestError(RequestError.INTERNAL, "internal error in the gateway's scheduler"))
             self._gauges()
 
     def _gauges(self) -> None:
-        metrics.SEQUENCES.labels("gateway", "running").set(len(self.core.running))
-        metrics.SEQUENCES.labels("gateway", "waiting").set(len(self.core.waiting))
+        metrics.SEQUENCES.labels("gateway", "running").set(len(self.scheduler.running))
+        metrics.SEQUENCES.labels("gateway", "waiting").set(len(self.scheduler.waiting))
         metrics.DRAFTER_UP.set(1 if self.decoder.drafter_up else 0)

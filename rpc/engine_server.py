@@ -7,7 +7,7 @@ import asyncio
 import logging
 
 from specsplit.rpc import metrics
-from specsplit.rpc.engines import BuiltEngine
+from specsplit.rpc.build import BuiltEngine
 from specsplit.rpc.security import ServerSecurity
 from specsplit.rpc.serving import Server, wait_until
 from specsplit.rpc.sessions import SessionHost, kv_stats
