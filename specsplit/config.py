@@ -86,7 +86,7 @@ class SpecConfig:
     # and `specsplit generate` default to auto (--k-policy); a library caller asks for it.
     k_policy: str = "fixed"
     # Pre-draft the next step's likeliest branch while the verifier verifies this one
-    # (specsplit/spec.py). The split gateway turns it on by default; in one process it needs the
+    # (specsplit/spec/). The split gateway turns it on by default; in one process it needs the
     # drafter on its own core or device (`--async-draft`).
     async_draft: bool = False
 

@@ -93,7 +93,7 @@ def _profile_steps(s: _Service):
     engine_cls = TargetEngine if s.name == VERIFIER else DraftEngine
     run_shape = run_verifier_shape if s.name == VERIFIER else run_drafter_shape
     # A drafter keeps the q rows of its chain of drafts: K, or K + 1 + K while a gateway pre-drafts
-    # (specsplit/spec.py); the profile drafts the longer chain so its rows are in the plan.
+    # (specsplit/spec/); the profile drafts the longer chain so its rows are in the plan.
     k = max(0, min(s.k if s.name == VERIFIER else drafter_reach(s.k, pre_draft=True), cfg.max_model_len - 2))
 
     def setup():

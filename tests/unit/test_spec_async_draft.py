@@ -32,7 +32,7 @@ def _assert_released(colo):
     for engine in (colo.target, colo.drafter):
         bm = engine.block_manager
         assert engine.num_running == 0 and bm.num_free_blocks == bm.num_blocks, "KV blocks leaked"
-    assert colo.drafter.num_q_rows == 0 and not colo.decoder._ready
+    assert colo.drafter.num_q_rows == 0 and not colo.decoder.predraft.ready
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,403 @@
+"""SpecDecoder: one speculative step for every running sequence, in five phases.
+
+    k      choose this step's K (the K policy, or the fixed K)            _choose_k
+    draft  pre-drafted branches that came true + just-in-time proposals   _drafts
+    verify the target scores the drafts (while the next branch drafts)    _verify
+    rows   sampling only: the q rows of rejected drafts, then resolve     _resolve_pending
+    count  emitted tokens, acceptance, features, branch hits              _account
+
+The step never knows whether it talks to in-process engines or gRPC clients. It keeps, per
+sequence, only what the protocol needs (spec/track.py): the tokens the drafter has not been told
+about yet (deltas; after speculation was off for a while, several steps' worth) and the full token
+list so a restarted drafter can be given the sequence again. Nothing per step (probabilities,
+hidden states) is kept here: q rows live on the drafter with its chain of drafts
+(specsplit.engine), p rows on the verifier until resolve.
+
+Speculation is off for a step when the batch is larger than `disable_by_batch_size`, when a
+request asked for none, or while the drafter is unreachable (spec/drafter_health.py: every stream
+goes on target-only, with the same greedy tokens, and the drafter is re-synced when it answers).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+from specsplit.calibration import StepCosts
+from specsplit.config import SpecConfig, step_k_cap
+from specsplit.k_policy import Acceptance, KPolicy
+from specsplit.protocols import (
+    Drafter,
+    Proposal,
+    ProposeRequest,
+    RowRequest,
+    SeqAdd,
+    StepStats,
+    TokenLogprob,
+    Verifier,
+    VerifyRequest,
+    VerifyResult,
+)
+from specsplit.spec.drafter_health import DrafterHealth
+from specsplit.spec.peer_checks import checked_proposals, rows_problem
+from specsplit.spec.predraft import PreDrafter
+from specsplit.spec.track import IDLE_FEATURE_ROWS, MAX_FEATURE_ROWS, Track
+
+log = logging.getLogger("specsplit.spec")
+
+
+@dataclass
+class StepOutput:
+    tokens: dict[str, list[int]]  # seq_id -> tokens emitted this step
+    stats: StepStats
+    speculated: bool
+    drafts: dict[str, tuple[int, int]] = field(default_factory=dict)  # seq_id -> (proposed, accepted)
+    k: int = 0  # drafts asked per sequence this step (the K policy's choice, or the fixed K)
+    # seq_id -> one TokenLogprob per token in tokens[seq_id], for the sequences that asked
+    logprobs: dict[str, tuple[TokenLogprob, ...]] = field(default_factory=dict)
+
+
+@dataclass
+class _Plan:
+    """What this step drafts: its K (0: target-only), the one sequence that drafts when the K
+    policy probes (None: all), and the tokens each sequence may still emit."""
+
+    k: int
+    only: str | None
+    budgets: dict[str, int]
+
+
+class SpecDecoder:
+    def __init__(
+        self,
+        verifier: Verifier,
+        drafter: Drafter | None = None,
+        spec: SpecConfig = SpecConfig(),
+        max_model_len: int = 2048,
+        drafter_retry_s: float = 1.0,
+        clock=time.monotonic,
+        costs: StepCosts | None = None,
+    ):
+        self.verifier = verifier
+        self._drafter = drafter
+        self.spec = spec
+        self.max_model_len = max_model_len
+        self.health = DrafterHealth(drafter, drafter_retry_s, clock)
+        self._hold_next: set[str] = set()  # abandoned this step: target-only next step
+        self._hold_now: set[str] = set()  # abandoned last step: no proposal verified this step
+        self.tracks: dict[str, Track] = {}
+        self.async_draft = spec.async_draft and drafter is not None
+        self.predraft = PreDrafter(drafter) if self.async_draft else None
+        self.branch_hits = 0
+        self.branch_misses = 0
+        self.policy: KPolicy | None = None
+        self.k_chosen: Counter[int] = Counter()  # steps per K drafted (0: speculation off that step)
+        self._probes = 0  # probe steps so far: which sequence drafts in the next one
+        if costs is not None and costs.verify and spec.k_policy == "auto":
+            # A hybrid's model drafts at most model_tokens a step (0: all k, as a feature drafter does)
+            hybrid = drafter.model_tokens or None if drafter is not None else None
+            self.policy = KPolicy(costs, spec.num_speculative_tokens, hybrid, async_draft=self.async_draft)
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    @property
+    def drafter(self) -> Drafter | None:
+        return self._drafter
+
+    @drafter.setter
+    def drafter(self, drafter: Drafter | None) -> None:
+        """Swap the drafter (tests wrap a real one in a fault injector); None: target-only."""
+        self._drafter = self.health.drafter = drafter
+        if self.predraft is not None:
+            self.predraft.drafter = drafter
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """Target layers a feature drafter reads (the verifier returns them with each step)."""
+        return tuple(self.drafter.feature_layers) if self.drafter is not None else ()
+
+    @property
+    def drafter_up(self) -> bool:
+        return self.health.up
+
+    @property
+    def drafter_retry_s(self) -> float:
+        return self.health.retry_s
+
+    @drafter_retry_s.setter
+    def drafter_retry_s(self, seconds: float) -> None:
+        self.health.retry_s = seconds
+
+    def add(self, seq: SeqAdd, num_speculative_tokens: int | None = None, disable: bool = False) -> None:
+        """Add to the verifier (errors propagate: nothing is kept) and, best effort, the drafter."""
+        if seq.seq_id in self.tracks:
+            raise ValueError(f"sequence {seq.seq_id!r} is already running")
+        k = 0 if disable else (self.spec.num_speculative_tokens if not num_speculative_tokens else num_speculative_tokens)
+        layers = self.feature_layers if k > 0 else ()
+        self.verifier.add([replace(seq, feature_layers=layers)] if layers else [seq])
+        track = Track(add=seq, k=k, tokens=list(seq.prompt_token_ids))
+        self.tracks[seq.seq_id] = track
+        if self.drafter_up and k > 0:
+            try:
+                self.drafter.add([seq])
+                track.on_drafter = True
+            except Exception as e:  # the drafter is optional: never fail a request because of it
+                self._drafter_failed(e)
+
+    def release(self, seq_ids: Sequence[str]) -> None:
+        ids = [s for s in seq_ids if s in self.tracks]
+        on_drafter = [s for s in ids if self.tracks[s].on_drafter]
+        for s in ids:
+            del self.tracks[s]
+            if self.predraft is not None:
+                self.predraft.ready.pop(s, None)
+        if ids:
+            self.verifier.release(ids)
+        if on_drafter and self.drafter_up:
+            try:
+                self.drafter.release(on_drafter)
+            except Exception as e:
+                self._drafter_failed(e)
+
+    # ---- the step ------------------------------------------------------------------------
+    def step(self, budgets: dict[str, int] | None = None) -> StepOutput:
+        """One step for every running sequence. budgets: tokens each may still emit (caps k)."""
+        stats = StepStats()
+        ids = list(self.tracks)
+        if not ids:
+            return StepOutput({}, stats, False)
+        self._hold_now, self._hold_next = self._hold_next, set()
+        self.health.maybe_resync(self.tracks)
+        plan = self._choose_k(ids, budgets or {})
+        self.k_chosen[plan.k] += 1
+        proposals = self._drafts(ids, plan, stats)
+        reqs = [VerifyRequest(s, proposals[s].token_ids, proposals[s].probs) if s in proposals and proposals[s].token_ids
+                else VerifyRequest(s) for s in ids]
+        results, branches = self._verify(reqs, proposals, plan, stats)
+        out = self._account(reqs, results, branches, asked_drafter=bool(proposals), stats=stats)
+        out.speculated = bool(proposals)
+        out.k = plan.k if proposals else 0
+        return out
+
+    # ---- phase 1: K ------------------------------------------------------------------------
+    def _choose_k(self, ids: list[str], budgets: dict[str, int]) -> _Plan:
+        """The K of this step (the policy's over the sequences that speculate, else the fixed K;
+        0 when speculation is off), and the one sequence that drafts when the policy probes."""
+        if not (self.drafter_up and self.spec.enabled_for(len(ids))):
+            return _Plan(0, None, budgets)
+        live = [s for s in ids if self.tracks[s].on_drafter and self.tracks[s].k > 0]
+        if not live:
+            return _Plan(0, None, budgets)
+        if self.policy is None:
+            return _Plan(max(self.tracks[s].k for s in live), None, budgets)
+        self.policy.model_fraction = float(self.drafter.model_share)
+        # Sequences that do not speculate still take a row in the verify forward.
+        others = [Acceptance(prior_rate=0.0, prior_weight=1.0)] * (len(ids) - len(live))
+        k = self.policy.choose([self.tracks[s].acceptance for s in live] + others,
+                               [self.tracks[s].k for s in live] + [0] * len(others))
+        if not self.policy.probing:
+            return _Plan(k, None, budgets)
+        self._probes += 1
+        return _Plan(k, live[self._probes % len(live)], budgets)
+
+    def _k_for(self, t: Track, plan: _Plan, extra: int, skip_held: bool = True) -> int:
+        """Drafts a sequence may verify in a step that starts `extra` tokens from now (0: none).
+        A sequence whose last step was abandoned verifies none this step (skip_held=False: it is
+        still asked, so the drafter catches up; checked_proposals drops its drafts)."""
+        if not t.on_drafter or t.k <= 0 or (skip_held and t.seq_id in self._hold_now) \
+                or plan.only not in (None, t.seq_id):
+            return 0
+        budget = plan.budgets.get(t.seq_id)
+        return step_k_cap(min(t.k, plan.k), len(t.tokens) + extra, self.max_model_len,
+                          None if budget is None else budget - extra)
+
+    # ---- phase 2: drafts -------------------------------------------------------------------
+    def _drafts(self, ids: list[str], plan: _Plan, stats: StepStats) -> dict[str, Proposal]:
+        """This step's checked proposals: the pre-drafted branches that came true, cut to each
+        sequence's k now, and just-in-time drafts for the rest."""
+        ready = self.predraft.take_ready() if self.predraft is not None else {}
+        if plan.k <= 0:
+            return {}
+        proposals = {}
+        for s, p in ready.items():
+            k = self._k_for(self.tracks[s], plan, extra=0) if s in self.tracks else 0
+            if k > 0:
+                proposals[s] = Proposal(s, p.token_ids[:k], None if p.probs is None else p.probs[:k])
+        asks = []
+        for s in ids:
+            t = self.tracks[s]
+            k = 0 if s in proposals else self._k_for(t, plan, extra=0, skip_held=False)
+            if k > 0:
+                feats, start = t.take_features()
+                asks.append(ProposeRequest(s, tuple(t.unsent), k, features=feats, features_start=start))
+        stats.feature_rows += sum(a.features.shape[0] for a in asks if a.features is not None)
+        t0 = time.perf_counter()
+        proposals.update(self._propose(asks))
+        stats.draft_s = time.perf_counter() - t0
+        if self.async_draft and asks:
+            stats.draft_wait_s = stats.draft_s  # drafted just in time: the verifier waited
+        return proposals
+
+    def _propose(self, reqs: list[ProposeRequest]) -> dict[str, Proposal]:
+        if not reqs:
+            return {}
+        try:
+            proposals = self.drafter.propose(reqs)
+        except Exception as e:
+            self._drafter_failed(e)
+            return {}
+        for r in reqs:
+            self.tracks[r.seq_id].unsent = []
+        return checked_proposals(reqs, proposals, self.tracks, self.verifier.vocab_size, self._hold_now)
+
+    # ---- phase 3: verify (and pre-draft the next step meanwhile) ----------------------------
+    def _verify(self, reqs: list[VerifyRequest], proposals: dict[str, Proposal], plan: _Plan,
+                stats: StepStats) -> tuple[list[VerifyResult], dict[str, Proposal]]:
+        """The verifier's results (pending ones resolved) and the pre-drafted branches by seq_id."""
+        started = self._start_predraft(reqs, plan, stats) if self.predraft is not None and plan.k > 0 else None
+        t0 = time.perf_counter()
+        results = self.verifier.verify(reqs)
+        verified = time.perf_counter()
+        branches = self._join_predraft(started)
+        stats.draft_wait_s += time.perf_counter() - verified
+        results = self._resolve_pending(results, proposals)
+        stats.verify_s = time.perf_counter() - t0
+        return results, branches
+
+    def _start_predraft(self, reqs: list[VerifyRequest], plan: _Plan,
+                        stats: StepStats) -> tuple[list[ProposeRequest], Future] | None:
+        """Ask the drafter, on the pre-draft thread, for each speculating sequence's branch "all of
+        this step's drafts accepted": 1 + k tokens after them (the bonus guess, then k drafts)."""
+        asks = []
+        for r in reqs:
+            t = self.tracks[r.seq_id]
+            k = self._k_for(t, plan, extra=len(r.draft_token_ids) + 1)
+            if k <= 0:
+                continue
+            feats, start = t.take_features()
+            asks.append(ProposeRequest(r.seq_id, tuple(t.unsent), 1 + k, r.draft_token_ids, pre_draft=True,
+                                       features=feats, features_start=start))
+        if not asks:
+            return None
+        for a in asks:
+            self.tracks[a.seq_id].unsent = []
+        stats.feature_rows += sum(a.features.shape[0] for a in asks if a.features is not None)
+        return asks, self.predraft.start(asks)
+
+    def _join_predraft(self, started) -> dict[str, Proposal]:
+        """Wait for the pre-draft call; its checked branches by seq_id (none if it failed)."""
+        if started is None:
+            return {}
+        asks, future = started
+        try:
+            proposals = future.result()
+        except Exception as e:
+            self._drafter_failed(e)
+            return {}
+        return checked_proposals(asks, proposals, self.tracks, self.verifier.vocab_size, self._hold_now)
+
+    # ---- phase 4: q rows (sampling) ----------------------------------------------------------
+    def _resolve_pending(self, results: list[VerifyResult], proposals) -> list[VerifyResult]:
+        pending = [r for r in results if r.pending_position is not None]
+        sampled = any(p.probs is not None and any(q != 1.0 for q in p.probs) for p in proposals.values())
+        if not pending and not sampled:
+            return results
+        # The drafter counts chain positions from the last tokens it was sent: drafts of a branch
+        # that came true sit behind that step's tokens, until the next propose sends them.
+        fetch = [RowRequest(r.seq_id, len(self.tracks[r.seq_id].unsent) + r.pending_position) for r in pending]
+        if not self.drafter_up:  # it failed during this step's pre-draft: its q rows are lost
+            return self._abandon_sampled(results, proposals, "the drafter was lost before it sent its q rows")
+        try:
+            rows = self.drafter.fetch_rows(fetch)
+        except Exception as e:
+            self._drafter_failed(e)
+            return self._abandon_sampled(results, proposals, "the drafter was lost before it sent its q rows")
+        if not pending:
+            return results
+        why = rows_problem(fetch, rows, self.verifier.vocab_size)
+        if why is not None:
+            self._drafter_failed(ValueError(f"it sent unusable q rows: {why}"))
+            return self._abandon_sampled(results, proposals, "the drafter's q rows were unusable")
+        resolved = {r.seq_id: r for r in self.verifier.resolve(rows)}
+        return [resolved.get(r.seq_id, r) for r in results]
+
+    def _abandon_sampled(self, results: list[VerifyResult], proposals, why: str) -> list[VerifyResult]:
+        """The exact fallback when a step's q rows are lost: every sampled sequence that had drafts
+        in this step discards the step as a whole (the verifier rolls it back: no tokens, KV as
+        before), whatever its outcome; the next step samples those positions again.
+
+        Why not finish the pending ones some other way: a sequence left pending was rejected at
+        position n, and its recovered token must come from normalize(max(0, p - q)), which needs
+        q. Resolving with q one-hot at the rejected draft (what this replaced) is biased, and so is
+        sampling position n from p: given a rejection there, that emits P(x) = min(p, q)(x) +
+        (1 - beta) p(x) over both branches, not p(x). Keeping the accepted prefix and cutting at the
+        rejection is biased too (the cut depends on the outcome). What is exact is a truncation
+        point that does not depend on the outcome: here, the step's start, for every sampled
+        sequence with drafts (which ones those are depends only on the request and on whether the
+        drafter proposed, never on the verifier's draws). Conditioned on that, the kept tokens are
+        exactly the ones before the step, and the next step (target-only while the drafter is
+        down) samples the position from p. Re-using the position-keyed uniforms of the abandoned
+        step is as good as fresh, because nothing kept depends on them (specsplit.sampling.rng).
+        Greedy and coupled (seeded) sequences never need q rows: their results stand.
+        """
+        drop = {sid for sid, p in proposals.items()
+                if p.token_ids and not self.tracks[sid].add.params.accepts_by_match}
+        drop |= {r.seq_id for r in results if r.pending_position is not None}
+        if not drop:
+            return results
+        log.warning("%s; %d sampled sequences discard this step (exact fallback) and resample it", why, len(drop))
+        self.verifier.abandon(sorted(drop))
+        # Their next step is target-only (whatever the drafter does), so each makes progress even
+        # if the drafter keeps losing its rows; that choice, too, ignores the step's outcome.
+        self._hold_next |= drop
+        if self.predraft is not None:
+            for sid in drop:
+                self.predraft.ready.pop(sid, None)
+        return [VerifyResult(r.seq_id, 0, ()) if r.seq_id in drop else r for r in results]
+
+    # ---- phase 5: account ------------------------------------------------------------------
+    def _account(self, reqs: list[VerifyRequest], results: list[VerifyResult], branches: dict[str, Proposal],
+                 asked_drafter: bool, stats: StepStats) -> StepOutput:
+        """Emitted tokens into each track (and, for the drafter, its unsent tokens and features),
+        acceptance per sequence and per position, branch hits and misses."""
+        out: dict[str, list[int]] = {}
+        drafts: dict[str, tuple[int, int]] = {}
+        logprobs: dict[str, tuple[TokenLogprob, ...]] = {}
+        stats.accepted_per_position = [0] * max((len(r.draft_token_ids) for r in reqs), default=0)
+        for req, res in zip(reqs, results):
+            track = self.tracks[res.seq_id]
+            emitted = list(res.token_ids)
+            out[res.seq_id] = emitted
+            if res.logprobs is not None:
+                logprobs[res.seq_id] = res.logprobs
+            track.tokens.extend(emitted)
+            if track.on_drafter:
+                track.unsent.extend(emitted)
+                if res.features is not None and res.features.shape[0]:
+                    track.add_features(res.features_start, res.features,
+                                       MAX_FEATURE_ROWS if asked_drafter else IDLE_FEATURE_ROWS)
+            drafts[res.seq_id] = (len(req.draft_token_ids), res.num_accepted)
+            if req.draft_token_ids:
+                track.acceptance.update(len(req.draft_token_ids), res.num_accepted)
+            stats.proposed += len(req.draft_token_ids)
+            stats.accepted += res.num_accepted
+            for j in range(res.num_accepted):
+                stats.accepted_per_position[j] += 1
+            branch = branches.get(res.seq_id)
+            if branch is not None:
+                stats.branches += 1
+                if track.on_drafter and self.predraft.came_true(req, emitted, branch):
+                    stats.branch_hits += 1
+                else:
+                    stats.branch_misses += 1
+        self.branch_hits += stats.branch_hits
+        self.branch_misses += stats.branch_misses
+        return StepOutput(out, stats, False, drafts, logprobs=logprobs)
+
+    # ---- drafter health --------------------------------------------------------------------
+    def _drafter_failed(self, error: Exception) -> None:
+        self.health.failed(error, self.tracks)
+        if self.predraft is not None:
+            self.predraft.ready.clear()

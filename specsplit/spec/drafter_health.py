@@ -1,0 +1,63 @@
+"""The drafter as the step sees it: up, or down since a failed call and retried every `retry_s`;
+when it answers again every running sequence is given to it again (re-sync)."""
+from __future__ import annotations
+
+import logging
+import time
+
+from specsplit.protocols import Drafter, SeqAdd
+from specsplit.spec.track import Track
+
+log = logging.getLogger("specsplit.spec")
+
+
+class DrafterHealth:
+    def __init__(self, drafter: Drafter | None, retry_s: float = 1.0, clock=time.monotonic):
+        self.drafter = drafter
+        self.retry_s = retry_s
+        self._clock = clock
+        self.down_since: float | None = None
+        self._next_try = 0.0
+        self._stale: set[str] = set()  # may still be on the drafter since it failed
+
+    @property
+    def up(self) -> bool:
+        return self.drafter is not None and self.down_since is None
+
+    def failed(self, error: Exception, tracks: dict[str, Track]) -> None:
+        """A drafter call failed: every sequence goes on target-only until the re-sync."""
+        if self.down_since is None:
+            log.warning("drafter failed (%s); continuing target-only, retrying every %.1fs", error, self.retry_s)
+            self.down_since = self._clock()
+        self._next_try = self._clock() + self.retry_s
+        for t in tracks.values():
+            if t.on_drafter:
+                # A failed call may have failed only for us (a timeout, one bad reply): the drafter
+                # may still hold the sequence. Remember it, so it is released there on re-sync even
+                # if it finishes while the drafter is down.
+                self._stale.add(t.seq_id)
+            t.lose_drafter()
+
+    def maybe_resync(self, tracks: dict[str, Track]) -> None:
+        """After a failure, once the retry time has come, give the drafter every running sequence
+        that speculates again (releasing first what it may still hold)."""
+        if self.drafter is None or self.down_since is None or self._clock() < self._next_try:
+            return
+        want = [t for t in tracks.values() if t.k > 0]
+        # Release what it may still hold: the sequences to re-add, and those that finished while it
+        # was down (their release was never sent).
+        stale = sorted(self._stale | {t.seq_id for t in want})
+        try:
+            self.drafter.release(stale)
+            self._stale.clear()
+            self.drafter.add([SeqAdd(t.seq_id, tuple(t.tokens), t.add.params) for t in want])
+        except Exception as e:
+            self._next_try = self._clock() + self.retry_s
+            log.debug("drafter still unavailable: %s", e)
+            return
+        log.info("drafter is back after %.1fs; re-synced %d sequences, speculation resumes",
+                 self._clock() - self.down_since, len(want))
+        self.down_since = None
+        for t in want:
+            t.on_drafter = True
+            t.unsent = []

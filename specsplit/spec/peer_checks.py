@@ -1,0 +1,68 @@
+"""What the step checks in a drafter's answers before the verifier sees them: a peer's bad answer
+costs its sequence one target-only step, never a stream."""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Iterable, Sequence
+
+import torch
+
+from specsplit.protocols import Proposal, ProposeRequest, QRow, RowRequest
+from specsplit.spec.track import Track
+
+log = logging.getLogger("specsplit.spec")
+
+
+def checked_proposals(reqs: Sequence[ProposeRequest], proposals: Iterable[Proposal], tracks: dict[str, Track],
+                      vocab: int | None, skip: set[str]) -> dict[str, Proposal]:
+    """The drafter's proposals that are safe to verify, by seq_id. A proposal is dropped (its
+    sequence decodes target-only this step, and the drafter catches up next step) when it answers
+    no request of ours, drafts more than the k asked for, has an id outside the vocabulary, or --
+    for a sampled sequence -- lacks a q(x) per draft or has one that is not a finite number in
+    (0, 1]. `skip`: sequences that verify no proposal this step (their last step was abandoned)."""
+    asked = {r.seq_id: r.k for r in reqs}
+    out = {}
+    for p in proposals:
+        if p.seq_id in skip:
+            continue
+        why = proposal_problem(p, asked, vocab, tracks)
+        if why is None:
+            out[p.seq_id] = p
+        else:
+            log.warning("drafter proposal for %r refused (%s); that sequence decodes target-only this step",
+                        p.seq_id, why)
+    return out
+
+
+def proposal_problem(p: Proposal, asked: dict[str, int], vocab: int | None, tracks: dict[str, Track]) -> str | None:
+    """Why a drafter's proposal cannot be verified, or None."""
+    if p.seq_id not in asked:
+        return "no such request in this step"
+    n, k = len(p.token_ids), asked[p.seq_id]
+    if n > k:
+        return f"{n} drafts, asked for {k}"
+    if vocab is not None:
+        bad = [t for t in p.token_ids if not 0 <= t < vocab]
+        if bad:
+            return f"token ids {bad[:3]} outside the vocabulary [0, {vocab})"
+    params = tracks[p.seq_id].add.params
+    if p.probs is not None or not params.accepts_by_match:
+        if n and (p.probs is None or len(p.probs) != n) and not params.coupled:
+            return f"{0 if p.probs is None else len(p.probs)} q(x) values for {n} drafts"
+        if p.probs is not None and not all(math.isfinite(q) and 0.0 < q <= 1.0 for q in p.probs):
+            return "q(x) values not all finite numbers in (0, 1]"
+    return None
+
+
+def rows_problem(fetch: Sequence[RowRequest], rows: Sequence[QRow], vocab: int | None) -> str | None:
+    """Why fetch_rows's rows cannot resolve the pending sequences, or None."""
+    if sorted(r.seq_id for r in rows) != sorted(f.seq_id for f in fetch):
+        return f"rows for {sorted(r.seq_id for r in rows)[:3]}, asked for {sorted(f.seq_id for f in fetch)[:3]}"
+    for r in rows:
+        row = r.row
+        if row.dim() != 1 or (vocab is not None and row.shape[0] != vocab):
+            return f"q row of shape {tuple(row.shape)} for {r.seq_id!r}"
+        if not bool(torch.isfinite(row).all()) or bool((row < 0).any()) or not float(row.sum()) > 0.0:
+            return f"q row for {r.seq_id!r} is not a distribution"
+    return None
