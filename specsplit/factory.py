@@ -79,7 +79,9 @@ def make_runner(loaded: LoadedModel, cfg: EngineConfig, num_blocks: int, num_spe
 
 
 @dataclass
-class _Service:
+class ModelService:
+    """One model of a service while it is measured and sized: which, with what config and K."""
+
     name: str  # VERIFIER | DRAFTER
     cfg: EngineConfig
     k: int  # speculative tokens its steps carry (0: target-only)
@@ -87,7 +89,7 @@ class _Service:
     after_load: Callable[[LoadedModel], None] | None = None
 
 
-def _profile_steps(s: _Service):
+def profile_steps(s: ModelService):
     model, cfg = s.loaded.model, s.cfg
     bound = forward_bound(cfg, s.k)
     engine_cls = TargetEngine if s.name == VERIFIER else DraftEngine
@@ -103,8 +105,8 @@ def _profile_steps(s: _Service):
     return setup, steps
 
 
-def _plan_budget(services: list[_Service], show_progress: bool, joint: bool,
-                 after_loads: Callable[[list[_Service]], None] | None = None) -> MemoryPlan:
+def _plan_budget(services: list[ModelService], show_progress: bool, joint: bool,
+                 after_loads: Callable[[list[ModelService]], None] | None = None) -> MemoryPlan:
     """Load, profile and size services that share one budget (set by the first one's flags)."""
     lead = services[0].cfg
     prof = MemoryProfiler(lead.device, lead.memory_budget_bytes, lead.memory_utilization, joint=joint)
@@ -116,7 +118,7 @@ def _plan_budget(services: list[_Service], show_progress: bool, joint: bool,
     if after_loads is not None:
         after_loads(services)
     for s in services:
-        setup, steps = _profile_steps(s)
+        setup, steps = profile_steps(s)
         prof.profile(s.name, setup, steps)
     return prof.plan(
         {s.name: kv_shape(s.loaded, s.cfg) for s in services},
@@ -168,13 +170,13 @@ def _same_device(a: EngineConfig, b: EngineConfig) -> bool:
 
 
 def _plan_models(target: EngineConfig, draft: EngineConfig | None, spec: SpecConfig, joint: bool, show_progress: bool,
-                 after_target: Callable[[LoadedModel], None] | None = None) -> tuple[MemoryPlan, _Service, _Service | None]:
+                 after_target: Callable[[LoadedModel], None] | None = None) -> tuple[MemoryPlan, ModelService, ModelService | None]:
     """Measure and size target (+ draft model): one budget on a shared device when joint, else one each."""
-    draft, _ = _without_lookup(draft)  # MODEL+ngram: prompt lookup needs no memory of its own
+    draft, _ = without_lookup(draft)  # MODEL+ngram: prompt lookup needs no memory of its own
     has_draft = draft is not None and draft.model != NGRAM and not is_eagle3(draft.model)
     k = spec.num_speculative_tokens if draft is not None else 0
-    t = _Service(VERIFIER, target, k, after_load=after_target)
-    d = _Service(DRAFTER, draft, k) if has_draft else None
+    t = ModelService(VERIFIER, target, k, after_load=after_target)
+    d = ModelService(DRAFTER, draft, k) if has_draft else None
     if d is not None and joint and _same_device(target, draft):
         def check(services):
             _vocab_check(services[0].loaded.config.vocab_size)(services[1].loaded)
@@ -203,20 +205,20 @@ def plan_memory(target: EngineConfig, draft: EngineConfig | None = None, spec: S
                                   after_target=lambda loaded: load_tokenizer(loaded.hf_dir))
         return plan
     # As the separate services would start: the verifier sized for k drafts, then the drafter.
-    t = _Service(VERIFIER, target, spec.num_speculative_tokens if draft is not None else 0)
+    t = ModelService(VERIFIER, target, spec.num_speculative_tokens if draft is not None else 0)
     t_plan = _plan_budget([t], show_progress, joint=False)
     if draft is None:
         return t_plan
     vocab = t.loaded.config.vocab_size
     t.loaded = None  # a separate process would not hold the target
-    _, d_plan = _draft_plan(draft, spec, show_progress, allocate=False, vocab_size=vocab)
+    _, d_plan = draft_engine_and_plan(draft, spec, show_progress, allocate=False, vocab_size=vocab)
     return MemoryPlan.merge([t_plan, d_plan])
 
 
 # ---- building engines -----------------------------------------------------------------------
 
 
-def _allocate(s: _Service, sp: ServicePlan, calibrate: bool = False):
+def allocate_engine(s: ModelService, sp: ServicePlan, calibrate: bool = False):
     """The engine over its sized cache; with `calibrate`, its step costs timed (calibration.py)."""
     runner = make_runner(s.loaded, s.cfg, sp.num_blocks, s.k)
     if runner.kv.nbytes != sp.kv_cache_bytes:  # the plan's arithmetic and the tensor must agree
@@ -228,6 +230,15 @@ def _allocate(s: _Service, sp: ServicePlan, calibrate: bool = False):
     elif calibrate and s.name == DRAFTER:
         engine.step_costs = calibrate_drafter(runner, s.cfg.max_num_seqs)
     return engine
+
+
+def colocated_decoder(verifier, drafter, spec: SpecConfig, max_model_len: int) -> SpecDecoder:
+    """The SpecDecoder of both colocated modes (one device, tensor parallel): with the K policy on,
+    priced from both engines' calibrated costs; without a drafter, target-only."""
+    if drafter is None:
+        return SpecDecoder(verifier, None, SpecConfig(num_speculative_tokens=0), max_model_len)
+    auto = spec.k_policy == "auto" and spec.num_speculative_tokens > 0
+    return SpecDecoder(verifier, drafter, spec, max_model_len, costs=joint_costs(verifier, drafter) if auto else None)
 
 
 def joint_costs(verifier, drafter, network_s: float = 0.0) -> StepCosts:
@@ -247,13 +258,13 @@ class ServiceBuild(NamedTuple):
 def build_target_engine(cfg: EngineConfig, spec: SpecConfig = SpecConfig(), show_progress: bool = False) -> ServiceBuild:
     """The verifier service's engine on its own budget. spec.num_speculative_tokens sets the widest
     verification step the profile measures (k+1 tokens per sequence)."""
-    t = _Service(VERIFIER, cfg, spec.num_speculative_tokens)
+    t = ModelService(VERIFIER, cfg, spec.num_speculative_tokens)
     plan = _plan_budget([t], show_progress, joint=False)
     plan.log()
-    return ServiceBuild(_allocate(t, plan.services[VERIFIER], calibrate=spec.k_policy == "auto"), plan)
+    return ServiceBuild(allocate_engine(t, plan.services[VERIFIER], calibrate=spec.k_policy == "auto"), plan)
 
 
-def _without_lookup(cfg: EngineConfig | None) -> tuple[EngineConfig | None, bool]:
+def without_lookup(cfg: EngineConfig | None) -> tuple[EngineConfig | None, bool]:
     """A draft 'MODEL+ngram' is MODEL (what gets loaded, profiled and sized) plus prompt lookup."""
     if cfg is None:
         return None, False
@@ -261,27 +272,27 @@ def _without_lookup(cfg: EngineConfig | None) -> tuple[EngineConfig | None, bool
     return (replace(cfg, model=model) if hybrid else cfg), hybrid
 
 
-def _with_lookup(engine: DraftEngine, hybrid: bool, spec: SpecConfig) -> DraftEngine | HybridDrafter:
+def with_lookup(engine: DraftEngine, hybrid: bool, spec: SpecConfig) -> DraftEngine | HybridDrafter:
     # A feature drafter drafts as many tokens as the step asks (cheap, and accepted far more often
     # than the small model draft that --draft-model-tokens caps).
     model_tokens = 0 if isinstance(engine, FeatureDrafter) else spec.draft_model_tokens
     return HybridDrafter(engine, spec.ngram_min, spec.ngram_max, model_tokens) if hybrid else engine
 
 
-def _draft_plan(cfg: EngineConfig, spec: SpecConfig, show_progress: bool, allocate: bool, vocab_size: int | None = None):
-    cfg, hybrid = _without_lookup(cfg)
+def draft_engine_and_plan(cfg: EngineConfig, spec: SpecConfig, show_progress: bool, allocate: bool, vocab_size: int | None = None):
+    cfg, hybrid = without_lookup(cfg)
     if cfg.model == NGRAM:
         drafter = NgramDrafter(spec.ngram_min, spec.ngram_max, vocab_size, cfg.max_model_len) if allocate else None
         return drafter, _ngram_plan(cfg)
     if is_eagle3(cfg.model):
         plan = _ngram_plan(cfg)
-        drafter = _with_lookup(_feature_drafter(cfg, spec, plan=plan), hybrid, spec) if allocate else None
+        drafter = with_lookup(_feature_drafter(cfg, spec, plan=plan), hybrid, spec) if allocate else None
         return drafter, plan
-    d = _Service(DRAFTER, cfg, spec.num_speculative_tokens)
+    d = ModelService(DRAFTER, cfg, spec.num_speculative_tokens)
     if vocab_size is not None:
         d.after_load = _vocab_check(vocab_size)
     plan = _plan_budget([d], show_progress, joint=False)
-    engine = _with_lookup(_allocate(d, plan.services[DRAFTER], calibrate=spec.k_policy == "auto"), hybrid, spec) if allocate else None
+    engine = with_lookup(allocate_engine(d, plan.services[DRAFTER], calibrate=spec.k_policy == "auto"), hybrid, spec) if allocate else None
     return engine, plan
 
 
@@ -289,7 +300,7 @@ def build_draft_engine(cfg: EngineConfig, spec: SpecConfig = SpecConfig(), show_
                        vocab_size: int | None = None) -> ServiceBuild:
     """The drafter service's engine on its own budget: a DraftEngine, or the NgramDrafter (cfg.model
     'ngram', a plan of zeros). vocab_size, when known, is checked against the draft model's."""
-    engine, plan = _draft_plan(cfg, spec, show_progress, allocate=True, vocab_size=vocab_size)
+    engine, plan = draft_engine_and_plan(cfg, spec, show_progress, allocate=True, vocab_size=vocab_size)
     plan.log()
     return ServiceBuild(engine, plan)
 
@@ -332,23 +343,22 @@ def build_colocated(
 
         return build_colocated_tp(target, draft, spec, tp, show_progress)
     tokenizer = []
-    draft, hybrid = _without_lookup(draft)
+    draft, hybrid = without_lookup(draft)
     plan, t, d = _plan_models(target, draft, spec, joint=True, show_progress=show_progress,
                               after_target=lambda loaded: tokenizer.append(load_tokenizer(loaded.hf_dir)))
     plan.log()
     calibrate = draft is not None and spec.k_policy == "auto" and spec.num_speculative_tokens > 0
-    verifier = _allocate(t, plan.services[VERIFIER], calibrate)
+    verifier = allocate_engine(t, plan.services[VERIFIER], calibrate)
     drafter = None
     if d is not None:
-        drafter = _with_lookup(_allocate(d, plan.services[DRAFTER], calibrate), hybrid, spec)
+        drafter = with_lookup(allocate_engine(d, plan.services[DRAFTER], calibrate), hybrid, spec)
     elif draft is not None and is_eagle3(draft.model):
         embedding = t.loaded.model.embed_tokens.weight
-        drafter = _with_lookup(_feature_drafter(replace(draft, max_model_len=target.max_model_len), spec, embedding,
+        drafter = with_lookup(_feature_drafter(replace(draft, max_model_len=target.max_model_len), spec, embedding,
                                                 t.loaded.config.num_layers, plan), hybrid, spec)
     elif draft is not None:
         drafter = NgramDrafter(spec.ngram_min, spec.ngram_max, t.loaded.config.vocab_size, target.max_model_len)
-    decoder = SpecDecoder(verifier, drafter, spec if drafter else SpecConfig(num_speculative_tokens=0), target.max_model_len,
-                          costs=joint_costs(verifier, drafter) if calibrate else None)
+    decoder = colocated_decoder(verifier, drafter, spec, target.max_model_len)
     return Colocated(decoder, verifier, drafter, t.loaded, d.loaded if d else None, tokenizer[0], plan)
 
 

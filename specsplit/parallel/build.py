@@ -88,11 +88,11 @@ class TPMemoryPlan(MemoryPlan):
 def build_rank(cfg: EngineConfig, spec: SpecConfig, rank: int, world: int, startup_group, compute_group,
                show_progress: bool = False):
     """(TargetEngine over this rank's shard and cache, TPMemoryPlan, the LoadedModel) on every rank."""
-    from specsplit.factory import VERIFIER, _allocate, _profile_steps, _Service, check_model_len, kv_shape, load_for
+    from specsplit.factory import VERIFIER, allocate_engine, profile_steps, ModelService, check_model_len, kv_shape, load_for
     from specsplit.parallel.tensor_parallel import check_shardable, shard_model, unpacked_load
 
     rcfg = rank_config(cfg, rank, world)
-    t = _Service(VERIFIER, rcfg, spec.num_speculative_tokens)
+    t = ModelService(VERIFIER, rcfg, spec.num_speculative_tokens)
     prof = agree("budget", lambda: MemoryProfiler(rcfg.device, rcfg.memory_budget_bytes, rcfg.memory_utilization),
                  startup_group)
 
@@ -114,7 +114,7 @@ def build_rank(cfg: EngineConfig, spec: SpecConfig, rank: int, world: int, start
     agree("load", load_measured, startup_group)  # also a barrier: the profile's collectives start together
 
     def profile_and_plan() -> MemoryPlan:
-        setup, steps = _profile_steps(t)
+        setup, steps = profile_steps(t)
         prof.profile(VERIFIER, setup, steps)
         return prof.plan({VERIFIER: kv_shape(t.loaded, rcfg)}, models={VERIFIER: rcfg.model}, dtypes={VERIFIER: rcfg.dtype})
 
@@ -128,7 +128,7 @@ def build_rank(cfg: EngineConfig, spec: SpecConfig, rank: int, world: int, start
             sp.update(num_blocks=blocks, kv_cache_bytes=blocks * sp["kv_bytes_per_block"],
                       max_tokens=blocks * sp["block_size"], kv_limited_by=f"rank {[q['services'][VERIFIER]['num_blocks'] for q in plans].index(blocks)}")
     mine = ServicePlan(**plans[rank]["services"][VERIFIER])
-    engine = _allocate(t, mine)
+    engine = allocate_engine(t, mine)
     tp_plan = TPMemoryPlan(joint=False, budget_bytes=sum(p["budget_bytes"] for p in plans),
                            services={VERIFIER: mine}, method=plan.method, ranks=plans)
     return engine, tp_plan, t.loaded

@@ -9,6 +9,7 @@ budget flags again. The drafter stays at one rank.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import torch
 
@@ -21,25 +22,24 @@ log = logging.getLogger(__name__)
 def build_colocated_tp(target: EngineConfig, draft: EngineConfig | None, spec: SpecConfig, world: int,
                        show_progress: bool = False):
     from specsplit.engine import NgramDrafter
-    from specsplit.factory import DRAFTER, NGRAM, Colocated, _draft_plan, _without_lookup
+    from specsplit.factory import DRAFTER, NGRAM, Colocated, colocated_decoder, draft_engine_and_plan, without_lookup
     from specsplit.models.loader import load_tokenizer
     from specsplit.parallel.build import TPMemoryPlan
     from specsplit.parallel.group import TPGroup
-    from specsplit.spec import SpecDecoder
 
     k = spec.num_speculative_tokens if draft is not None else 0
-    group, verifier, t_plan = TPGroup.launch(target, SpecConfig(num_speculative_tokens=k), world,
+    group, verifier, t_plan = TPGroup.launch(target, replace(spec, num_speculative_tokens=k), world,
                                              threads=torch.get_num_threads(), show_progress=show_progress)
     try:
         loaded = group.loaded
         tokenizer = load_tokenizer(loaded.hf_dir)
         drafter, d_plan = None, None
         if draft is not None:
-            base, _ = _without_lookup(draft)
+            base, _ = without_lookup(draft)
             if base.model == NGRAM:
                 drafter = NgramDrafter(spec.ngram_min, spec.ngram_max, loaded.config.vocab_size, target.max_model_len)
             else:
-                drafter, d_plan = _draft_plan(draft, spec, show_progress, allocate=True, vocab_size=loaded.config.vocab_size)
+                drafter, d_plan = draft_engine_and_plan(draft, spec, show_progress, allocate=True, vocab_size=loaded.config.vocab_size)
         services = dict(t_plan.services)
         if d_plan is not None:
             services[DRAFTER] = d_plan.services[DRAFTER]
@@ -47,10 +47,8 @@ def build_colocated_tp(target: EngineConfig, draft: EngineConfig | None, spec: S
                             services=services, method=t_plan.method, ranks=t_plan.ranks)
         for line in plan.log_lines() + (MemoryPlan.log_lines(d_plan) if d_plan else []):
             log.info("%s", line)
-        decoder = SpecDecoder(verifier, drafter, spec if drafter else SpecConfig(num_speculative_tokens=0),
-                              target.max_model_len)
-        colo = Colocated(decoder, verifier, drafter, loaded, None, tokenizer, plan)
-        return colo
+        return Colocated(colocated_decoder(verifier, drafter, spec, target.max_model_len), verifier, drafter, loaded,
+                         None, tokenizer, plan)
     except BaseException:
         group.close()
         raise

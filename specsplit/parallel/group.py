@@ -137,6 +137,15 @@ class TPGroup:
             raise TPWorkerFailed(group.failed)
         engine.runner.model.driver = group
         engine.tensor_parallel = group
+        if spec.k_policy == "auto" and spec.num_speculative_tokens > 0:
+            # Timed across the group: rank 0 drives every calibration forward on all ranks.
+            from specsplit.calibration import calibrate_verifier
+
+            try:
+                engine.step_costs = calibrate_verifier(engine.runner, spec.num_speculative_tokens, cfg.max_num_seqs)
+            except BaseException:
+                group.close()
+                raise
         log.info("tensor parallel: %d ranks (%s), workers %s", world, backend, [p.pid for p in group.procs])
         return group, engine, plan
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from specsplit.config import EngineConfig, SpecConfig
-from specsplit.factory import build_draft_engine, build_target_engine
+from specsplit.factory import build_colocated, build_draft_engine, build_target_engine
 from specsplit.request import GenerationRequest
 from specsplit.scheduler import Scheduler
 from specsplit.kv.profiler import MemoryBudgetError
@@ -211,3 +211,25 @@ def test_a_worker_that_cannot_start_fails_the_launch_at_once(tiny_llama, monkeyp
     with pytest.raises((TPWorkerFailed, OSError)):
         TPGroup.launch(_cfg(tiny_llama), SpecConfig(num_speculative_tokens=2), 2, threads=1)
     assert time.monotonic() - t0 < 10.0
+
+
+def test_tp2_colocated_k_policy_auto_is_calibrated_across_the_group(tiny_llama, tiny_draft_close):
+    """The tensor-parallel colocated server assembles its decoder as the one-device one does: with
+    --k-policy auto the verifier's step costs are timed across the group (rank 0 drives every
+    calibration forward on all ranks) and the K policy prices steps from them; it used to fall back
+    to a fixed K silently."""
+    spec = SpecConfig(num_speculative_tokens=3, k_policy="auto")
+    colo = build_colocated(_cfg(tiny_llama, tensor_parallel_size=2), _cfg(tiny_draft_close), spec, show_progress=False)
+    group = colo.target.tensor_parallel
+    pids = [p.pid for p in group.procs]
+    try:
+        assert colo.target.step_costs is not None and colo.target.step_costs.verify
+        assert colo.decoder.policy is not None
+        assert colo.decoder.policy.costs.verify == colo.target.step_costs.verify
+        (state,) = Scheduler(colo.decoder, colo.eos_token_ids, 4).run(
+            [GenerationRequest("r0", (5, 6, 7, 5, 6, 7, 5, 6), 12, ignore_eos=True)])
+        assert len(state.output) == 12
+    finally:
+        colo.close()
+        group.close()
+        assert_gone(pids)
