@@ -1,29 +1,40 @@
-"""The split arm of `specsplit bench`: the same prompts streamed through a gateway's Generate,
-timed the way specsplit.bench.arms.run_specsplit times the colocated arms.
+"""The gRPC half of `specsplit bench`'s split arm: stream one generation through a gateway's
+Generate and report what the stream carried (specsplit/bench/split_arm.py times it as the
+colocated arms are timed; the bench itself never imports grpc).
 
 Each prompt: `max_tokens=new_tokens`, `ignore_eos`, greedy, `top_p=1`, and
-`speculation.num_speculative_tokens=K`. A warm-up request is discarded (it also opens the
-channel, so connection set-up is never timed); at concurrency 1 each prompt runs `repeats` times
-and the median (by total time) is kept. TTFT = time to the first response that carries tokens;
+`speculation.num_speculative_tokens=K`. TTFT = time to the first response that carries tokens;
 total = time to the last response; proposed / accepted and the per-position acceptance come from
 the final `usage`.
 
 Speculative steps: each response carries the drafts proposed and accepted in the step(s) behind
 it (GenerateResponse.proposed_draft_tokens), and greedy requests get one response per decode step,
-so the responses that proposed drafts are the speculative steps (Timing.steps), as the colocated
-arms count them: `mean_accepted_length` and the per-position acceptance are comparable. (A
-gateway older than those fields sends 0: steps = 0, and ArmResult.summary() reports None / [].)
-The count of decode steps (responses that carried tokens) is kept as `decode_steps`.
+so the responses that proposed drafts are the speculative steps, as the colocated arms count them.
+(A gateway older than those fields sends 0: no speculative steps are seen.) The responses that
+carried tokens are the decode steps.
 """
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Iterator
 
 from specsplit.v1 import gateway_pb2, gateway_pb2_grpc
-from specsplit.bench.arms import ArmResult, Timing, median_timing
+
+
+@dataclass
+class Streamed:
+    """What one streamed generation carried, timed from its start."""
+
+    total_s: float
+    ttft_s: float
+    output: list[int]
+    proposed: int
+    accepted: int
+    spec_steps: int  # responses that proposed drafts
+    decode_steps: int  # responses that carried tokens
+    per_position: list[int] = field(default_factory=list)
 
 
 def generate_request(prompt: list[int], new_tokens: int, k: int, disable: bool = False) -> gateway_pb2.GenerateRequest:
@@ -48,10 +59,10 @@ def branch_counts(stub) -> tuple[int, int]:
     return info.branch_hits, info.branch_misses
 
 
-def timed_generate(stub, prompt: list[int], new_tokens: int, k: int, timeout: float,
-                   t0: float | None = None, disable: bool = False) -> tuple[Timing, int]:
-    """One streamed generation -> (Timing, decode steps seen). `t0`: the clock start (a batch's
-    common start at concurrency > 1); default now. `disable`: target-only for this request."""
+def stream_generate(stub, prompt: list[int], new_tokens: int, k: int, timeout: float,
+                    t0: float | None = None, disable: bool = False) -> Streamed:
+    """One streamed generation. `t0`: the clock start (a batch's common start at concurrency > 1);
+    default now. `disable`: target-only for this request."""
     req = generate_request(prompt, new_tokens, k, disable)
     t0 = time.perf_counter() if t0 is None else t0
     first = None
@@ -73,71 +84,6 @@ def timed_generate(stub, prompt: list[int], new_tokens: int, k: int, timeout: fl
     u = last.usage
     if u.completion_tokens != len(output):
         raise RuntimeError(f"usage says {u.completion_tokens} completion tokens, the stream carried {len(output)}")
-    timing = Timing(done - t0, (first if first is not None else done) - t0, len(output), u.proposed_draft_tokens,
-                    u.accepted_draft_tokens, steps=spec_steps,
-                    per_position=list(u.accepted_per_position) if spec_steps else [], output=output)
-    return timing, steps
-
-
-def run_split(name: str, address: str, prompts: list[list[int]], new_tokens: int, repeats: int, k: int,
-              concurrency: int = 1, progress: Callable[[], None] | None = None, timeout: float = 900.0,
-              security=None) -> ArmResult:
-    """Streams the prompts through the gateway at `address`; see the module docstring."""
-    timings: list[Timing] = []
-    decode_steps = 0
-    with gateway_stub(address, security) as stub:
-        timed_generate(stub, prompts[0], new_tokens, k, timeout)  # warm-up (discarded)
-        if concurrency <= 1:
-            for p in prompts:
-                runs = [timed_generate(stub, p, new_tokens, k, timeout) for _ in range(repeats)]
-                kept = median_timing([t for t, _ in runs])
-                decode_steps += next(s for t, s in runs if t is kept)
-                timings.append(kept)
-                if progress:
-                    progress()
-            return ArmResult(name, timings, {"concurrency": 1, "k": k, "decode_steps": decode_steps})
-        wall = 0.0
-        with ThreadPoolExecutor(concurrency) as pool:
-            for j in range(repeats):
-                batch = [prompts[(j * concurrency + i) % len(prompts)] for i in range(concurrency)]
-                t0 = time.perf_counter()
-                runs = list(pool.map(lambda p: timed_generate(stub, p, new_tokens, k, timeout, t0), batch))
-                wall += max(t.total_s for t, _ in runs)
-                timings.extend(t for t, _ in runs)
-                decode_steps += sum(s for _, s in runs)
-                if progress:
-                    progress()
-    return ArmResult(name, timings, {"concurrency": concurrency, "k": k, "wall_s": wall, "decode_steps": decode_steps})
-
-
-def split_arm(name: str, stub, new_tokens: int, k: int, timeout: float = 900.0):
-    """The split arm as a specsplit.bench.arms.Arm (for run_interleaved) over an open Gateway stub.
-    Returns (arm, steps): `steps` maps each Timing the arm produced (by id) to its decode steps."""
-    from specsplit.bench.arms import Arm
-
-    steps: dict[int, int] = {}
-
-    def once(p: list[int], tag: str) -> Timing:
-        timing, n = timed_generate(stub, p, new_tokens, k, timeout)
-        steps[id(timing)] = n
-        return timing
-
-    return Arm(name, once, k), steps
-
-
-def run_split_paired(name: str, colo_name: str, address: str, colo, prompts: list[list[int]], new_tokens: int,
-                     repeats: int, k: int, progress: Callable[[], None] | None = None, timeout: float = 900.0,
-                     security=None) -> tuple[ArmResult, ArmResult]:
-    """Split and colocated, interleaved run by run (colocated, then split, same prompt, same K), so
-    both see the same machine: on shared CPUs the speed drifts by tens of percent over minutes,
-    and arms timed minutes apart cannot give a ratio to a few percent. One warm-up each
-    (discarded); per prompt the median of `repeats` runs of each. Returns (split, colocated)."""
-    from specsplit.bench.arms import colocated_arm, run_interleaved
-
-    with gateway_stub(address, security) as stub:
-        split, steps = split_arm(name, stub, new_tokens, k, timeout)
-        paired = colocated_arm(colo_name, colo, new_tokens, k, interleaved_with_split=True)
-        colo_result, split_result = run_interleaved([paired, split], prompts, repeats, progress)
-    split_result.extra["decode_steps"] = sum(steps[id(t)] for t in split_result.timings)
-    return split_result, colo_result
-
+    return Streamed(done - t0, (first if first is not None else done) - t0, output, u.proposed_draft_tokens,
+                    u.accepted_draft_tokens, spec_steps, steps,
+                    per_position=list(u.accepted_per_position) if spec_steps else [])

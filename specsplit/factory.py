@@ -21,89 +21,19 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from specsplit.calibration import StepCosts, calibrate_drafter, calibrate_verifier
-from specsplit.config import EngineConfig, SpecConfig, drafter_reach
+from specsplit.calibration import StepCosts
+from specsplit.config import EngineConfig, SpecConfig
 from specsplit.engine import DraftEngine, NgramDrafter, TargetEngine
+from specsplit.engine_build import (DRAFTER, NGRAM, VERIFIER, ModelService, allocate_engine, check_model_len, kv_shape,
+                                    load_for, profile_steps)
 from specsplit.feature_drafter import FeatureDrafter, calibrate_feature_drafter, head_bytes, load_feature_drafter
 from specsplit.hybrid_drafter import HybridDrafter, split_draft_name
-from specsplit.kv.bounded import BoundedRunner, ForwardBound
-from specsplit.kv.profile_run import make_profile_runner, profile_shapes, run_drafter_shape, run_verifier_shape
-from specsplit.kv.profiler import KVShape, MemoryPlan, MemoryProfiler, ServicePlan
-from specsplit.models.loader import LoadedModel, load_model, load_tokenizer
+from specsplit.kv.profiler import MemoryPlan, MemoryProfiler, ServicePlan
+from specsplit.models.loader import LoadedModel, load_tokenizer
 from specsplit.models.registry import is_eagle3
-from specsplit.models.runner import ModelRunner
 from specsplit.spec import SpecDecoder
 
 log = logging.getLogger(__name__)
-
-NGRAM = "ngram"
-VERIFIER, DRAFTER = "verifier", "drafter"
-
-
-def load_for(cfg: EngineConfig, show_progress: bool = True) -> LoadedModel:
-    loaded = load_model(cfg.model, cfg.device, cfg.dtype, max_positions=cfg.max_model_len + 16, show_progress=show_progress)
-    if cfg.deterministic:  # --deterministic: batch-invariant numerics (models/deterministic.py)
-        from specsplit.models.deterministic import make_deterministic
-
-        make_deterministic(loaded.model)
-    return loaded
-
-
-def check_model_len(loaded: LoadedModel, cfg: EngineConfig) -> None:
-    limit = loaded.config.max_position_embeddings
-    if cfg.max_model_len > limit:
-        raise ValueError(f"--max-model-len {cfg.max_model_len} exceeds what {cfg.model} supports ({limit} positions)")
-
-
-def forward_bound(cfg: EngineConfig, num_speculative_tokens: int) -> ForwardBound:
-    """The largest forward an engine of cfg may run: what the profile measures, what BoundedRunner keeps."""
-    return ForwardBound(
-        max_num_seqs=cfg.max_num_seqs,
-        window=max(1, num_speculative_tokens + 1),
-        max_prefill_tokens=max(1, min(cfg.max_prefill_tokens, cfg.max_model_len)),
-    )
-
-
-def kv_shape(loaded: LoadedModel, cfg: EngineConfig) -> KVShape:
-    return KVShape.for_model(
-        loaded.config, cfg.dtype, cfg.block_size, cfg.max_model_len, cfg.max_num_seqs, cfg.num_blocks,
-        cap=cfg.kv_cap,
-    )
-
-
-def make_runner(loaded: LoadedModel, cfg: EngineConfig, num_blocks: int, num_speculative_tokens: int = 0) -> ModelRunner:
-    return BoundedRunner(loaded.model, num_blocks, cfg.block_size, cfg.max_model_len, forward_bound(cfg, num_speculative_tokens))
-
-
-# ---- measuring one budget's services ----------------------------------------------------------
-
-
-@dataclass
-class ModelService:
-    """One model of a service while it is measured and sized: which, with what config and K."""
-
-    name: str  # VERIFIER | DRAFTER
-    cfg: EngineConfig
-    k: int  # speculative tokens its steps carry (0: target-only)
-    loaded: LoadedModel | None = None
-    after_load: Callable[[LoadedModel], None] | None = None
-
-
-def profile_steps(s: ModelService):
-    model, cfg = s.loaded.model, s.cfg
-    bound = forward_bound(cfg, s.k)
-    engine_cls = TargetEngine if s.name == VERIFIER else DraftEngine
-    run_shape = run_verifier_shape if s.name == VERIFIER else run_drafter_shape
-    # A drafter keeps the q rows of its chain of drafts: K, or K + 1 + K while a gateway pre-drafts
-    # (specsplit/spec/); the profile drafts the longer chain so its rows are in the plan.
-    k = max(0, min(s.k if s.name == VERIFIER else drafter_reach(s.k, pre_draft=True), cfg.max_model_len - 2))
-
-    def setup():
-        return engine_cls(make_profile_runner(model, cfg.block_size, cfg.max_model_len, bound), bound.max_prefill_tokens)
-
-    steps = {shape.name: (lambda eng, shape=shape: run_shape(eng, shape, k)) for shape in profile_shapes(bound, cfg.max_model_len)}
-    return setup, steps
-
 
 def _plan_budget(services: list[ModelService], show_progress: bool, joint: bool,
                  after_loads: Callable[[list[ModelService]], None] | None = None) -> MemoryPlan:
@@ -218,20 +148,6 @@ def plan_memory(target: EngineConfig, draft: EngineConfig | None = None, spec: S
 # ---- building engines -----------------------------------------------------------------------
 
 
-def allocate_engine(s: ModelService, sp: ServicePlan, calibrate: bool = False):
-    """The engine over its sized cache; with `calibrate`, its step costs timed (calibration.py)."""
-    runner = make_runner(s.loaded, s.cfg, sp.num_blocks, s.k)
-    if runner.kv.nbytes != sp.kv_cache_bytes:  # the plan's arithmetic and the tensor must agree
-        raise RuntimeError(f"{s.name}: KV cache is {runner.kv.nbytes} bytes, the plan sized {sp.kv_cache_bytes}")
-    engine_cls = TargetEngine if s.name == VERIFIER else DraftEngine
-    engine = engine_cls(runner, s.cfg.max_prefill_tokens)
-    if calibrate and s.name == VERIFIER and s.k > 0:
-        engine.step_costs = calibrate_verifier(runner, s.k, s.cfg.max_num_seqs)
-    elif calibrate and s.name == DRAFTER:
-        engine.step_costs = calibrate_drafter(runner, s.cfg.max_num_seqs)
-    return engine
-
-
 def colocated_decoder(verifier, drafter, spec: SpecConfig, max_model_len: int) -> SpecDecoder:
     """The SpecDecoder of both colocated modes (one device, tensor parallel): with the K policy on,
     priced from both engines' calibrated costs; without a drafter, target-only."""
@@ -336,12 +252,10 @@ def build_colocated(
 
     The tokenizer is loaded inside the measured window, so on CPU its memory is part of the
     verifier's non-torch bytes. target.tensor_parallel_size > 1: a tensor-parallel
-    target (specsplit.parallel.colocated)."""
+    target (_build_colocated_tp)."""
     tp = max(1, int(target.tensor_parallel_size))
     if tp > 1:
-        from specsplit.parallel.colocated import build_colocated_tp
-
-        return build_colocated_tp(target, draft, spec, tp, show_progress)
+        return _build_colocated_tp(target, draft, spec, tp, show_progress)
     tokenizer = []
     draft, hybrid = without_lookup(draft)
     plan, t, d = _plan_models(target, draft, spec, joint=True, show_progress=show_progress,
@@ -360,6 +274,44 @@ def build_colocated(
         drafter = NgramDrafter(spec.ngram_min, spec.ngram_max, t.loaded.config.vocab_size, target.max_model_len)
     decoder = colocated_decoder(verifier, drafter, spec, target.max_model_len)
     return Colocated(decoder, verifier, drafter, t.loaded, d.loaded if d else None, tokenizer[0], plan)
+
+
+def _build_colocated_tp(target: EngineConfig, draft: EngineConfig | None, spec: SpecConfig, world: int,
+                       show_progress: bool = False):
+    """`specsplit serve --tensor-parallel-size N`: the target comes up as in the verifier service
+    (rank 0 in this process, N-1 supervised workers, one plan per rank); the draft, if any, is
+    loaded in this process on its own budget after the target. This is the one place the colocated
+    mode does not plan one joint budget: the target's ranks are sized first (on the CPU each gets
+    1/N of the host's budget), then the draft on the budget flags again. The drafter stays at one
+    rank; the decoder is assembled as on one device (colocated_decoder)."""
+    from specsplit.parallel.build import TPMemoryPlan
+    from specsplit.parallel.group import TPGroup
+
+    k = spec.num_speculative_tokens if draft is not None else 0
+    group, verifier, t_plan = TPGroup.launch(target, replace(spec, num_speculative_tokens=k), world,
+                                             threads=torch.get_num_threads(), show_progress=show_progress)
+    try:
+        loaded = group.loaded
+        tokenizer = load_tokenizer(loaded.hf_dir)
+        drafter, d_plan = None, None
+        if draft is not None:
+            base, _ = without_lookup(draft)
+            if base.model == NGRAM:
+                drafter = NgramDrafter(spec.ngram_min, spec.ngram_max, loaded.config.vocab_size, target.max_model_len)
+            else:
+                drafter, d_plan = draft_engine_and_plan(draft, spec, show_progress, allocate=True, vocab_size=loaded.config.vocab_size)
+        services = dict(t_plan.services)
+        if d_plan is not None:
+            services[DRAFTER] = d_plan.services[DRAFTER]
+        plan = TPMemoryPlan(joint=False, budget_bytes=t_plan.budget_bytes + (d_plan.budget_bytes if d_plan else 0),
+                            services=services, method=t_plan.method, ranks=t_plan.ranks)
+        for line in plan.log_lines() + (MemoryPlan.log_lines(d_plan) if d_plan else []):
+            log.info("%s", line)
+        return Colocated(colocated_decoder(verifier, drafter, spec, target.max_model_len), verifier, drafter, loaded,
+                         None, tokenizer, plan)
+    except BaseException:
+        group.close()
+        raise
 
 
 def set_threads(num_threads: int | None) -> None:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Protocol, Sequence
 
 import torch
 
+from specsplit.sampling.logprobs import TokenLogprob  # defined with the function that makes them
 from specsplit.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -41,17 +42,6 @@ class SeqAdd:
     # Verifier only: the target layers whose outputs (fused, in this order) it returns with each
     # step's result for this sequence, for a feature drafter (specsplit.feature_drafter). () = none.
     feature_layers: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """One emitted token's log-probability under the target (log_softmax of the target's fp32
-    logits at that position, before temperature / top-k / top-p), and the `n` most likely tokens
-    there with theirs, most likely first. (specsplit.request re-exports it: the API's name.)"""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()  # ((token_id, logprob), ...), len n
 
 
 @dataclass(frozen=True)

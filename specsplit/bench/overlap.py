@@ -43,7 +43,7 @@ def _threads_arm(name: str, arm: Arm, threads: int) -> Arm:
 
 
 def _split_arm(name: str, stub, new_tokens: int, disable: bool = False, timeout: float = 900.0) -> Arm:
-    from specsplit.gateway.bench_client import timed_generate
+    from specsplit.bench.split_arm import timed_generate
 
     return Arm(name, lambda p, tag: timed_generate(stub, p, new_tokens, 0, timeout, disable=disable)[0], 0,
                {"mode": "split", "speculation": not disable})
@@ -60,7 +60,7 @@ def concurrency_sweep(stub, prompts: list[list[int]], new_tokens: int, levels: l
                       progress: Callable[[], None] | None = None, timeout: float = 900.0) -> list[dict]:
     """Per level: tokens/s with speculation as served and with it disabled per request, through
     the same stack, alternating batch by batch (which goes first alternates too)."""
-    from specsplit.gateway.bench_client import timed_generate
+    from specsplit.bench.split_arm import timed_generate
 
     rows = []
     for c in levels:

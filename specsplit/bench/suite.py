@@ -264,7 +264,7 @@ class Bench:
         """specsplit split over gRPC: `specsplit up` (three local processes) with the colocated
         arms' target, draft, dtype, threads and engine sizes, one stream at a time, interleaved
         run by run with a colocated engine of the same configuration (ratio_vs_colocated)."""
-        from specsplit.gateway.bench_client import run_split_paired
+        from specsplit.bench.split_arm import run_split_paired
         from specsplit.gateway.launch import specsplit_up
 
         a = self.args

@@ -8,7 +8,7 @@
   statistics on CUDA; on CPU every tensor storage created during the load and still alive after
   it; see specsplit.kv.meters).
 * activation peak: the highest live torch bytes above the start of a profile run, in which the
-  real engine code runs its largest steps (specsplit.kv.profile_run): max_num_seqs sequences of
+  real engine code runs its largest steps (specsplit.profile_run): max_num_seqs sequences of
   k+1 new tokens, the same with one max_prefill_tokens prompt chunk, and a burst of short prompts,
   all at max_model_len tokens of context, sampling on. BoundedRunner keeps every later forward
   inside that shape.

@@ -88,7 +88,7 @@ class TPMemoryPlan(MemoryPlan):
 def build_rank(cfg: EngineConfig, spec: SpecConfig, rank: int, world: int, startup_group, compute_group,
                show_progress: bool = False):
     """(TargetEngine over this rank's shard and cache, TPMemoryPlan, the LoadedModel) on every rank."""
-    from specsplit.factory import VERIFIER, allocate_engine, profile_steps, ModelService, check_model_len, kv_shape, load_for
+    from specsplit.engine_build import VERIFIER, ModelService, allocate_engine, check_model_len, kv_shape, load_for, profile_steps
     from specsplit.parallel.tensor_parallel import check_shardable, shard_model, unpacked_load
 
     rcfg = rank_config(cfg, rank, world)

@@ -14,13 +14,23 @@ torch breaks them.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-from specsplit.protocols import TokenLogprob
-
 MAX_LOGPROBS = 20  # alternatives per token at most (the API's limit: specsplit.request.validate)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One emitted token's log-probability under the target (log_softmax of the target's fp32
+    logits at that position, before temperature / top-k / top-p), and the `n` most likely tokens
+    there with theirs, most likely first. (specsplit.protocols and specsplit.request re-export it.)"""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # ((token_id, logprob), ...), len n
 
 
 def token_logprobs(rows: torch.Tensor, ids: Sequence[int], n: Sequence[int]) -> list[TokenLogprob]:

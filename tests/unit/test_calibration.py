@@ -8,7 +8,7 @@ import pytest
 
 from specsplit.calibration import CONTEXT_TOKENS, calibrate_drafter, calibrate_verifier, isotonic, monotone_fit
 from specsplit.config import EngineConfig
-from specsplit.factory import load_for, make_runner
+from specsplit.engine_build import load_for, make_runner
 
 
 def test_isotonic_is_the_least_squares_monotone_fit():

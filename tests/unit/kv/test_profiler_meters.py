@@ -6,7 +6,7 @@ import torch
 import torch.autograd.profiler as autograd_profiler
 
 from specsplit.config import EngineConfig
-from specsplit.factory import load_for
+from specsplit.engine_build import load_for
 from specsplit.kv.meters import TorchMeter, device_memory, peak_rss_bytes, reset_peak_rss, rss_bytes, tensor_storage_bytes
 from specsplit.kv.profiler import MemoryProfiler
 

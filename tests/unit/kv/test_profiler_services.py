@@ -8,7 +8,7 @@ import pytest
 from specsplit.config import SpecConfig
 from specsplit.engine import DraftEngine, NgramDrafter, TargetEngine
 from specsplit.factory import build_colocated, build_draft_engine, build_target_engine, plan_memory
-from specsplit.kv.bounded import BoundedRunner
+from specsplit.models.bounded_runner import BoundedRunner
 from specsplit.kv.profiler import MemoryBudgetError, fmt_bytes
 from tests.unit.kv.conftest import MiB, engine_cfg
 

@@ -7,9 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specsplit.config import EngineConfig
-from specsplit.factory import load_for
+from specsplit.engine_build import load_for
 from specsplit.kv.block_manager import OutOfBlocks
-from specsplit.kv.bounded import BoundedRunner, ForwardBound, split_forward
+from specsplit.models.bounded_runner import BoundedRunner, ForwardBound, split_forward
 from specsplit.models.runner import ForwardItem, ModelRunner
 
 items_st = st.lists(

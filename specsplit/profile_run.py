@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specsplit.kv.bounded import BoundedRunner, ForwardBound
+from specsplit.models.bounded_runner import BoundedRunner, ForwardBound
 from specsplit.models.attention import BatchMetadata
 from specsplit.models.llama import LlamaForCausalLM
 from specsplit.models.runner import ForwardItem
