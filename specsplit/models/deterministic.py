@@ -99,9 +99,7 @@ def make_deterministic(model: LlamaForCausalLM) -> LlamaForCausalLM:
     for layer in model.modules():
         if isinstance(layer, DecoderLayer):
             layer.attention = batch_invariant_attention
-    if model._head is None:  # no CPU kernel table (GPU, or the dense policy): the plain head
-        model._head = model._make_head()
-    model._head = _RowwiseHead(model._head)
+    model.wrap_head(_RowwiseHead)
     model.deterministic = True
     return model
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -244,6 +245,17 @@ class LlamaForCausalLM(nn.Module):
                  "; ".join(f"{n}: {t.describe()}" for n, t in self.kernel_tables.items()))
         return True
 
+    def forget_kernels(self) -> None:
+        """Drop the chosen head and kernel tables (tensor parallel shards dense weights, then
+        chooses again for the shard's shapes)."""
+        self._head = None
+        self.kernel_tables = {}
+
+    def wrap_head(self, wrap: Callable[[_Head], object]) -> None:
+        """Replace the head by wrap(head): the chosen one, or the plain head where no kernels were
+        chosen (--deterministic makes it row-wise, models/deterministic.py)."""
+        self._head = wrap(self._head if self._head is not None else self._make_head())
+
     def _keep_head(self, head: _Head, table: cpu_linear.RowKernels) -> int:
         """Free the head copies `table` never uses; returns the packed (opaque) bytes kept."""
         head.kernels = table
@@ -317,6 +329,13 @@ class LlamaForCausalLM(nn.Module):
         ids = token_ids.to(device=self.device, dtype=torch.int64)
         self.vocab_subset = ids
         self._subset_head = self.head_weight()[ids].contiguous()
+
+    def keep_head_rows(self, rows: torch.Tensor) -> None:
+        """rows [N, hidden]: the head is these rows alone (a tensor-parallel rank's vocabulary
+        shard; its logits are gathered by the caller). An untied head's full weight is freed."""
+        self.lm_head = None
+        self._subset_head = rows.contiguous()
+        self.vocab_subset = None
 
     def head_weight(self) -> torch.Tensor:  # [V, hidden]
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.dense_weight()

@@ -184,9 +184,7 @@ def shard_model(model: LlamaForCausalLM, rank: int, world: int, group=None, kern
     'dense', see unpacked_load); the CPU kernels are chosen again for the shard's shapes."""
     cfg = model.cfg
     check_shardable(cfg, world)
-    if model._head is not None:  # kernels chosen for the whole model: start over from dense weights
-        model._head = None
-        model.kernel_tables = {}
+    model.forget_kernels()  # kernels chosen for the whole model: start over from dense weights
     for layer in model.layers:
         _shard_layer(layer, cfg, rank, world, group)
     head = model.head_weight()  # [V, hidden]: the tied embedding or the untied head
@@ -194,9 +192,7 @@ def shard_model(model: LlamaForCausalLM, rank: int, world: int, group=None, kern
     rows = head[rank * per: min(cfg.vocab_size, (rank + 1) * per)]
     if rows.shape[0] < per:
         rows = torch.cat([rows, rows.new_zeros(per - rows.shape[0], rows.shape[1])])
-    model.lm_head = None  # an untied head's full weight is freed; a tied one stays the embedding
-    model._subset_head = rows.contiguous()
-    model.vocab_subset = None
+    model.keep_head_rows(rows)  # an untied head's full weight is freed; a tied one stays the embedding
     model.untracked_weight_bytes = 0
     model.__class__ = TPLlamaForCausalLM
     model.tp_rank, model.tp_size, model.tp_group = rank, world, group
