@@ -35,7 +35,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             rows = engine.fetch_rows(wire.fetch_rows_from_pb(req.fetch_rows, session.to_engine))
             return drafter_pb2.DrafterResponse(id=req.id, rows=drafter_pb2.QRows(rows=wire.rows_to_pb(rows, session.from_engine)))
         if kind == "release":
-            self.host.release(session, [session.to_engine(s) for s in req.release.seq_ids])
+            self.host.release(session, [session.to_engine(s) for s in req.release.seq_ids], req.release.finished)
             return drafter_pb2.DrafterResponse(id=req.id, ack=common_pb2.Ack())
         raise wire.EngineError("empty DrafterRequest: set add, propose, fetch_rows or release")
 

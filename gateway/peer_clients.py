@@ -183,13 +183,13 @@ class _PeerClient:
         self._request(add=wire.seq_adds_to_pb(seqs))
         self._live.update(s.seq_id for s in seqs)
 
-    def release(self, seq_ids: Sequence[str]) -> None:
+    def release(self, seq_ids: Sequence[str], finished: bool = False) -> None:
         """Never fails for a lost connection: the service freed those sequences itself."""
         ids = [s for s in seq_ids if s in self._live]
         if not ids or self._stream is None:
             return
         try:
-            self._request(release=common_pb2.Release(seq_ids=ids))
+            self._request(release=common_pb2.Release(seq_ids=ids, finished=finished))
         except RemoteError as e:
             if not e.broken:
                 raise

@@ -70,7 +70,9 @@ def _spec(args) -> SpecConfig:
     k = args.num_speculative_tokens
     return SpecConfig(num_speculative_tokens=DEFAULT_K_NGRAM if k is None else k,
                       draft_model_tokens=getattr(args, "draft_model_tokens", SpecConfig.draft_model_tokens),
-                      k_policy=getattr(args, "k_policy", None) or DEFAULT_K_POLICY)
+                      k_policy=getattr(args, "k_policy", None) or DEFAULT_K_POLICY,
+                      suffix_cache_tokens=getattr(args, "suffix_cache_tokens", SpecConfig.suffix_cache_tokens),
+                      suffix_share=getattr(args, "suffix_share", SpecConfig.suffix_share))
 
 
 def build_engine(args, role: str) -> BuiltEngine:

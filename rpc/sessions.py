@@ -85,8 +85,8 @@ class SessionHost:
         self.engine.add(seqs)
         session.owned.update(s.seq_id for s in seqs)
 
-    def release(self, session: PeerSession, engine_ids: list[str]) -> None:
-        self.engine.release(engine_ids)
+    def release(self, session: PeerSession, engine_ids: list[str], finished: bool = False) -> None:
+        self.engine.release(engine_ids, finished=finished)
         session.owned.difference_update(engine_ids)
 
     def _release_all(self, session: PeerSession) -> None:

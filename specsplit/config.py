@@ -85,6 +85,10 @@ class SpecConfig:
     # num_speculative_tokens as the maximum; "fixed": always num_speculative_tokens. The servers
     # and `specsplit generate` default to auto (--k-policy); a library caller asks for it.
     k_policy: str = "fixed"
+    # --draft suffix / MODEL+suffix (specsplit/suffix_drafter.py): finished outputs the drafter keeps
+    # to draft from (tokens), and whether requests share them ("finished") or not ("none").
+    suffix_cache_tokens: int = 1 << 18
+    suffix_share: str = "finished"
     # Pre-draft the next step's likeliest branch while the verifier verifies this one
     # (specsplit/spec/). The split gateway turns it on by default; in one process it needs the
     # drafter on its own core or device (`--async-draft`).

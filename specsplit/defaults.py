@@ -13,6 +13,9 @@ DEFAULT_K_HYBRID = 3  # MODEL+ngram: lookup drafts up to 3, the model DEFAULT_DR
 DEFAULT_DRAFT_MODEL_TOKENS = 1
 DEFAULT_K_NGRAM = 4
 DEFAULT_K_FEATURE = 3  # an EAGLE-3 head (alone or +ngram): the K policy picks K <= 3 per step
+DEFAULT_K_SUFFIX = 6  # suffix drafting: at most 6 a step; it drafts fewer where its match is rare
+DEFAULT_SUFFIX_CACHE_TOKENS = 1 << 18  # finished output tokens a suffix drafter keeps (~10 bytes each)
+SUFFIX_SHARE_MODES = ("none", "finished")
 DISABLE_BY_BATCH_SIZE_CPU = 1  # with --k-policy fixed; measured: `specsplit bench` concurrency sweep (README)
 DISABLE_BY_BATCH_SIZE_OTHER = 0  # never: on a GPU the verify pass stays memory-bound far longer
 K_POLICIES = ("auto", "fixed")
@@ -56,6 +59,8 @@ def default_k_for(draft: str | None) -> int:
         return 0
     if draft == "ngram":
         return DEFAULT_K_NGRAM
+    if draft == "suffix" or draft.endswith("+suffix"):
+        return DEFAULT_K_SUFFIX
     if "eagle3" in draft:
         return DEFAULT_K_FEATURE
     return DEFAULT_K_HYBRID if draft.endswith("+ngram") else DEFAULT_K_MODEL
@@ -76,6 +81,8 @@ def spec_config(args, draft: str | None, device: str | None = None, split: bool 
                       disable_by_batch_size=disable_by_batch_size(args, device or getattr(args, "device", None)),
                       draft_model_tokens=getattr(args, "draft_model_tokens", DEFAULT_DRAFT_MODEL_TOKENS),
                       k_policy=getattr(args, "k_policy", None) or DEFAULT_K_POLICY,
+                      suffix_cache_tokens=getattr(args, "suffix_cache_tokens", DEFAULT_SUFFIX_CACHE_TOKENS),
+                      suffix_share=getattr(args, "suffix_share", "finished"),
                       async_draft=asked is not False if split else bool(asked))
 
 

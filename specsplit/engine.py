@@ -116,7 +116,9 @@ def _features_for(s: _Seq, layers: tuple[int, ...], fused: torch.Tensor) -> torc
     return torch.cat([fused[:, layers.index(i) * h:(layers.index(i) + 1) * h] for i in s.feature_layers], dim=1)
 
 
-def check_token_ids(seq_id: str, ids: Sequence[int], vocab_size: int) -> None:
+def check_token_ids(seq_id: str, ids: Sequence[int], vocab_size: int | None) -> None:
+    if vocab_size is None:  # a lookup drafter started without the target's vocabulary
+        return
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
         raise EngineError(f"sequence {seq_id!r}: token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
@@ -147,7 +149,7 @@ def check_seq_adds(seqs: Sequence[SeqAdd], running, side: str, vocab_size: int |
             raise EngineError(f"sequence {s.seq_id!r}: logprobs must be in [0, {MAX_LOGPROBS}], got {s.logprobs}")
 
 
-def check_propose(r: ProposeRequest, s, vocab_size: int, max_model_len: int) -> None:
+def check_propose(r: ProposeRequest, s, vocab_size: int | None, max_model_len: int) -> None:
     """What every drafter refuses in a propose: bad ids, k < 0, or a chain past max_model_len
     (the context plus k - 1 drafts: the last draft is never fed)."""
     check_token_ids(r.seq_id, tuple(r.new_token_ids) + tuple(r.pending_drafts), vocab_size)
@@ -204,6 +206,10 @@ class _EngineBase:
         return self.runner.vocab_size
 
     @property
+    def max_model_len(self) -> int:
+        return self.runner.max_model_len
+
+    @property
     def num_running(self) -> int:
         return len(self.seqs)
 
@@ -236,7 +242,7 @@ class _EngineBase:
             self.release(added)
             raise
 
-    def release(self, seq_ids: Sequence[str]) -> None:
+    def release(self, seq_ids: Sequence[str], finished: bool = False) -> None:
         for seq_id in seq_ids:
             self.seqs.pop(seq_id, None)
             self.runner.free(seq_id)
@@ -580,6 +586,6 @@ class NgramDrafter(DrafterTraits):
             raise EngineError("the n-gram drafter's q rows are one-hot; the verifier resolves them itself")
         return []
 
-    def release(self, seq_ids: Sequence[str]) -> None:
+    def release(self, seq_ids: Sequence[str], finished: bool = False) -> None:
         for seq_id in seq_ids:
             self.seqs.pop(seq_id, None)

@@ -27,7 +27,8 @@ from specsplit.engine import DraftEngine, NgramDrafter, TargetEngine
 from specsplit.engine_build import (DRAFTER, NGRAM, VERIFIER, ModelService, allocate_engine, check_model_len, kv_shape,
                                     load_for, profile_steps)
 from specsplit.feature_drafter import FeatureDrafter, calibrate_feature_drafter, head_bytes, load_feature_drafter
-from specsplit.hybrid_drafter import HybridDrafter, split_draft_name
+from specsplit.hybrid_drafter import LOOKUPS, HybridDrafter, split_draft_name
+from specsplit.suffix_drafter import SuffixDrafter
 from specsplit.kv.profiler import MemoryPlan, MemoryProfiler, ServicePlan
 from specsplit.models.loader import LoadedModel, load_tokenizer
 from specsplit.models.registry import is_eagle3
@@ -59,7 +60,7 @@ def _plan_budget(services: list[ModelService], show_progress: bool, joint: bool,
 
 def _ngram_plan(cfg: EngineConfig | None) -> MemoryPlan:
     device = str(torch.device(cfg.device)) if cfg is not None else "cpu"
-    model = cfg.model if cfg is not None and is_eagle3(cfg.model) else NGRAM
+    model = cfg.model if cfg is not None and (is_eagle3(cfg.model) or cfg.model in LOOKUPS) else NGRAM
     return MemoryPlan(joint=False, budget_bytes=0, services={DRAFTER: ServicePlan.zeros(DRAFTER, model, device)})
 
 
@@ -103,7 +104,7 @@ def _plan_models(target: EngineConfig, draft: EngineConfig | None, spec: SpecCon
                  after_target: Callable[[LoadedModel], None] | None = None) -> tuple[MemoryPlan, ModelService, ModelService | None]:
     """Measure and size target (+ draft model): one budget on a shared device when joint, else one each."""
     draft, _ = without_lookup(draft)  # MODEL+ngram: prompt lookup needs no memory of its own
-    has_draft = draft is not None and draft.model != NGRAM and not is_eagle3(draft.model)
+    has_draft = draft is not None and draft.model not in LOOKUPS and not is_eagle3(draft.model)
     k = spec.num_speculative_tokens if draft is not None else 0
     t = ModelService(VERIFIER, target, k, after_load=after_target)
     d = ModelService(DRAFTER, draft, k) if has_draft else None
@@ -180,25 +181,38 @@ def build_target_engine(cfg: EngineConfig, spec: SpecConfig = SpecConfig(), show
     return ServiceBuild(allocate_engine(t, plan.services[VERIFIER], calibrate=spec.k_policy == "auto"), plan)
 
 
-def without_lookup(cfg: EngineConfig | None) -> tuple[EngineConfig | None, bool]:
-    """A draft 'MODEL+ngram' is MODEL (what gets loaded, profiled and sized) plus prompt lookup."""
+def lookup_drafter(name: str, spec: SpecConfig, vocab_size: int | None, max_model_len: int):
+    """A drafter with no model: 'ngram' (prompt lookup) or 'suffix' (specsplit/suffix_drafter.py)."""
+    if name == "suffix":
+        drafter = SuffixDrafter(vocab_size, max_model_len, spec.suffix_cache_tokens, spec.suffix_share)
+        log.info("%s", drafter.describe())
+        return drafter
+    return NgramDrafter(spec.ngram_min, spec.ngram_max, vocab_size, max_model_len)
+
+
+def without_lookup(cfg: EngineConfig | None) -> tuple[EngineConfig | None, str | None]:
+    """A draft 'MODEL+ngram' / 'MODEL+suffix' is MODEL (what gets loaded, profiled and sized) plus
+    a lookup ('ngram' / 'suffix'; None: no lookup)."""
     if cfg is None:
-        return None, False
+        return None, None
     model, hybrid = split_draft_name(cfg.model)
     return (replace(cfg, model=model) if hybrid else cfg), hybrid
 
 
-def with_lookup(engine: DraftEngine, hybrid: bool, spec: SpecConfig) -> DraftEngine | HybridDrafter:
+def with_lookup(engine: DraftEngine, hybrid: str | None, spec: SpecConfig) -> DraftEngine | HybridDrafter:
+    if not hybrid:
+        return engine
     # A feature drafter drafts as many tokens as the step asks (cheap, and accepted far more often
     # than the small model draft that --draft-model-tokens caps).
     model_tokens = 0 if isinstance(engine, FeatureDrafter) else spec.draft_model_tokens
-    return HybridDrafter(engine, spec.ngram_min, spec.ngram_max, model_tokens) if hybrid else engine
+    suffix = lookup_drafter("suffix", spec, engine.vocab_size, engine.max_model_len) if hybrid == "suffix" else None
+    return HybridDrafter(engine, spec.ngram_min, spec.ngram_max, model_tokens, suffix=suffix)
 
 
 def draft_engine_and_plan(cfg: EngineConfig, spec: SpecConfig, show_progress: bool, allocate: bool, vocab_size: int | None = None):
     cfg, hybrid = without_lookup(cfg)
-    if cfg.model == NGRAM:
-        drafter = NgramDrafter(spec.ngram_min, spec.ngram_max, vocab_size, cfg.max_model_len) if allocate else None
+    if cfg.model in LOOKUPS:
+        drafter = lookup_drafter(cfg.model, spec, vocab_size, cfg.max_model_len) if allocate else None
         return drafter, _ngram_plan(cfg)
     if is_eagle3(cfg.model):
         plan = _ngram_plan(cfg)
@@ -271,7 +285,7 @@ def build_colocated(
         drafter = with_lookup(_feature_drafter(replace(draft, max_model_len=target.max_model_len), spec, embedding,
                                                 t.loaded.config.num_layers, plan), hybrid, spec)
     elif draft is not None:
-        drafter = NgramDrafter(spec.ngram_min, spec.ngram_max, t.loaded.config.vocab_size, target.max_model_len)
+        drafter = lookup_drafter(draft.model, spec, t.loaded.config.vocab_size, target.max_model_len)
     decoder = colocated_decoder(verifier, drafter, spec, target.max_model_len)
     return Colocated(decoder, verifier, drafter, t.loaded, d.loaded if d else None, tokenizer[0], plan)
 
@@ -296,8 +310,8 @@ def _build_colocated_tp(target: EngineConfig, draft: EngineConfig | None, spec: 
         drafter, d_plan = None, None
         if draft is not None:
             base, _ = without_lookup(draft)
-            if base.model == NGRAM:
-                drafter = NgramDrafter(spec.ngram_min, spec.ngram_max, loaded.config.vocab_size, target.max_model_len)
+            if base.model in LOOKUPS:
+                drafter = lookup_drafter(base.model, spec, loaded.config.vocab_size, target.max_model_len)
             else:
                 drafter, d_plan = draft_engine_and_plan(draft, spec, show_progress, allocate=True, vocab_size=loaded.config.vocab_size)
         services = dict(t_plan.services)

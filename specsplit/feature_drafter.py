@@ -101,7 +101,7 @@ class FeatureDrafter(DrafterTraits):
         for s in seqs:
             self.seqs[s.seq_id] = _FSeq(list(s.prompt_token_ids), s.params, SeqRandom(s.params.seed, self.side))
 
-    def release(self, seq_ids: Sequence[str]) -> None:
+    def release(self, seq_ids: Sequence[str], finished: bool = False) -> None:
         for seq_id in seq_ids:
             self.seqs.pop(seq_id, None)
 

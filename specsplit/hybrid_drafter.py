@@ -1,4 +1,6 @@
-"""A draft model and prompt lookup behind one Drafter: `--draft MODEL+ngram`.
+"""A draft model and a lookup behind one Drafter: `--draft MODEL+ngram` (prompt lookup) or
+`MODEL+suffix` (suffix drafting over the request and the shared cache of finished outputs,
+specsplit/suffix_drafter.py: it fires when its draft's expected accepted count is >= 1).
 
 Each step and each greedy sequence, prompt lookup goes first: when the context's last
 `ngram_min` (or more) tokens occurred before and k tokens followed them, those k tokens are the
@@ -30,15 +32,19 @@ from specsplit.engine import DraftEngine, EngineError
 from specsplit.protocols import DrafterTraits, Proposal, ProposeRequest, QRow, RowRequest, SeqAdd
 from specsplit.sampling.ngram import ngram_propose
 from specsplit.sampling.params import SamplingParams
+from specsplit.suffix_drafter import SuffixDrafter
 
-SUFFIX = "+ngram"
+LOOKUPS = ("ngram", "suffix")  # the drafters that need no model (alone, or after MODEL+)
+SUFFIX_FIRES = 1.0  # MODEL+suffix: the suffix draft wins when its expected accepted count reaches this
 
 
-def split_draft_name(name: str) -> tuple[str, bool]:
-    """'MODEL+ngram' -> (MODEL, True); anything else -> (name, False)."""
-    if name.endswith(SUFFIX) and len(name) > len(SUFFIX):
-        return name[: -len(SUFFIX)], True
-    return name, False
+def split_draft_name(name: str) -> tuple[str, str | None]:
+    """'MODEL+ngram' -> (MODEL, 'ngram'), 'MODEL+suffix' -> (MODEL, 'suffix'); else (name, None)."""
+    for lookup in LOOKUPS:
+        tail = "+" + lookup
+        if name.endswith(tail) and len(name) > len(tail):
+            return name[: -len(tail)], lookup
+    return name, None
 
 
 class HybridDrafter(DrafterTraits):
@@ -46,8 +52,10 @@ class HybridDrafter(DrafterTraits):
 
     side = "drafter"
 
-    def __init__(self, model: DraftEngine, ngram_min: int = 1, ngram_max: int = 4, model_tokens: int = 1):
+    def __init__(self, model: DraftEngine, ngram_min: int = 1, ngram_max: int = 4, model_tokens: int = 1,
+                 suffix: SuffixDrafter | None = None):
         self.model = model
+        self.suffix = suffix  # MODEL+suffix: the suffix drafter's lookups instead of prompt lookup
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
         # the K policy prices only this many model drafts per step (0 = k)
         self.model_tokens: int | None = model_tokens
@@ -92,6 +100,8 @@ class HybridDrafter(DrafterTraits):
         for s in seqs:
             self.tokens[s.seq_id] = list(s.prompt_token_ids)
             self.params[s.seq_id] = s.params
+            if self.suffix is not None:
+                self.suffix.start(s.seq_id, s.prompt_token_ids)
 
     def propose(self, reqs: Sequence[ProposeRequest]) -> list[Proposal]:
         for r in reqs:
@@ -99,11 +109,19 @@ class HybridDrafter(DrafterTraits):
                 raise EngineError(f"unknown sequence {r.seq_id!r} on the drafter: add it first")
         lookup: dict[str, tuple[int, ...]] = {}
         for r in reqs:
-            if r.k > 0 and self.params[r.seq_id].accepts_by_match:  # no q needed
-                context = self.tokens[r.seq_id] + list(r.new_token_ids) + list(r.pending_drafts)
-                drafts = ngram_propose(context, r.k, self.ngram_min, self.ngram_max)
-                if len(drafts) == r.k:
+            if self.suffix is not None:
+                self.suffix.extend(r.seq_id, r.new_token_ids)
+            if r.k <= 0 or not self.params[r.seq_id].accepts_by_match:  # sampled: the model's q rows
+                continue
+            if self.suffix is not None:
+                drafts, expected = self.suffix.draft(r.seq_id, r.k, r.pending_drafts)
+                if drafts and expected >= SUFFIX_FIRES:
                     lookup[r.seq_id] = tuple(drafts)
+                continue
+            context = self.tokens[r.seq_id] + list(r.new_token_ids) + list(r.pending_drafts)
+            drafts = ngram_propose(context, r.k, self.ngram_min, self.ngram_max)
+            if len(drafts) == r.k:
+                lookup[r.seq_id] = tuple(drafts)
         # The model sees every sequence's new tokens (k = 0: ingest only, where lookup drafted),
         # so its KV stays in step and it can draft for that sequence next time. A pre-draft runs
         # off the critical path, so there the model may draft all k.
@@ -127,8 +145,11 @@ class HybridDrafter(DrafterTraits):
     def fetch_rows(self, fetch: Sequence[RowRequest]) -> list[QRow]:
         return self.model.fetch_rows(fetch)  # only sampled (model-drafted) sequences have rows
 
-    def release(self, seq_ids: Sequence[str]) -> None:
+    def release(self, seq_ids: Sequence[str], finished: bool = False) -> None:
         self.model.release(seq_ids)
+        if self.suffix is not None:
+            for seq_id in seq_ids:
+                self.suffix.finish(seq_id, finished)
         for seq_id in seq_ids:
             self.tokens.pop(seq_id, None)
             self.params.pop(seq_id, None)

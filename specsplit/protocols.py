@@ -144,7 +144,10 @@ class Drafter(Protocol):
         that follow show it was verified: the next propose)."""
         ...
 
-    def release(self, seq_ids: Sequence[str]) -> None: ...
+    def release(self, seq_ids: Sequence[str], finished: bool = False) -> None:
+        """Free the sequences. finished: they ended normally (stop or length), so their output
+        may feed what the drafter learns from (specsplit.suffix_drafter; never a live request's)."""
+        ...
 
 
 class Verifier(Protocol):

@@ -232,9 +232,13 @@ class Scheduler:
             elif kept:
                 req.emit(kept)
         if done:
+            ended = [sid for sid in done if self.running[sid].finish_reason in ("stop", "length")]
             for sid in done:
                 del self.running[sid]
-            self._release(done)
+            if ended:
+                self._release(ended, finished=True)
+            if len(ended) < len(done):
+                self._release([sid for sid in done if sid not in ended])
         return events
 
     def run(self, requests: Iterable[GenerationRequest],
@@ -364,9 +368,9 @@ class Scheduler:
         log.error("step over %d sequences failed: %s", len(self.running), err)
         self._fail_all(err)
 
-    def _release(self, seq_ids: list[str]) -> None:
+    def _release(self, seq_ids: list[str], finished: bool = False) -> None:
         try:
-            self.decoder.release(seq_ids)
+            self.decoder.release(seq_ids, finished=finished)
         except Exception as e:
             err = self.classify(e)
             log.error("releasing %d sequences failed: %s", len(seq_ids), err)

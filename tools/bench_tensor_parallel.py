@@ -61,7 +61,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     wanted = args.arms.split(",")
-    det_cfg = replace(cfg, extra={"deterministic": True})
+    det_cfg = replace(cfg, deterministic=True)
     spec = SpecConfig(num_speculative_tokens=3)
     group = None
     engines = {}

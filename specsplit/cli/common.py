@@ -6,7 +6,7 @@ import re
 
 # The defaults and the namespace -> config conversions live one layer down, in specsplit.defaults,
 # so the services and the gateway use them without importing the CLI; re-exported here for the parsers.
-from specsplit.defaults import (DEFAULT_DRAFT_MODEL_TOKENS, DEFAULT_K_HYBRID, DEFAULT_K_MODEL, DEFAULT_K_NGRAM,  # noqa: F401
+from specsplit.defaults import (DEFAULT_SUFFIX_CACHE_TOKENS, SUFFIX_SHARE_MODES, DEFAULT_DRAFT_MODEL_TOKENS, DEFAULT_K_HYBRID, DEFAULT_K_MODEL, DEFAULT_K_NGRAM,  # noqa: F401
                                 DISABLE_BY_BATCH_SIZE_CPU, DISABLE_BY_BATCH_SIZE_OTHER, DEFAULT_K_POLICY, K_POLICIES, default_disable_by_batch_size,
                                 default_k_for, disable_by_batch_size, engine_config, spec_config)
 
@@ -81,6 +81,13 @@ def add_spec_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-model-tokens", type=nonneg_int, default=DEFAULT_DRAFT_MODEL_TOKENS,
                    help="with --draft MODEL+ngram: the model drafts at most N of the K tokens, prompt lookup up "
                         "to K (0 = K; default %(default)s)")
+    g.add_argument("--suffix-cache-tokens", type=nonneg_int, default=DEFAULT_SUFFIX_CACHE_TOKENS,
+                   help="--draft suffix / MODEL+suffix: finished output tokens the drafter keeps to draft from, "
+                        "oldest dropped first (default %(default)s, about 10 bytes each; 0 = none)")
+    g.add_argument("--suffix-share", choices=SUFFIX_SHARE_MODES, default="finished",
+                   help="--draft suffix / MODEL+suffix: 'finished' lets every request draft from the outputs of "
+                        "requests that finished (across sessions, so across gateways of one drafter); 'none' keeps "
+                        "lookups inside each request (default %(default)s; docs/security.md)")
     g.add_argument("--async-draft", action=argparse.BooleanOptionalAction, default=None,
                    help="pre-draft the next step's likeliest branch while the verifier verifies this one "
                         "(default: on for the split gateway, off in one process, where it needs the drafter on "

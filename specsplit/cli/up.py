@@ -92,7 +92,8 @@ def _spec_flags(args) -> list[str]:
     # K decided here from the draft argument, so the gateway need not wait for the drafter to learn it.
     k = spec_config(args, args.draft).num_speculative_tokens
     out = ["--num-speculative-tokens", str(k), "--draft-model-tokens", str(args.draft_model_tokens),
-           "--k-policy", args.k_policy]
+           "--k-policy", args.k_policy, "--suffix-cache-tokens", str(args.suffix_cache_tokens),
+           "--suffix-share", args.suffix_share]
     if getattr(args, "async_draft", None) is not None:  # else the gateway's default (on)
         out += ["--async-draft" if args.async_draft else "--no-async-draft"]
     if args.disable_by_batch_size is not None:  # else the gateway picks the default for the verifier's device

@@ -146,7 +146,8 @@ class SpecDecoder:
             except Exception as e:  # the drafter is optional: never fail a request because of it
                 self._drafter_failed(e)
 
-    def release(self, seq_ids: Sequence[str]) -> None:
+    def release(self, seq_ids: Sequence[str], finished: bool = False) -> None:
+        """finished: the requests ended normally (stop, length; not aborted or preempted)."""
         ids = [s for s in seq_ids if s in self.tracks]
         on_drafter = [s for s in ids if self.tracks[s].on_drafter]
         for s in ids:
@@ -157,7 +158,7 @@ class SpecDecoder:
             self.verifier.release(ids)
         if on_drafter and self.drafter_up:
             try:
-                self.drafter.release(on_drafter)
+                self.drafter.release(on_drafter, finished=finished)
             except Exception as e:
                 self._drafter_failed(e)
 

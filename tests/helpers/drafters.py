@@ -21,8 +21,8 @@ class DrafterWrapper(DrafterTraits):
     def fetch_rows(self, fetch):
         return self.engine.fetch_rows(fetch)
 
-    def release(self, ids):
-        return self.engine.release(ids)
+    def release(self, ids, finished=False):
+        return self.engine.release(ids, finished=finished)
 
 
 class LosesRows(DrafterWrapper):

@@ -204,8 +204,8 @@ class _NoLogprobs(VerifierTraits):
     def abandon(self, ids):
         return self.engine.abandon(ids)
 
-    def release(self, ids):
-        return self.engine.release(ids)
+    def release(self, ids, finished=False):
+        return self.engine.release(ids, finished=finished)
 
 
 def test_a_verifier_that_sends_no_logprobs_fails_only_the_requests_that_asked(tiny_llama):

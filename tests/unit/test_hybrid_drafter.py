@@ -27,11 +27,13 @@ def _target_only(target, requests):
 
 
 def test_split_draft_name():
-    assert split_draft_name("smollm2-135m-draft+ngram") == ("smollm2-135m-draft", True)
-    assert split_draft_name("/models/d+ngram") == ("/models/d", True)
-    assert split_draft_name("ngram") == ("ngram", False)
-    assert split_draft_name("+ngram") == ("+ngram", False)
-    assert split_draft_name("smollm2-135m-draft") == ("smollm2-135m-draft", False)
+    assert split_draft_name("smollm2-135m-draft+ngram") == ("smollm2-135m-draft", "ngram")
+    assert split_draft_name("/models/d+ngram") == ("/models/d", "ngram")
+    assert split_draft_name("smollm2-135m-draft+suffix") == ("smollm2-135m-draft", "suffix")
+    assert split_draft_name("ngram") == ("ngram", None)
+    assert split_draft_name("suffix") == ("suffix", None)
+    assert split_draft_name("+ngram") == ("+ngram", None)
+    assert split_draft_name("smollm2-135m-draft") == ("smollm2-135m-draft", None)
 
 
 @pytest.mark.parametrize("k", [1, 3])

@@ -39,9 +39,9 @@ class FlakyDrafter(DrafterTraits):
         self._check()
         return self.engine.fetch_rows(fetch)
 
-    def release(self, ids):
+    def release(self, ids, finished=False):
         self._check()
-        return self.engine.release(ids)
+        return self.engine.release(ids, finished=finished)
 
 
 def _reqs():

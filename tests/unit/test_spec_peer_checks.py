@@ -68,8 +68,8 @@ class BadDrafter(DrafterTraits):
                     self.corrupted += 1
         return rows
 
-    def release(self, ids):
-        return self.engine.release(ids)
+    def release(self, ids, finished=False):
+        return self.engine.release(ids, finished=finished)
 
 
 class CheckedVerifier(VerifierTraits):

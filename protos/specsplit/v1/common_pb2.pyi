@@ -71,10 +71,12 @@ class AddSeqs(_message.Message):
     def __init__(self, seqs: _Optional[_Iterable[_Union[SeqAdd, _Mapping]]] = ...) -> None: ...
 
 class Release(_message.Message):
-    __slots__ = ("seq_ids",)
+    __slots__ = ("seq_ids", "finished")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, seq_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    finished: bool
+    def __init__(self, seq_ids: _Optional[_Iterable[str]] = ..., finished: _Optional[bool] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ()

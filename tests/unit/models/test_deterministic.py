@@ -69,7 +69,7 @@ def _requests(n, seed, max_tokens=24):
 
 def _cfg(path):
     return EngineConfig(model=str(path), max_model_len=MAX_LEN, max_num_seqs=16, max_prefill_tokens=64,
-                        extra={"deterministic": True})
+                        deterministic=True)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,225 @@
+"""Suffix drafting (`--draft suffix`, `MODEL+suffix`): drafts from what came before, no model.
+
+After SuffixDecoding (Oliaro et al., NeurIPS 2025): the drafter keeps next-token counts after every
+n-gram (n = 1..max_depth) of (a) each request's own prompt and output so far and (b) a bounded
+cache of recent finished outputs shared by every request the drafter serves -- in the drafter
+service, every session, so every gateway. Those counts are what a suffix tree of depth
+max_depth + 1 holds at its nodes. To draft, it matches the longest suffix of the context that
+occurred before, takes the most frequent next token, appends it and repeats; the estimated
+probability of the path (the product of count / total at each node) decides how far it goes: it
+stops below `min_prob`, so a frequent match speculates many tokens and a rare one few.
+
+Sharing (`--suffix-share`): `finished` (default) adds a request's output to the shared cache when
+the request finished (stop or length: `release(..., finished=True)`), never its prompt and never a
+live request's tokens; `none` keeps every lookup inside its own request. The cache holds at most
+`--suffix-cache-tokens` output tokens, least recently added request evicted first.
+
+Drafts are deterministic (q one-hot, q(x) = 1), as prompt lookup's: greedy, coupled and sampled
+requests all stay lossless (the verifier resolves a rejection from p alone).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from specsplit.engine import EngineError, check_propose, check_seq_adds
+from specsplit.protocols import DrafterTraits, Proposal, ProposeRequest, QRow, RowRequest, SeqAdd
+
+log = logging.getLogger(__name__)
+
+SHARE_MODES = ("none", "finished")
+DEFAULT_MAX_DEPTH = 8  # longest suffix matched (tokens)
+DEFAULT_MIN_PROB = 0.1  # stop drafting when the path's estimated probability falls below
+DEFAULT_CACHE_TOKENS = 1 << 18  # shared cache of finished outputs: 262,144 tokens
+
+
+SEP = -1  # between outputs in the shared cache: no match crosses it
+
+
+def _match(arr: np.ndarray, context: Sequence[int], max_depth: int) -> tuple[np.ndarray, int]:
+    """Where the longest suffix of `context` (at most max_depth tokens) ends in `arr` with a token
+    after it: (those end positions, the match length); (empty, 0) when the last token never
+    occurred. arr [L] int64."""
+    if arr.size < 2 or not context:
+        return np.empty(0, dtype=np.int64), 0
+    pos = np.flatnonzero(arr[:-1] == context[-1])  # [C] candidate ends with a next token
+    if pos.size == 0:
+        return pos, 0
+    length = 1
+    for n in range(2, min(max_depth, len(context)) + 1):
+        prev = pos - (n - 1)
+        ok = prev >= 0
+        keep = pos[ok][arr[prev[ok]] == context[-n]]
+        if keep.size == 0:
+            break
+        pos, length = keep, n
+    return pos, length
+
+
+def _walk(arr: np.ndarray, ends: np.ndarray, k: int, min_prob: float) -> tuple[list[int], float]:
+    """From the matched ends, follow the most frequent next token (the suffix tree's heaviest
+    child) while the path's probability stays >= min_prob: (drafts, their expected accepted count)."""
+    out: list[int] = []
+    p, expected = 1.0, 0.0
+    for _ in range(k):
+        ends = ends[ends + 1 < arr.size]
+        if ends.size == 0:
+            break
+        nxt = arr[ends + 1]  # [C]
+        nxt_ok = nxt[nxt != SEP]
+        if nxt_ok.size == 0:
+            break
+        tokens, counts = np.unique(nxt_ok, return_counts=True)
+        best = int(np.argmax(counts))
+        p *= counts[best] / ends.size
+        if p < min_prob:
+            break
+        token = int(tokens[best])
+        out.append(token)
+        expected += p
+        ends = ends[nxt == token] + 1
+    return out, expected
+
+
+def draft_from(sources: Sequence[np.ndarray], context: Sequence[int], k: int, max_depth: int,
+               min_prob: float) -> tuple[list[int], float]:
+    """Up to k drafts continuing `context` from the source with the longest suffix match (ties: the
+    more frequent continuation). Returns (drafts, expected number accepted)."""
+    best: tuple[list[int], float] = ([], 0.0)
+    best_key = (0, 0.0)
+    for arr in sources:
+        ends, length = _match(arr, context, max_depth)
+        if length == 0:
+            continue
+        drafts, expected = _walk(arr, ends, k, min_prob)
+        if (length, expected) > best_key:
+            best, best_key = (drafts, expected), (length, expected)
+    return best
+
+
+class SharedOutputs:
+    """The bounded cache of finished outputs every request drafts from: one array, outputs joined
+    by SEP, the oldest dropped from the front past `max_tokens` (first in, first out)."""
+
+    def __init__(self, max_tokens: int = DEFAULT_CACHE_TOKENS):
+        self.max_tokens = max_tokens
+        self.arr = np.empty(0, dtype=np.int64)  # [L]
+        self.outputs = 0
+
+    def add(self, output: Sequence[int]) -> None:
+        if len(output) < 2 or self.max_tokens <= 0:
+            return
+        new = np.asarray(list(output)[-self.max_tokens + 1:] + [SEP], dtype=np.int64)
+        arr = np.concatenate([self.arr, new])
+        if arr.size > self.max_tokens:
+            seps = np.flatnonzero(arr[: arr.size - self.max_tokens + 1] == SEP)
+            cut = int(seps[-1]) + 1 if seps.size else arr.size - self.max_tokens
+            self.outputs -= int(seps.size)
+            arr = arr[cut:]
+        self.arr = arr
+        self.outputs += 1
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.arr.size)
+
+
+@dataclass
+class _SSeq:
+    tokens: list[int]  # prompt + every final token
+    prompt_len: int
+
+
+class SuffixDrafter(DrafterTraits):
+    """The Drafter protocol over suffix lookups (own context + the shared cache of outputs)."""
+
+    side = "drafter"
+
+    def __init__(self, vocab_size: int | None = None, max_model_len: int | None = None,
+                 cache_tokens: int = DEFAULT_CACHE_TOKENS, share: str = "finished",
+                 max_depth: int = DEFAULT_MAX_DEPTH, min_prob: float = DEFAULT_MIN_PROB):
+        if share not in SHARE_MODES:
+            raise ValueError(f"--suffix-share must be one of {', '.join(SHARE_MODES)}, got {share!r}")
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.share = share
+        self.max_depth = max_depth
+        self.min_prob = min_prob
+        self.shared = SharedOutputs(cache_tokens if share != "none" else 0)
+        self.seqs: dict[str, _SSeq] = {}
+        # metrics: drafting steps that proposed, tokens proposed, seconds spent (lookups + updates)
+        self.proposals = 0
+        self.proposed_tokens = 0
+        self.busy_s = 0.0
+
+    @property
+    def num_running(self) -> int:
+        return len(self.seqs)
+
+    # ---- the lookup a hybrid drafter uses too -----------------------------------------------
+    def start(self, seq_id: str, prompt: Sequence[int]) -> None:
+        self.seqs[seq_id] = _SSeq(list(prompt), len(prompt))
+
+    def extend(self, seq_id: str, new: Sequence[int]) -> None:
+        self.seqs[seq_id].tokens.extend(new)
+
+    def draft(self, seq_id: str, k: int, pending: Sequence[int] = ()) -> tuple[list[int], float]:
+        """Up to k drafts after the sequence's tokens + `pending` (drafts being verified now), and
+        their expected accepted count."""
+        if k <= 0:
+            return [], 0.0
+        t0 = time.perf_counter()
+        context = self.seqs[seq_id].tokens + list(pending)
+        own = np.asarray(context, dtype=np.int64)  # [L] this request's prompt + output (+ pending)
+        sources = [own, self.shared.arr] if self.shared.outputs else [own]
+        drafts, expected = draft_from(sources, context, k, self.max_depth, self.min_prob)
+        self.busy_s += time.perf_counter() - t0
+        if drafts:
+            self.proposals += 1
+            self.proposed_tokens += len(drafts)
+        return drafts, expected
+
+    def finish(self, seq_id: str, finished: bool) -> None:
+        s = self.seqs.pop(seq_id, None)
+        if s is not None and finished and self.share == "finished":
+            t0 = time.perf_counter()
+            self.shared.add(s.tokens[s.prompt_len:])
+            self.busy_s += time.perf_counter() - t0
+
+    # ---- the Drafter protocol ---------------------------------------------------------------
+    def add(self, seqs: Sequence[SeqAdd]) -> None:
+        check_seq_adds(seqs, self.seqs, self.side, self.vocab_size, self.max_model_len)
+        for s in seqs:
+            self.start(s.seq_id, s.prompt_token_ids)
+
+    def propose(self, reqs: Sequence[ProposeRequest]) -> list[Proposal]:
+        for r in reqs:
+            if r.seq_id not in self.seqs:
+                raise EngineError(f"unknown sequence {r.seq_id!r} on the drafter: add it first")
+            check_propose(r, self.seqs[r.seq_id], self.vocab_size, self.max_model_len or 1 << 62)
+        out = []
+        for r in reqs:
+            t0 = time.perf_counter()
+            self.extend(r.seq_id, r.new_token_ids)
+            self.busy_s += time.perf_counter() - t0
+            drafts, _ = self.draft(r.seq_id, r.k, r.pending_drafts)
+            out.append(Proposal(r.seq_id, tuple(drafts), tuple(1.0 for _ in drafts)))
+        return out
+
+    def fetch_rows(self, fetch: Sequence[RowRequest]) -> list[QRow]:
+        if fetch:
+            raise EngineError("the suffix drafter's q rows are one-hot; the verifier resolves them itself")
+        return []
+
+    def release(self, seq_ids: Sequence[str], finished: bool = False) -> None:
+        for seq_id in seq_ids:
+            self.finish(seq_id, finished)
+
+    def describe(self) -> str:
+        return (f"suffix drafter: depth {self.max_depth}, min path probability {self.min_prob}, share "
+                f"{self.share}, shared cache {self.shared.num_tokens}/{self.shared.max_tokens} tokens "
+                f"({self.shared.outputs} outputs)")
