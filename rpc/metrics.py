@@ -16,13 +16,18 @@ Served over HTTP by `start_metrics_server` when a service gets --metrics-port. N
   specsplit_draft_wait_seconds                      gateway, pre-drafting: per step, the time the verifier waited for drafts
   specsplit_engine_seconds{service,op}              drafter / verifier: engine time per session message
   specsplit_kv_blocks{service,state}                used / free KV blocks of every engine in the process
+  specsplit_suffix_cache{unit}                      suffix drafter: shared cache size (tokens, outputs)
+  specsplit_suffix_proposals_total, specsplit_suffix_proposed_tokens_total, specsplit_suffix_seconds_total
+                                                    suffix drafter: steps that proposed, tokens, lookup time
 """
 from __future__ import annotations
 
 import logging
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, disable_created_metrics, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from specsplit.protocols import DrafterTraits
 
 log = logging.getLogger(__name__)
 disable_created_metrics()  # no *_created series: counters and histograms only
@@ -56,12 +61,35 @@ class KvCollector:
     def collect(self):
         g = GaugeMetricFamily("specsplit_kv_blocks", "KV cache blocks by state", labels=["service", "state"])
         for name, engine in list(self.engines.items()):
-            bm = getattr(engine, "block_manager", None)
+            bm = engine.block_manager  # DrafterTraits / VerifierTraits
             if bm is None:
                 continue
             g.add_metric([name, "used"], bm.num_used_blocks)
             g.add_metric([name, "free"], bm.num_free_blocks)
         yield g
+        yield from _suffix_metrics([e.suffix for e in list(self.engines.values())
+                                    if isinstance(e, DrafterTraits) and e.suffix is not None])
+
+
+def _suffix_metrics(drafters):
+    """A suffix drafter's shared cache and its proposals (specsplit/suffix_drafter.py)."""
+    if not drafters:
+        return
+    d = drafters[0]
+    cache = GaugeMetricFamily("specsplit_suffix_cache", "The suffix drafter's shared cache of finished outputs",
+                              labels=["unit"])
+    cache.add_metric(["tokens"], d.shared.num_tokens)
+    cache.add_metric(["outputs"], d.shared.outputs)
+    yield cache
+    proposals = CounterMetricFamily("specsplit_suffix_proposals", "Suffix drafter steps that proposed drafts")
+    proposals.add_metric([], d.proposals)
+    yield proposals
+    tokens = CounterMetricFamily("specsplit_suffix_proposed_tokens", "Draft tokens the suffix drafter proposed")
+    tokens.add_metric([], d.proposed_tokens)
+    yield tokens
+    busy = CounterMetricFamily("specsplit_suffix_seconds", "Seconds the suffix drafter spent in lookups and updates")
+    busy.add_metric([], d.busy_s)
+    yield busy
 
 
 KV = KvCollector()

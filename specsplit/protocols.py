@@ -29,6 +29,7 @@ from specsplit.sampling.params import SamplingParams
 if TYPE_CHECKING:
     from specsplit.calibration import StepCosts
     from specsplit.kv.block_manager import BlockManager
+    from specsplit.suffix_drafter import SuffixDrafter
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,8 @@ class DrafterTraits:
     model_share: float = 1.0
     # Its in-process paged KV cache (the scheduler admits against it); None = none or remote.
     block_manager: "BlockManager | None" = None
+    # The suffix lookups it drafts with (`suffix`, MODEL+suffix; metrics read them); None = none.
+    suffix: "SuffixDrafter | None" = None
 
 
 class VerifierTraits:

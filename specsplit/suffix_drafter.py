@@ -160,6 +160,10 @@ class SuffixDrafter(DrafterTraits):
     def num_running(self) -> int:
         return len(self.seqs)
 
+    @property
+    def suffix(self) -> "SuffixDrafter":
+        return self
+
     # ---- the lookup a hybrid drafter uses too -----------------------------------------------
     def start(self, seq_id: str, prompt: Sequence[int]) -> None:
         self.seqs[seq_id] = _SSeq(list(prompt), len(prompt))
@@ -222,4 +226,4 @@ class SuffixDrafter(DrafterTraits):
     def describe(self) -> str:
         return (f"suffix drafter: depth {self.max_depth}, min path probability {self.min_prob}, share "
                 f"{self.share}, shared cache {self.shared.num_tokens}/{self.shared.max_tokens} tokens "
-                f"({self.shared.outputs} outputs)")
+                f"({self.shared.outputs} outputs; at most {self.shared.max_tokens * 8 / 2**20:.1f} MiB)")
