@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import logging
 import time
+from array import array
+from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -40,13 +42,18 @@ DEFAULT_CACHE_TOKENS = 1 << 18  # shared cache of finished outputs: 262,144 toke
 SEP = -1  # between outputs in the shared cache: no match crosses it
 
 
-def _match(arr: np.ndarray, context: Sequence[int], max_depth: int) -> tuple[np.ndarray, int]:
+def _match(arr: np.ndarray, context: Sequence[int], max_depth: int,
+           last_at: np.ndarray | None = None) -> tuple[np.ndarray, int]:
     """Where the longest suffix of `context` (at most max_depth tokens) ends in `arr` with a token
     after it: (those end positions, the match length); (empty, 0) when the last token never
-    occurred. arr [L] int64."""
+    occurred. arr [L] int64; last_at [C]: where context[-1] occurs in arr, when an index knows
+    (else arr is scanned)."""
     if arr.size < 2 or not context:
         return np.empty(0, dtype=np.int64), 0
-    pos = np.flatnonzero(arr[:-1] == context[-1])  # [C] candidate ends with a next token
+    if last_at is None:
+        pos = np.flatnonzero(arr[:-1] == context[-1])  # [C] candidate ends with a next token
+    else:
+        pos = last_at[last_at < arr.size - 1]
     if pos.size == 0:
         return pos, 0
     length = 1
@@ -85,14 +92,19 @@ def _walk(arr: np.ndarray, ends: np.ndarray, k: int, min_prob: float) -> tuple[l
     return out, expected
 
 
-def draft_from(sources: Sequence[np.ndarray], context: Sequence[int], k: int, max_depth: int,
+def draft_from(sources: Sequence, context: Sequence[int], k: int, max_depth: int,
                min_prob: float) -> tuple[list[int], float]:
     """Up to k drafts continuing `context` from the source with the longest suffix match (ties: the
-    more frequent continuation). Returns (drafts, expected number accepted)."""
+    more frequent continuation). sources: token arrays [L] (scanned) or SharedOutputs (indexed).
+    Returns (drafts, expected number accepted)."""
     best: tuple[list[int], float] = ([], 0.0)
     best_key = (0, 0.0)
-    for arr in sources:
-        ends, length = _match(arr, context, max_depth)
+    for source in sources:
+        if isinstance(source, SharedOutputs):
+            arr, last_at = source.arr, source.positions_of(context[-1]) if context else None
+        else:
+            arr, last_at = source, None
+        ends, length = _match(arr, context, max_depth, last_at)
         if length == 0:
             continue
         drafts, expected = _walk(arr, ends, k, min_prob)
@@ -103,25 +115,49 @@ def draft_from(sources: Sequence[np.ndarray], context: Sequence[int], k: int, ma
 
 class SharedOutputs:
     """The bounded cache of finished outputs every request drafts from: one array, outputs joined
-    by SEP, the oldest dropped from the front past `max_tokens` (first in, first out)."""
+    by SEP, the oldest dropped from the front past `max_tokens` (first in, first out), and where
+    each token occurs (absolute positions, so dropping the front moves nothing), so a lookup reads
+    the occurrences of the context's last token instead of scanning the cache."""
 
     def __init__(self, max_tokens: int = DEFAULT_CACHE_TOKENS):
         self.max_tokens = max_tokens
-        self.arr = np.empty(0, dtype=np.int64)  # [L]
+        self.arr = np.empty(0, dtype=np.int64)  # [L] tokens from absolute position `base`
+        self.base = 0
         self.outputs = 0
+        self._where: dict[int, array] = {}  # token -> absolute positions, increasing (stale: < base)
 
     def add(self, output: Sequence[int]) -> None:
         if len(output) < 2 or self.max_tokens <= 0:
             return
-        new = np.asarray(list(output)[-self.max_tokens + 1:] + [SEP], dtype=np.int64)
-        arr = np.concatenate([self.arr, new])
+        tokens = list(output)[-self.max_tokens + 1:]
+        start = self.base + self.arr.size
+        for i, t in enumerate(tokens):
+            where = self._where.get(t)
+            if where is None:
+                where = self._where[t] = array("q")
+            where.append(start + i)
+        arr = np.concatenate([self.arr, np.asarray(tokens + [SEP], dtype=np.int64)])
         if arr.size > self.max_tokens:
             seps = np.flatnonzero(arr[: arr.size - self.max_tokens + 1] == SEP)
             cut = int(seps[-1]) + 1 if seps.size else arr.size - self.max_tokens
             self.outputs -= int(seps.size)
             arr = arr[cut:]
+            self.base += cut
         self.arr = arr
         self.outputs += 1
+
+    def positions_of(self, token: int) -> np.ndarray:
+        """Where `token` occurs in arr (indices into arr) [C] int64."""
+        where = self._where.get(token)
+        if where is None:
+            return np.empty(0, dtype=np.int64)
+        stale = bisect_left(where, self.base)
+        if stale:
+            del where[:stale]
+            if not where:
+                del self._where[token]
+                return np.empty(0, dtype=np.int64)
+        return np.frombuffer(where, dtype=np.int64) - self.base
 
     @property
     def num_tokens(self) -> int:
@@ -179,7 +215,7 @@ class SuffixDrafter(DrafterTraits):
         t0 = time.perf_counter()
         context = self.seqs[seq_id].tokens + list(pending)
         own = np.asarray(context, dtype=np.int64)  # [L] this request's prompt + output (+ pending)
-        sources = [own, self.shared.arr] if self.shared.outputs else [own]
+        sources = [own, self.shared] if self.shared.outputs else [own]
         drafts, expected = draft_from(sources, context, k, self.max_depth, self.min_prob)
         self.busy_s += time.perf_counter() - t0
         if drafts:

@@ -69,6 +69,15 @@ def test_shared_cache_is_bounded_oldest_first():
         shared.add([100 + i] * 9)
     assert shared.num_tokens <= 40 and shared.outputs == 4
     assert 100 not in shared.arr.tolist() and 109 in shared.arr.tolist()
+    # the index of positions agrees with a scan of what is left after dropping the front
+    rng = np.random.default_rng(0)
+    shared = SharedOutputs(max_tokens=300)
+    for _ in range(40):
+        shared.add(rng.integers(0, 20, size=int(rng.integers(2, 30))).tolist())
+        for t in range(20):
+            assert shared.positions_of(t).tolist() == np.flatnonzero(shared.arr == t).tolist()
+    ctx = shared.arr[-12:-6].tolist()
+    assert draft_from([shared], ctx, 4, 8, 0.0) == draft_from([shared.arr], ctx, 4, 8, 0.0)
     with pytest.raises(ValueError, match="suffix-share"):
         SuffixDrafter(share="everyone")
 
