@@ -271,7 +271,7 @@ class Scheduler:
         """Draft tokens this request may verify next step: its K, capped as the decoder caps it."""
         if self.decoder.drafter is None or req.request.disable_speculation:
             return 0
-        k = req.request.num_speculative_tokens or self.decoder.spec.num_speculative_tokens
+        k = self.decoder.request_k(req.request.num_speculative_tokens)
         track = self.decoder.tracks.get(req.seq_id)
         if track is not None:
             k = max(k, track.k)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import tempfile
 from pathlib import Path
 
 
@@ -29,11 +30,16 @@ def ensure_token(path: str, rotate: bool = False) -> bool:
     if not rotate and p.exists() and p.read_text().strip():
         return False
     p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(p.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32) + "\n")
-    os.replace(tmp, p)  # atomic: a reader never sees half a token
+    # A fresh, unpredictable temporary name created exclusively (O_EXCL, mode 0600): nobody can
+    # plant a link or a file there for us to write through.
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32) + "\n")
+        os.replace(tmp, p)  # atomic: a reader never sees half a token
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return True
 
 

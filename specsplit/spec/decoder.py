@@ -130,11 +130,17 @@ class SpecDecoder:
     def drafter_retry_s(self, seconds: float) -> None:
         self.health.retry_s = seconds
 
+    def request_k(self, asked: int | None) -> int:
+        """A request's K: what it asked for, at most the server's K (which the KV reservation and
+        the engines' forward bound are sized for); unset or 0 = the server's K."""
+        server = self.spec.num_speculative_tokens
+        return min(asked, server) if asked else server
+
     def add(self, seq: SeqAdd, num_speculative_tokens: int | None = None, disable: bool = False) -> None:
         """Add to the verifier (errors propagate: nothing is kept) and, best effort, the drafter."""
         if seq.seq_id in self.tracks:
             raise ValueError(f"sequence {seq.seq_id!r} is already running")
-        k = 0 if disable else (self.spec.num_speculative_tokens if not num_speculative_tokens else num_speculative_tokens)
+        k = 0 if disable else self.request_k(num_speculative_tokens)
         layers = self.feature_layers if k > 0 else ()
         self.verifier.add([replace(seq, feature_layers=layers)] if layers else [seq])
         track = Track(add=seq, k=k, tokens=list(seq.prompt_token_ids))

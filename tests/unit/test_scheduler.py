@@ -212,3 +212,14 @@ def test_property_random_arrivals_cancels_preemptions(tiniest, solo, data):
             assert finals[spec.request_id] == "length" and req.output == want
     assert _free(tiniest) == before and not tiniest.decoder.tracks
     assert not tiniest.target.seqs and not tiniest.drafter.seqs
+
+
+def test_a_request_asking_more_than_the_servers_k_gets_the_servers_k(tight, solo):
+    """A request's num_speculative_tokens above the server's K (3 here) is capped at it: the KV
+    reservation and the engines' forward bound are sized for the server's K. Same tokens."""
+    prompt = (5, 6, 7, 8) * 4
+    (state,) = Scheduler(tight.decoder, tight.eos_token_ids, 4).run(
+        [GenerationRequest("greedy-k8", prompt, 24, ignore_eos=True, num_speculative_tokens=8)])
+    assert state.output == solo(prompt, 24)
+    assert 0 < len(state.accepted_per_position) <= 3 and state.proposed <= 3 * state.speculative_steps
+    assert tight.decoder.request_k(8) == 3 and tight.decoder.request_k(2) == 2 and tight.decoder.request_k(0) == 3
