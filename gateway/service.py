@@ -20,6 +20,7 @@ from typing import Awaitable, Callable
 
 import grpc
 import numpy as np
+from jinja2 import TemplateError
 
 from specsplit.gateway.scheduler_thread import Event, SchedulerThread, status_of
 from specsplit.v1 import gateway_pb2, gateway_pb2_grpc
@@ -68,8 +69,11 @@ class Tokenizer:
         with self._encode_lock:
             if not getattr(self._encoder, "chat_template", None):
                 raise _invalid("the target's tokenizer has no chat template: send prompt text instead of messages")
-            return list(self._encoder.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                          return_dict=False))
+            try:
+                return list(self._encoder.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                              return_dict=False))
+            except (TemplateError, ValueError) as e:  # the template's own checks (roles, order, ...)
+                raise _invalid(f"the model's chat template refused these messages: {e}") from None
 
     def encode_request(self, msg: gateway_pb2.GenerateRequest) -> list[int]:
         """The prompt ids of a request: its ids, its text, or its chat messages."""
