@@ -11,8 +11,8 @@
 // so y equals F.linear(x, dequantized W) within fp32 summation order. The file is compiled with
 // -ffp-contract=off, which keeps the compiler from fusing d * q + m into one FMA.
 //
-// Rows of x run in passes of up to 4 (4 weight registers + 2 accumulators per row + x loads fit
-// the 16 ymm registers); a pass re-reads the row's blocks from L1. Output rows are split over
+// Rows of x run in passes of up to 4 (AVX2) or 8 (AVX-512) with two accumulators per row in
+// registers; a further pass re-reads the row's blocks from L1. Output rows are split over
 // torch's intra-op threads (at::parallel_for). AVX2 + FMA + F16C (every AVX2 CPU has F16C); an
 // AVX-512 variant of the same loop is used where the CPU has AVX-512F/BW (picked at run time).
 #include <torch/extension.h>
@@ -21,6 +21,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -86,21 +87,26 @@ void rows_avx2(const float* x, int64_t K, const uint8_t* blocks, int64_t n0, int
   const int64_t nb = K / QK, B = block_bytes(T), row_bytes = nb * B;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = blocks + n * row_bytes;
-    __m256 a0[MP], a1[MP];
-    for (int m = 0; m < MP; ++m) a0[m] = a1[m] = _mm256_setzero_ps();
+    // NA accumulators per x row: 4 independent FMA chains while registers allow (one FMA per
+    // chain per block), else 2 (16 ymm registers)
+    constexpr int NA = MP <= 2 ? 4 : 2;
+    __m256 a[MP][NA];
+    for (int m = 0; m < MP; ++m)
+      for (int j = 0; j < NA; ++j) a[m][j] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       __m256 w[4];
       dequant8x4<T>(row + b * B, w);
       const float* xb = x + b * QK;
       for (int m = 0; m < MP; ++m) {
         const float* xm = xb + m * K;
-        a0[m] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xm), a0[m]);
-        a1[m] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xm + 8), a1[m]);
-        a0[m] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xm + 16), a0[m]);
-        a1[m] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xm + 24), a1[m]);
+        for (int j = 0; j < 4; ++j) a[m][j % NA] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xm + 8 * j), a[m][j % NA]);
       }
     }
-    for (int m = 0; m < MP; ++m) y[m * ldy + n] = hsum(_mm256_add_ps(a0[m], a1[m]));
+    for (int m = 0; m < MP; ++m) {
+      __m256 s = a[m][0];
+      for (int j = 1; j < NA; ++j) s = _mm256_add_ps(s, a[m][j]);
+      y[m * ldy + n] = hsum(s);
+    }
   }
 }
 
@@ -108,27 +114,44 @@ void rows_avx2(const float* x, int64_t K, const uint8_t* blocks, int64_t n0, int
 
 #define SPECSPLIT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
 
+// The fp16 scales of one row's blocks, converted 16 blocks at a time (one gather of the 32-bit
+// word at each block's start: d in its low half, m in its high half).
 template <int64_t T>
-SPECSPLIT_AVX512 inline void dequant16x2(const uint8_t* b, __m512 w[2]) {
-  const __m512 d = _mm512_set1_ps(half_to_float(b));
+SPECSPLIT_AVX512 inline void row_scales(const uint8_t* row, int64_t nb, float* ds, float* ms) {
+  const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                        _mm512_set1_epi32(static_cast<int>(block_bytes(T))));
+  for (int64_t b0 = 0; b0 < nb; b0 += 16) {
+    const __mmask16 live = nb - b0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (nb - b0)) - 1);
+    const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, at, row + b0 * block_bytes(T), 1);
+    _mm512_storeu_ps(ds + b0, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g)));
+    if constexpr (T == Q4_1) _mm512_storeu_ps(ms + b0, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16))));
+  }
+}
+
+// One block -> 2 x 16 fp32, given its scales. A 4-bit block has 16 distinct values:
+// table[q] = the dequantized value of q (one mul, one add: the same roundings as the per-weight
+// formula), and vpermps picks each weight's entry by its nibble (it reads only the low 4 bits of
+// each 32-bit index, so the low nibble needs no mask).
+template <int64_t T>
+SPECSPLIT_AVX512 inline void dequant16x2(const uint8_t* b, float dv, float mv, __m512 w[2]) {
+  const __m512 d = _mm512_set1_ps(dv);
   if constexpr (T == Q8_0) {
     for (int j = 0; j < 2; ++j) {
       const __m128i q8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 + 16 * j));
       w[j] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q8)));
     }
   } else {
-    const uint8_t* qs = b + (T == Q4_1 ? 4 : 2);
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    __m512 q[2] = {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, mask))),
-                   _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), mask)))};
+    __m512 table;
     if constexpr (T == Q4_0) {
-      const __m512 eight = _mm512_set1_ps(8.0f);
-      for (int j = 0; j < 2; ++j) w[j] = _mm512_mul_ps(d, _mm512_sub_ps(q[j], eight));
+      table = _mm512_mul_ps(d, _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7));
     } else {
-      const __m512 m = _mm512_set1_ps(half_to_float(b + 2));
-      for (int j = 0; j < 2; ++j) w[j] = _mm512_add_ps(_mm512_mul_ps(d, q[j]), m);
+      table = _mm512_add_ps(_mm512_mul_ps(d, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
+                            _mm512_set1_ps(mv));
     }
+    const uint8_t* qs = b + (T == Q4_1 ? 4 : 2);
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+    w[0] = _mm512_permutexvar_ps(q, table);                        // weights 0..15: low nibbles
+    w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);  // weights 16..31: high nibbles
   }
 }
 
@@ -136,13 +159,33 @@ template <int64_t T, int MP>
 SPECSPLIT_AVX512 void rows_avx512(const float* x, int64_t K, const uint8_t* blocks, int64_t n0, int64_t n1, float* y,
                                   int64_t ldy) {
   const int64_t nb = K / QK, B = block_bytes(T), row_bytes = nb * B;
+  std::vector<float> scales(2 * (nb + 16));
+  float* ds = scales.data();
+  float* ms = ds + nb + 16;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = blocks + n * row_bytes;
+    row_scales<T>(row, nb, ds, ms);
     __m512 a0[MP], a1[MP];
     for (int m = 0; m < MP; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
+    int64_t b = 0;
+    if constexpr (MP == 1) {  // one x row: two blocks per iteration, 4 independent FMA chains
+      __m512 c0 = _mm512_setzero_ps(), c1 = _mm512_setzero_ps();
+      for (; b + 2 <= nb; b += 2) {
+        __m512 w[2], v[2];
+        dequant16x2<T>(row + b * B, ds[b], T == Q4_1 ? ms[b] : 0.0f, w);
+        dequant16x2<T>(row + (b + 1) * B, ds[b + 1], T == Q4_1 ? ms[b + 1] : 0.0f, v);
+        const float* xb = x + b * QK;
+        a0[0] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xb), a0[0]);
+        a1[0] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xb + 16), a1[0]);
+        c0 = _mm512_fmadd_ps(v[0], _mm512_loadu_ps(xb + 32), c0);
+        c1 = _mm512_fmadd_ps(v[1], _mm512_loadu_ps(xb + 48), c1);
+      }
+      a0[0] = _mm512_add_ps(a0[0], c0);
+      a1[0] = _mm512_add_ps(a1[0], c1);
+    }
+    for (; b < nb; ++b) {
       __m512 w[2];
-      dequant16x2<T>(row + b * B, w);
+      dequant16x2<T>(row + b * B, ds[b], T == Q4_1 ? ms[b] : 0.0f, w);
       const float* xb = x + b * QK;
       for (int m = 0; m < MP; ++m) {
         a0[m] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xb + m * K), a0[m]);
@@ -159,29 +202,37 @@ bool use_avx512() {
   return yes;
 }
 
-constexpr int MAX_PASS = 4;  // x rows per pass over a weight row
+// x rows per pass over a weight row: AVX2 has 16 ymm registers (4 weights + 2 x 4 accumulators),
+// AVX-512 32 zmm (2 weights + the table + 2 x 8 accumulators)
+constexpr int MAX_PASS_AVX2 = 4, MAX_PASS_AVX512 = 8;
 
 template <int64_t T, int MP>
 void pass(const float* x, int64_t K, const uint8_t* blocks, int64_t N, float* y, bool avx512) {
   // grain: at least 64 output rows per task, so one thread is a plain loop
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    if (avx512)
+    if (avx512) {
       rows_avx512<T, MP>(x, K, blocks, n0, n1, y, N);
-    else
+    } else if constexpr (MP <= MAX_PASS_AVX2) {
       rows_avx2<T, MP>(x, K, blocks, n0, n1, y, N);
+    }
   });
 }
 
 template <int64_t T>
 void run(const float* x, int64_t M, int64_t K, const uint8_t* blocks, int64_t N, float* y, bool avx512) {
-  for (int64_t m0 = 0; m0 < M; m0 += MAX_PASS) {
+  const int64_t max_pass = avx512 ? MAX_PASS_AVX512 : MAX_PASS_AVX2;
+  for (int64_t m0 = 0; m0 < M; m0 += max_pass) {
     const float* xs = x + m0 * K;
     float* ys = y + m0 * N;
-    switch (std::min<int64_t>(MAX_PASS, M - m0)) {
+    switch (std::min<int64_t>(max_pass, M - m0)) {
       case 1: pass<T, 1>(xs, K, blocks, N, ys, avx512); break;
       case 2: pass<T, 2>(xs, K, blocks, N, ys, avx512); break;
       case 3: pass<T, 3>(xs, K, blocks, N, ys, avx512); break;
-      default: pass<T, 4>(xs, K, blocks, N, ys, avx512); break;
+      case 4: pass<T, 4>(xs, K, blocks, N, ys, avx512); break;
+      case 5: pass<T, 5>(xs, K, blocks, N, ys, avx512); break;
+      case 6: pass<T, 6>(xs, K, blocks, N, ys, avx512); break;
+      case 7: pass<T, 7>(xs, K, blocks, N, ys, avx512); break;
+      default: pass<T, 8>(xs, K, blocks, N, ys, avx512); break;
     }
   }
 }
