@@ -41,7 +41,8 @@ VERIFIER, DRAFTER = "verifier", "drafter"
 
 
 def load_for(cfg: EngineConfig, show_progress: bool = True) -> LoadedModel:
-    loaded = load_model(cfg.model, cfg.device, cfg.dtype, max_positions=cfg.max_model_len + 16, show_progress=show_progress)
+    loaded = load_model(cfg.model, cfg.device, cfg.dtype, max_positions=cfg.max_model_len + 16, show_progress=show_progress,
+                        weights=cfg.weights)
     if cfg.extra.get("deterministic"):  # --deterministic: batch-invariant numerics (models/deterministic.py)
         from specsplit.models.deterministic import make_deterministic
 
@@ -118,11 +119,14 @@ def _plan_budget(services: list[_Service], show_progress: bool, joint: bool,
     for s in services:
         setup, steps = _profile_steps(s)
         prof.profile(s.name, setup, steps)
-    return prof.plan(
+    plan = prof.plan(
         {s.name: kv_shape(s.loaded, s.cfg) for s in services},
         models={s.name: s.cfg.model for s in services},
         dtypes={s.name: s.cfg.dtype for s in services},
     )
+    for s in services:
+        plan.services[s.name].weights = s.loaded.weights
+    return plan
 
 
 def _ngram_plan(cfg: EngineConfig | None) -> MemoryPlan:

@@ -2,7 +2,8 @@
 Q4_0 / Q4_1 / Q8_0 blocks and multiply through kernels/quant_linear (dequantized in registers),
 instead of a dequantized fp32 copy (`--weights native`, the default for GGUF models).
 
-Tensors are read with the `gguf` package straight from the file (memory-mapped, then copied).
+Tensors are read with the `gguf` package straight from the file (memory-mapped, then copied by
+torch, so the memory profiler counts them as weights).
 Two things make them the model's layout:
   * llama.cpp's converter permutes the rows of q and k (per head, the rotary halves interleaved);
     transformers undoes it when it dequantizes (reverse_permute). Rows are independent, so the same
@@ -71,7 +72,8 @@ class GGUFTensors:
         t = self._tensors.get(name)
         if t is None or t.tensor_type.name not in quant_linear.TYPES:
             return None
-        blocks = torch.from_numpy(np.array(t.data, copy=True))  # [out, in/32 * B] uint8
+        # copied out of the memory map by torch, so the memory profiler counts it as weights
+        blocks = torch.from_numpy(np.asarray(t.data)).clone()  # [out, in/32 * B] uint8
         return QuantWeight(blocks.reshape(int(t.shape[1]), -1), t.tensor_type.name, int(t.shape[0]))
 
     def _fused(self, names: list[str], perms: list[int | None]) -> QuantWeight | None:
