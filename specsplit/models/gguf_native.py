@@ -73,7 +73,9 @@ class GGUFTensors:
         if t is None or t.tensor_type.name not in quant_linear.TYPES:
             return None
         # copied out of the memory map by torch, so the memory profiler counts it as weights
-        blocks = torch.from_numpy(np.asarray(t.data)).clone()  # [out, in/32 * B] uint8
+        data = np.asarray(t.data)  # read-only memory map
+        blocks = torch.empty(data.shape, dtype=torch.uint8)  # [out, in/32 * B]
+        blocks.numpy()[...] = data
         return QuantWeight(blocks.reshape(int(t.shape[1]), -1), t.tensor_type.name, int(t.shape[0]))
 
     def _fused(self, names: list[str], perms: list[int | None]) -> QuantWeight | None:
