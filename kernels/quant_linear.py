@@ -33,6 +33,7 @@ ENV_AVX512 = "SPECSPLIT_QUANT_AVX512"  # "0": the AVX2 loop even where AVX-512 e
 BLOCK = 32  # weights per block
 # name -> (ggml type id, bytes per block of 32 weights)
 TYPES: dict[str, tuple[int, int]] = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
+SCALE_BYTES = {"Q4_0": 2, "Q4_1": 4, "Q8_0": 2}  # the fp16 d (and m) at the start of a file block
 _lock = threading.Lock()
 _module = None
 _tried = False
@@ -40,11 +41,30 @@ _tried = False
 
 @dataclass
 class QuantWeight:
-    """One weight [out, in] as GGUF blocks: row n is the in/32 blocks of output feature n."""
+    """One weight [out, in] as GGUF blocks, row n holding the in/32 blocks of output feature n in
+    "split rows": the same bytes as the file, regrouped per row as all the blocks' quants, then
+    all their fp16 scales (the kernel converts a row's scales in a few vector instructions).
+    `from_gguf` makes one from the file's layout, `gguf_blocks` gives that layout back."""
 
-    blocks: torch.Tensor  # [out, in/32 * block bytes] uint8
+    blocks: torch.Tensor  # [out, in/32 * block bytes] uint8, split rows
     qtype: str  # "Q4_0" | "Q4_1" | "Q8_0"
     in_features: int
+
+    @classmethod
+    def from_gguf(cls, blocks: torch.Tensor, qtype: str, in_features: int) -> "QuantWeight":
+        """blocks [out, in/32 * B] uint8 in the file's layout (scales, then quants, block by block)."""
+        if qtype not in TYPES:
+            raise ValueError(f"quantized type {qtype!r}: the kernel runs {', '.join(TYPES)}")
+        n, nb, size, sb = blocks.shape[0], in_features // BLOCK, TYPES[qtype][1], SCALE_BYTES[qtype]
+        b = blocks.reshape(n, nb, size)  # [N, nb, B]
+        split = torch.cat([b[..., sb:].reshape(n, nb * (size - sb)), b[..., :sb].reshape(n, nb * sb)], dim=1)
+        return cls(split.contiguous(), qtype, in_features)
+
+    def gguf_blocks(self) -> torch.Tensor:  # [out, in/32 * B] uint8, the file's layout
+        n, nb, size, sb = self.out_features, self.in_features // BLOCK, TYPES[self.qtype][1], SCALE_BYTES[self.qtype]
+        qs = self.blocks[:, : nb * (size - sb)].reshape(n, nb, size - sb)
+        scales = self.blocks[:, nb * (size - sb):].reshape(n, nb, sb)
+        return torch.cat([scales, qs], dim=-1).reshape(n, nb * size)
 
     def __post_init__(self):
         if self.qtype not in TYPES:
@@ -137,7 +157,7 @@ def dequantized_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | Non
 def reference_dequantize(w: QuantWeight) -> torch.Tensor:
     """[out, in] fp32 in torch, the arithmetic of gguf-py's dequantize_blocks."""
     n, nb = w.out_features, w.in_features // BLOCK
-    b = w.blocks.view(n, nb, TYPES[w.qtype][1])  # [N, nb, B]
+    b = w.gguf_blocks().view(n, nb, TYPES[w.qtype][1])  # [N, nb, B]
     d = b[..., :2].contiguous().view(torch.float16).float()  # [N, nb, 1]
     if w.qtype == "Q8_0":
         q = b[..., 2:].contiguous().view(torch.int8).float()  # [N, nb, 32]

@@ -76,7 +76,7 @@ class GGUFTensors:
         data = np.asarray(t.data)  # read-only memory map
         blocks = torch.empty(data.shape, dtype=torch.uint8)  # [out, in/32 * B]
         blocks.numpy()[...] = data
-        return QuantWeight(blocks.reshape(int(t.shape[1]), -1), t.tensor_type.name, int(t.shape[0]))
+        return QuantWeight.from_gguf(blocks.reshape(int(t.shape[1]), -1), t.tensor_type.name, int(t.shape[0]))
 
     def _fused(self, names: list[str], perms: list[int | None]) -> QuantWeight | None:
         parts = []

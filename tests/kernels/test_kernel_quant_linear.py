@@ -26,7 +26,7 @@ def random_blocks(qtype: str, n: int, k: int, seed: int = 0) -> QuantWeight:
     b[..., :2] = d.view(torch.uint8)
     if qtype == "Q4_1":
         b[..., 2:4] = (torch.randn(n, nb, 1, generator=g) * 0.05).half().view(torch.uint8)
-    return QuantWeight(b.reshape(n, nb * size).contiguous(), qtype, k)
+    return QuantWeight.from_gguf(b.reshape(n, nb * size), qtype, k)
 
 
 def exact_linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:  # [M, N] in float64
@@ -36,7 +36,7 @@ def exact_linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:  # [M, N] in 
 def gguf_py_dequantize(w: QuantWeight) -> torch.Tensor:
     from gguf import GGMLQuantizationType, quants
 
-    return torch.from_numpy(quants.dequantize(w.blocks.numpy(), GGMLQuantizationType[w.qtype]).astype(np.float32))
+    return torch.from_numpy(quants.dequantize(w.gguf_blocks().numpy(), GGMLQuantizationType[w.qtype]).astype(np.float32))
 
 
 @pytest.mark.parametrize("qtype", list(TYPES))
@@ -72,6 +72,13 @@ def test_bias_strided_input_and_dequantized_linear(avx512):
     assert quant_linear.linear(torch.zeros(0, 96), w).shape == (0, 64)
 
 
+def test_split_rows_hold_the_file_bytes():
+    for qtype in TYPES:
+        w = random_blocks(qtype, 5, 96, seed=6)
+        assert torch.equal(QuantWeight.from_gguf(w.gguf_blocks(), qtype, 96).blocks, w.blocks)
+        assert w.blocks.shape == w.gguf_blocks().shape and not torch.equal(w.blocks, w.gguf_blocks())
+
+
 def test_weight_shapes_are_checked():
     w = random_blocks("Q8_0", 8, 64)
     with pytest.raises(ValueError, match="do not hold rows"):
@@ -102,7 +109,7 @@ def test_real_smollm2_tensors():
     for name, rows in (("blk.3.ffn_down.weight", None), ("blk.0.attn_k.weight", None), ("token_embd.weight", 3000)):
         t = tensors[name]
         data = np.array(t.data[:rows] if rows else t.data)
-        w = QuantWeight(torch.from_numpy(data), t.tensor_type.name, int(t.shape[0]))
+        w = QuantWeight.from_gguf(torch.from_numpy(data), t.tensor_type.name, int(t.shape[0]))
         expected = torch.from_numpy(gguf.quants.dequantize(data, t.tensor_type))
         assert torch.equal(quant_linear.dequantize(w), expected), name
         for m in (1, 3, 8, 16):
