@@ -280,7 +280,7 @@ void run(const float* x, int64_t M, int64_t K, const uint8_t* blocks, int64_t N,
   }
 }
 
-// one row of blocks -> K fp32 (scalar, the same arithmetic as the vector paths)
+// one row of blocks -> K fp32 (scalar, the same arithmetic as the vector paths; tests compare)
 template <int64_t T>
 void dequant_row(const uint8_t* row, int64_t K, float* out) {
   const int64_t nb = K / QK, QB = quant_bytes(T), NS = scale_halves(T);
@@ -303,6 +303,18 @@ void dequant_row(const uint8_t* row, int64_t K, float* out) {
         o[j + 16] = d * static_cast<float>(p[j] >> 4) + m;
       }
     }
+  }
+}
+
+// one split row -> K fp32 with the AVX2 dequantizer (the same values as dequant_row)
+template <int64_t T>
+void dequant_row_avx2(const uint8_t* row, int64_t K, float* out, float* sc) {
+  const int64_t nb = K / QK, QB = quant_bytes(T), NS = scale_halves(T);
+  row_scales<T>(row, nb, sc);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256 w[4];
+    dequant8x4<T>(row + b * QB, sc[b * NS], sc[b * NS + NS - 1], w);
+    for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out + b * QK + 8 * j, w[j]);
   }
 }
 
@@ -348,14 +360,32 @@ torch::Tensor quant_dequantize(const torch::Tensor& blocks, int64_t qtype, int64
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   float* wp = w.data_ptr<float>();
   at::parallel_for(0, N, 256, [&](int64_t n0, int64_t n1) {
+    std::vector<float> sc(K / QK * 2);
     for (int64_t n = n0; n < n1; ++n) {
       switch (qtype) {
-        case Q4_0: dequant_row<Q4_0>(bp + n * row_bytes, K, wp + n * K); break;
-        case Q4_1: dequant_row<Q4_1>(bp + n * row_bytes, K, wp + n * K); break;
-        default: dequant_row<Q8_0>(bp + n * row_bytes, K, wp + n * K); break;
+        case Q4_0: dequant_row_avx2<Q4_0>(bp + n * row_bytes, K, wp + n * K, sc.data()); break;
+        case Q4_1: dequant_row_avx2<Q4_1>(bp + n * row_bytes, K, wp + n * K, sc.data()); break;
+        default: dequant_row_avx2<Q8_0>(bp + n * row_bytes, K, wp + n * K, sc.data()); break;
       }
     }
   });
+  return w;
+}
+
+// the scalar dequantizer, for tests: equal to quant_dequantize bit for bit
+torch::Tensor quant_dequantize_scalar(const torch::Tensor& blocks, int64_t qtype, int64_t K) {
+  check_blocks(blocks, qtype, K);
+  const int64_t N = blocks.size(0), row_bytes = blocks.size(1);
+  auto w = torch::empty({N, K}, blocks.options().dtype(at::kFloat));
+  for (int64_t n = 0; n < N; ++n) {
+    const uint8_t* row = blocks.data_ptr<uint8_t>() + n * row_bytes;
+    float* out = w.data_ptr<float>() + n * K;
+    switch (qtype) {
+      case Q4_0: dequant_row<Q4_0>(row, K, out); break;
+      case Q4_1: dequant_row<Q4_1>(row, K, out); break;
+      default: dequant_row<Q8_0>(row, K, out); break;
+    }
+  }
   return w;
 }
 
@@ -364,5 +394,6 @@ bool quant_uses_avx512() { return use_avx512(); }
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, "y = x @ W.T (+ bias), W as split rows of GGUF Q4_0/Q4_1/Q8_0 blocks, fp32 x");
   m.def("quant_dequantize", &quant_dequantize, "split rows of GGUF Q4_0/Q4_1/Q8_0 blocks [N, K/32*B] -> fp32 [N, K]");
+  m.def("quant_dequantize_scalar", &quant_dequantize_scalar, "the scalar dequantizer (tests)");
   m.def("quant_uses_avx512", &quant_uses_avx512, "whether the AVX-512 loop runs on this CPU");
 }

@@ -113,6 +113,7 @@ def attach(model, path: Path) -> str:
     them. Returns what was kept, for the log and the memory plan, e.g. 'native Q4_1 x210, Q8_0 x1'."""
     src = GGUFTensors(path, model.cfg)
     kept: dict[str, int] = {}
+    layers: dict[str, int] = {}  # linear layers per type (for the log)
     total = 0
 
     def note(w: QuantWeight) -> None:
@@ -130,6 +131,7 @@ def attach(model, path: Path) -> str:
                                  f"the config expects {lin.out_features}x{lin.in_features}")
             lin.set_quant(w)
             note(w)
+            layers[w.qtype] = layers.get(w.qtype, 0) + 1
     emb = src.embedding()
     if emb is not None and (emb.out_features, emb.in_features) == tuple(model.embed_tokens.weight.shape):
         model.embed_tokens = QuantEmbedding(emb)
@@ -139,5 +141,11 @@ def attach(model, path: Path) -> str:
         model.lm_head.set_quant(head)
         note(head)
     summary = ", ".join(f"{t} x{n}" for t, n in sorted(kept.items()))
-    log.info("weights: native %s (%.1f MB) from %s", summary or "none", total / 1e6, path.name)
+    parts = [f"{t} for {n} linear layers" for t, n in sorted(layers.items())]
+    if emb is not None and isinstance(model.embed_tokens, QuantEmbedding):
+        parts.append(f"{emb.qtype} embedding" + (" (the tied head)" if model.lm_head is None else ""))
+    if head is not None and model.lm_head is not None and model.lm_head.quant is not None:
+        parts.append(f"{head.qtype} head")
+    log.info("weights: native %s (%.1f MB of blocks) from %s; the rest dense", ", ".join(parts) or "none",
+             total / 1e6, path.name)
     return f"native {summary} ({total / 1e6:.1f} MB)" if kept else "fp32"

@@ -45,6 +45,7 @@ def test_dequantize_equals_gguf_py_bit_for_bit(qtype):
     expected = gguf_py_dequantize(w)
     assert torch.equal(quant_linear.reference_dequantize(w), expected)
     assert torch.equal(quant_linear.dequantize(w), expected)
+    assert torch.equal(quant_linear.load().quant_dequantize_scalar(w.blocks, TYPES[qtype][0], 128), expected)
 
 
 @pytest.mark.parametrize("qtype", list(TYPES))
