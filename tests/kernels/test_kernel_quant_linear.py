@@ -118,3 +118,21 @@ def test_real_smollm2_tensors():
             for avx512 in ISAS:
                 torch.testing.assert_close(quant_linear.linear(x, w, avx512=avx512), F.linear(x, expected),
                                            rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("avx512", ISAS)
+def test_threads_split_output_rows_without_changing_them(avx512):
+    """torch's intra-op threads take chunks of output rows (odd chunk ends included): every row is
+    computed as on one thread, bit for bit."""
+    w = random_blocks("Q4_1", 333, 96, seed=7)
+    x = torch.randn(9, 96)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = [quant_linear.linear(x[:m], w, avx512=avx512) for m in (1, 3, 4, 9)]
+        torch.set_num_threads(2)
+        two = [quant_linear.linear(x[:m], w, avx512=avx512) for m in (1, 3, 4, 9)]
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(one, two):
+        assert torch.equal(a, b)

@@ -122,3 +122,10 @@ def test_without_the_kernel_native_loads_dense(monkeypatch):
     assert loaded.model.layers[0].qkv_proj.quant is None and loaded.model.layers[0].qkv_proj.weight.numel() > 0
     with pytest.raises(ValueError, match="weights 'int3'"):
         load_model("smollm2-135m", show_progress=False, weights="int3")
+
+
+def test_bf16_weights_are_dense_bf16(monkeypatch):
+    monkeypatch.setenv(cpu_linear.ENV_POLICY, "dense")
+    loaded = load_model("smollm2-135m", show_progress=False, weights="bf16")
+    assert loaded.weights == "bf16" and loaded.model.dtype == torch.bfloat16
+    assert loaded.model.layers[0].qkv_proj.quant is None
