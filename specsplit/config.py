@@ -107,6 +107,7 @@ class EngineConfig:
     model: str
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
+    weights: str = "native"  # a GGUF model's weights: "native" (its quantized blocks), "fp32", "bf16" (dense)
     block_size: int = 16
     max_model_len: int = 2048
     max_num_seqs: int = 32

@@ -91,10 +91,14 @@ def engine_config(args, model: str, device: str | None = None):
     # for importing torch.
     from specsplit.config import EngineConfig, parse_dtype
 
+    weights = getattr(args, "weights", "native")
+    if weights == "native" and getattr(args, "tensor_parallel_size", 1) > 1:
+        weights = "fp32"  # the tensor-parallel shards are cut from dense weights (parallel/tensor_parallel.py)
     return EngineConfig(
         model=model,
         device=device or args.device,
-        dtype=parse_dtype(args.dtype),
+        dtype=parse_dtype("bf16" if weights == "bf16" else args.dtype),
+        weights=weights,
         block_size=args.block_size,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,

@@ -21,7 +21,8 @@ VERIFIER, DRAFTER = "verifier", "drafter"
 
 
 def load_for(cfg: EngineConfig, show_progress: bool = True) -> LoadedModel:
-    loaded = load_model(cfg.model, cfg.device, cfg.dtype, max_positions=cfg.max_model_len + 16, show_progress=show_progress)
+    loaded = load_model(cfg.model, cfg.device, cfg.dtype, max_positions=cfg.max_model_len + 16, show_progress=show_progress,
+                        weights=cfg.weights)
     if cfg.deterministic:  # --deterministic: batch-invariant numerics (models/deterministic.py)
         from specsplit.models.deterministic import make_deterministic
 

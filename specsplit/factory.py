@@ -51,11 +51,14 @@ def _plan_budget(services: list[ModelService], show_progress: bool, joint: bool,
     for s in services:
         setup, steps = profile_steps(s)
         prof.profile(s.name, setup, steps)
-    return prof.plan(
+    plan = prof.plan(
         {s.name: kv_shape(s.loaded, s.cfg) for s in services},
         models={s.name: s.cfg.model for s in services},
         dtypes={s.name: s.cfg.dtype for s in services},
     )
+    for s in services:
+        plan.services[s.name].weights = s.loaded.weights
+    return plan
 
 
 def _ngram_plan(cfg: EngineConfig | None) -> MemoryPlan:

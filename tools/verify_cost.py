@@ -1,11 +1,14 @@
 """Verify cost v(k) of the target's forward per CPU kernel policy, interleaved run by run.
 
     python tools/verify_cost.py [--model smollm2-135m] [--dtype fp32] [--policies dense,auto] [--reps 5]
+                                [--weights native,fp32]
 
 One model per policy (SPECSPLIT_LINEAR_KERNEL, see specsplit/models/cpu_linear.py) over the same
 cached context; per round every policy times a 1-token forward and a (k+1)-token forward for each
 k, in turn, so the VM's drift hits every policy alike; medians over the rounds. Prints the
 kernel table each policy chose, the 1-token step in ms and v(k) = t(k+1 tokens) / t(1 token).
+With --weights (comma-separated native, fp32, bf16: how a GGUF model's weights are held) every
+policy runs once per weights mode.
 To see an AVX2-only CPU's kernels on an AVX-512 machine, run it with
 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2.
 """
@@ -26,6 +29,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=300, help="cached tokens before the timed forward")
     p.add_argument("--reps", type=int, default=5, help="rounds; each policy's median is printed")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--weights", default="fp32", help="comma-separated: native, fp32, bf16 (default fp32, the dense path)")
     args = p.parse_args()
 
     import torch
@@ -37,13 +41,15 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     ks = [int(k) for k in args.ks.split(",")]
     runners = {}
+    modes = args.weights.split(",")
     for policy in args.policies.split(","):
-        os.environ["SPECSPLIT_LINEAR_KERNEL"] = policy
-        model = load_model(args.model, dtype=parse_dtype(args.dtype), show_progress=False).model
-        runner = ModelRunner(model, num_blocks=64, block_size=16, max_model_len=1024)
-        prompt = [(7 * j + 3) % model.cfg.vocab_size for j in range(args.context + max(ks) + 1)]
-        runner.forward([ForwardItem("s", 0, prompt[: args.context])])
-        runners[policy] = (runner, prompt, model.kernel_tables)
+        for weights in modes:
+            os.environ["SPECSPLIT_LINEAR_KERNEL"] = policy
+            model = load_model(args.model, dtype=parse_dtype(args.dtype), show_progress=False, weights=weights).model
+            runner = ModelRunner(model, num_blocks=64, block_size=16, max_model_len=1024)
+            prompt = [(7 * j + 3) % model.cfg.vocab_size for j in range(args.context + max(ks) + 1)]
+            runner.forward([ForwardItem("s", 0, prompt[: args.context])])
+            runners[policy if len(modes) == 1 else f"{policy} {weights}"] = (runner, prompt, model.kernel_tables)
 
     def timed(runner, prompt, q: int) -> float:
         t0 = time.perf_counter()
@@ -67,7 +73,7 @@ def main() -> None:
     for pol, (_, _, tables) in runners.items():
         t1 = statistics.median(times[pol][1])
         vs = ", ".join(f"v({k})={statistics.median(times[pol][k + 1]) / t1:.2f}" for k in ks)
-        print(f"  {pol:7s} step {1e3 * t1:6.1f} ms  {vs}")
+        print(f"  {pol:12s} step {1e3 * t1:6.1f} ms  {vs}")
         if tables:
             print("          " + "; ".join(f"{n}: {t.describe()}" for n, t in tables.items()))
 

@@ -131,8 +131,13 @@ class Bench:
 
         return [default_k_for(args.draft)]
 
-    def _cfg(self, model: str, dtype: str, max_num_seqs: int = 1) -> EngineConfig:
+    def _weights(self) -> list[str]:
+        return str(getattr(self.args, "weights", None) or "native").split(",")
+
+    def _cfg(self, model: str, dtype: str, max_num_seqs: int = 1, weights: str | None = None) -> EngineConfig:
+        weights = weights or self._weights()[0]
         return EngineConfig(model=model, dtype=parse_dtype(dtype), device=getattr(self.args, "device", "cpu"),
+                            weights=weights,
                             max_model_len=self.args.max_model_len,
                             max_num_seqs=max_num_seqs, max_prefill_tokens=min(512, self.args.max_model_len // 2))
 
@@ -157,22 +162,29 @@ class Bench:
     # ---- suites ------------------------------------------------------------------------------
     def target_suite(self, dtypes=("fp32", "bf16")) -> None:
         """Native target-only vs transformers generate, interleaved run by run, per dtype."""
+        modes = self._weights()
         for dtype in dtypes:
-            colo = build_colocated(self._cfg(self.args.target, dtype), None, SpecConfig(num_speculative_tokens=0),
-                                   show_progress=False)
+            colos = [build_colocated(self._cfg(self.args.target, dtype, weights=w), None,
+                                     SpecConfig(num_speculative_tokens=0), show_progress=False) for w in modes]
+            colo = colos[0]
             prompts = self._prompts(colo)
-            arms = [colocated_arm(f"native target-only {dtype}", colo, self.new_tokens)]
+            # one arm per --weights mode (the first is the one compared with transformers)
+            arms = [colocated_arm(f"native target-only {dtype}" + (f" weights={w}" if len(modes) > 1 else ""), c,
+                                  self.new_tokens) for w, c in zip(modes, colos)]
             hf = None
             if not self.args.no_hf:
                 hf, _ = _hf_models(colo, None, parse_dtype(dtype))
                 arms.append(hf_arm(f"transformers generate {dtype}", hf, self.new_tokens))
             rows = [self._add(r, dtype=dtype, suite="target") for r in run_interleaved(arms, prompts, self.repeats,
                                                                                       self._tick)]
+            for row in rows[1:len(modes)]:
+                row["same_tokens_as_first_weights"] = self._same_tokens(row, rows[0])
             if hf is not None:
-                rows[0]["ratio_vs_hf_generate"] = rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"]
-                rows[0]["same_tokens_as_hf"] = self._same_tokens(rows[0], rows[1])
+                rows[0]["ratio_vs_hf_generate"] = rows[0]["tokens_per_s"] / rows[len(modes)]["tokens_per_s"]
+                rows[0]["same_tokens_as_hf"] = self._same_tokens(rows[0], rows[len(modes)])
             del hf
-            colo.close()
+            for c in colos:
+                c.close()
 
     def _same_tokens(self, a: dict, b: dict) -> bool:
         return self._outputs.get(a["arm"]) == self._outputs.get(b["arm"])
@@ -343,7 +355,7 @@ class Bench:
         per_arm = self.num_prompts
         n = 0
         if self.args.suite in ("target", "all"):
-            n += (1 if self.quick else 2) * per_arm * (1 if self.args.no_hf else 2)
+            n += (1 if self.quick else 2) * per_arm * (len(self._weights()) + (0 if self.args.no_hf else 1))
         if self.args.suite in ("spec", "all"):
             has_model = self.args.draft not in (None, "ngram")
             n_drafts = 1 + int(has_model) + int(self.hybrid_draft is not None)
@@ -366,7 +378,7 @@ class Bench:
             "settings": {"target": self.args.target, "draft": self.args.draft, "new_tokens": self.new_tokens,
                          "repeats": self.repeats, "num_prompts": self.num_prompts, "ks": self.ks,
                          "concurrency": self.concurrency, "split_ks": self.split_ks, "quick": self.quick,
-                         "dtype": self.args.dtype},
+                         "dtype": self.args.dtype, "weights": self._weights()},
             "costs": self.costs,
             "arms": self.results,
             "wall_s": time.time() - t0,

@@ -14,6 +14,10 @@ def add_arguments(p, name: str) -> None:
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--draft", default="smollm2-135m-draft", help="model draft for the spec arms ('ngram' too)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="dtype of the spec arms")
+    p.add_argument("--weights", default="native",
+                   help="how a GGUF target's weights are held (native, fp32, bf16; see `specsplit serve --help`); "
+                        "comma-separated: the target suite runs one target-only arm per mode, interleaved, and the "
+                        "spec suite uses the first (default %(default)s)")
     p.add_argument("--device", default="cpu", help="cpu, or cuda[:N] (tools/gpu_check.sh)")
     p.add_argument("--quick", action="store_true", help="a few minutes: 2 prompts, fewer arms")
     p.add_argument("--num-prompts", type=positive_int, default=None)
@@ -44,6 +48,9 @@ def add_arguments(p, name: str) -> None:
 
 
 def validate(args) -> None:
+    modes = args.weights.split(",")
+    if not modes or any(m not in ("native", "fp32", "bf16") for m in modes):
+        raise ValueError(f"--weights must be comma-separated native, fp32 or bf16, got {args.weights!r}")
     for name in ("ks", "split_ks", "concurrency"):
         v = getattr(args, name)
         if v is not None and not all(t.strip().isdigit() and int(t) > 0 for t in v.split(",")):

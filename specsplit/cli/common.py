@@ -47,6 +47,11 @@ def add_engine_flags(p: argparse.ArgumentParser, device_flag: str = "--device") 
     g = p.add_argument_group("engine")
     g.add_argument(device_flag, dest=device_flag.lstrip("-").replace("-", "_"), default="cpu", help="cpu or cuda:N")
     g.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="weights and KV dtype")
+    g.add_argument("--weights", default="native", choices=["native", "fp32", "bf16"],
+                   help="how a GGUF model's weights are held: native keeps the file's Q4_0/Q4_1/Q8_0 blocks and "
+                        "multiplies them with the quantized CPU kernel (same logits within fp32 rounding; needs "
+                        "--dtype fp32 on the CPU, else dense); fp32 dequantizes them as before (to --dtype); bf16 "
+                        "holds dense bf16 weights (implies --dtype bf16). Default %(default)s")
     g.add_argument("--max-model-len", type=positive_int, default=2048, help="prompt + generated tokens per sequence")
     g.add_argument("--max-num-seqs", type=positive_int, default=32, help="most sequences in one batch")
     g.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")

@@ -79,7 +79,8 @@ def cpu_list(text: str | None, flag: str = "cpus") -> set[int] | None:
 
 
 def _engine_flags(args, device: str) -> list[str]:
-    out = ["--device", device, "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
+    out = ["--device", device, "--dtype", args.dtype, "--weights", getattr(args, "weights", "native"),
+           "--max-model-len", str(args.max_model_len),
            "--max-num-seqs", str(args.max_num_seqs), "--block-size", str(args.block_size),
            "--max-prefill-tokens", str(args.max_prefill_tokens), "--num-blocks", str(args.num_blocks),
            "--memory-utilization", str(args.memory_utilization), "--threads", str(args.threads)]

@@ -112,6 +112,7 @@ class ServicePlan:
     kv_limited_by: str = "budget"  # "budget" | "max_num_seqs" (scheduler can fill no more) | "num_blocks" (--num-blocks)
     max_model_len: int = 0
     max_num_seqs: int = 0
+    weights: str = ""  # how the weights are held: "fp32", "native Q4_1 x120, Q8_0 x1 (96.4 MB)" ('' = dtype)
 
     @classmethod
     def zeros(cls, service: str, model: str, device: str = "cpu") -> "ServicePlan":
@@ -190,6 +191,8 @@ class MemoryPlan:
                 else f"budget {fmt_bytes(s.budget_bytes)}"
             )
             w = f"weights {weights}" if self.joint else f"weights {fmt_bytes(s.weights_bytes)}"
+            if s.weights and s.weights != s.dtype:
+                w += f" [{s.weights}]"
             cap = "" if s.kv_limited_by == "budget" else f", capped by {s.kv_limited_by} (budget left {fmt_bytes(s.kv_available_bytes)})"
             lines.append(
                 f"memory plan [{s.service}] {s.model} on {s.device} ({s.dtype}): {budget}; {w}; "

@@ -6,6 +6,11 @@ Vocabulary:
   dense   `F.linear` on the plain [out, in] weight (MKL's sgemm/gemv for fp32).
   packed  the same weight reordered once into oneDNN's blocked layout and multiplied with
           `mkldnn._linear_pointwise`; without the reorder, oneDNN would redo it on every call.
+  quant   GGUF Q4_0/Q4_1/Q8_0 blocks kept as the file has them (`--weights native`), up to
+          QUANT_ROWS rows: kernels/cpu/quant_linear.cpp dequantizes each block in registers and
+          multiplies it with every row (fp32), reading the quantized bytes once per call.
+  dequant the same blocks dequantized to a dense fp32 copy for the one call, then MKL's GEMM: the
+          prefill-sized calls, where the GEMM's throughput beats the per-row kernel.
   skinny  fp32, up to SKINNY_ROWS rows: kernels/cpu/skinny_linear.cpp reads a blocked copy of the
           weight once for all rows (AVX2 + FMA, compiled on first use). The flat-cost kernel:
           whole SmolLM2-135M forward, 1 thread, verifying 2..5 tokens costs 1.05-1.15 one-token
@@ -33,6 +38,8 @@ Policies (`SPECSPLIT_LINEAR_KERNEL`):
           Deterministic, so tests that compare two processes' logits use it.
   dense / packed   one kernel for every row count (A/B benchmarks).
 `SPECSPLIT_CPU_PACK=0` is the older switch for `dense`.
+A quantized weight has only its blocks: its table is quant / dequant, timed under `auto` (rows
+1..QUANT_ROWS, one crossover), else quant for 1..QUANT_ROWS rows and dequant beyond.
 
 Packed results equal `F.linear` within fp32 rounding (the same products, another summation
 order); the tests check it. A packed tensor is opaque (no storage the memory profiler's tracker
@@ -50,7 +57,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from specsplit.kernels import skinny_linear
+from specsplit.kernels import quant_linear, skinny_linear
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +68,9 @@ ENV_SWITCH = "SPECSPLIT_CPU_PACK"  # "0" = dense only (kept for the earlier A/B 
 ENV_POLICY = "SPECSPLIT_LINEAR_KERNEL"  # auto | static | dense | packed
 POLICIES = ("auto", "static", "dense", "packed")
 DENSE, PACKED, SKINNY = "dense", "packed", "skinny"
+QUANT, DEQUANT = "quant", "dequant"  # a quantized weight's two kernels
 SKINNY_ROWS = 8  # the skinny kernel's table; more rows (prefill) take MKL's GEMM
+QUANT_ROWS = 16  # the quantized kernel's table; more rows (prefill) dequantize for MKL's GEMM
 # Row counts timed by `auto`; a row count between two of them takes the choice of the next larger
 # one; past the last, dense where the table keeps the dense copy (see RowKernels.kernel).
 CALIBRATION_ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
@@ -109,9 +118,16 @@ def run(
     skinny: torch.Tensor | None,  # [ceil(out/16), in, 16]
     out_features: int,
     bias: torch.Tensor | None,
+    quant: quant_linear.QuantWeight | None = None,  # GGUF blocks [out, in/32 * B] uint8
 ) -> torch.Tensor:  # [M, out]
     """One linear call with the kernel the table gives for M rows (no table: packed if there is
-    a packed copy, else dense)."""
+    a packed copy, else dense; a quantized weight: quant up to QUANT_ROWS rows, else dequant)."""
+    if quant is not None:
+        m = x.shape[0]
+        kind = table.kernel(m) if table is not None else (QUANT if m <= QUANT_ROWS else DEQUANT)
+        if kind == QUANT:
+            return quant_linear.linear(x, quant, bias)
+        return quant_linear.dequantized_linear(x, quant, bias)
     kind = table.kernel(x.shape[0]) if table is not None else (PACKED if packed is not None else DENSE)
     if kind == SKINNY:
         return skinny_linear.linear(x, skinny, out_features, bias)
@@ -180,6 +196,10 @@ def static_table(dtype: torch.dtype, skinny: bool) -> RowKernels:
     if skinny:
         return RowKernels((SKINNY_ROWS,), (SKINNY,), DENSE)
     return RowKernels((1, CALIBRATION_ROWS[-1]), (DENSE, PACKED), DENSE)
+
+
+def quant_static_table() -> RowKernels:
+    return RowKernels((QUANT_ROWS,), (QUANT,), DEQUANT)
 
 
 def calibrate(

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specsplit.config import ModelConfig
-from specsplit.kernels import skinny_linear
+from specsplit.kernels import quant_linear, skinny_linear
 from specsplit.models import cpu_linear
 from specsplit.kv.paged_cache import PagedKVCache
 from specsplit.models.attention import BatchMetadata, paged_attention, store_kv
@@ -26,11 +26,19 @@ log = logging.getLogger(__name__)
 class Linear(nn.Linear):
     """nn.Linear that may also hold faster copies of its weight for the CPU (oneDNN-packed, or the
     skinny kernel's blocked layout) and a rows -> kernel table (see cpu_linear). The copies the
-    table never uses are freed; `dense_weight()` rebuilds the dense weight on demand."""
+    table never uses are freed; `dense_weight()` rebuilds the dense weight on demand. A quantized
+    Linear (`set_quant`, GGUF blocks) holds only its blocks: no dense weight, no other copy."""
 
     packed: torch.Tensor | None = None  # oneDNN blocked, opaque
     skinny: torch.Tensor | None = None  # [ceil(out/16), in, 16] for kernels/cpu/skinny_linear.cpp
+    quant: quant_linear.QuantWeight | None = None  # GGUF blocks for kernels/cpu/quant_linear.cpp
+    quant_blocks: torch.Tensor | None = None  # quant.blocks [out, in/32 * B] uint8, seen by the memory count
     kernels: cpu_linear.RowKernels | None = None  # None: dense, or packed-only when packed is set
+
+    def set_quant(self, w: quant_linear.QuantWeight) -> None:
+        """Multiply with the blocks `w` from now on; the dense weight is freed (never filled)."""
+        self.quant, self.quant_blocks = w, w.blocks
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype, device=self.weight.device), requires_grad=False)
 
     def make_copies(self, kinds: tuple[str, ...]) -> None:
         if cpu_linear.PACKED in kinds:
@@ -51,10 +59,13 @@ class Linear(nn.Linear):
         return cpu_linear.untracked_bytes(shape, dtype) if self.packed is not None else 0
 
     def dense_weight(self) -> torch.Tensor:  # [out, in]
+        if self.quant is not None:
+            return quant_linear.dequantize(self.quant)
         return self.weight if self.weight.numel() or self.packed is None else self.packed.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out]
-        return cpu_linear.run(x, self.kernels, self.weight, self.packed, self.skinny, self.out_features, self.bias)
+        return cpu_linear.run(x, self.kernels, self.weight, self.packed, self.skinny, self.out_features, self.bias,
+                              self.quant)
 
 
 class _Head:
@@ -62,16 +73,17 @@ class _Head:
     with its rows -> kernel table. Not a module: for a tied head the dense matrix IS the embedding,
     which must not appear twice in state_dict or the memory count."""
 
-    def __init__(self, dense: torch.Tensor, owns_dense: bool):
+    def __init__(self, dense: torch.Tensor | None, owns_dense: bool, quant: quant_linear.QuantWeight | None = None):
         self.dense: torch.Tensor | None = dense
         self.owns_dense = owns_dense  # False: the tied embedding or lm_head's own weight
-        self.rows = dense.shape[0]
+        self.quant = quant  # the quantized embedding's or lm_head's blocks (then dense is None)
+        self.rows = quant.out_features if quant is not None else dense.shape[0]
         self.packed: torch.Tensor | None = None
         self.skinny: torch.Tensor | None = None
         self.kernels: cpu_linear.RowKernels | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V or subset]
-        return cpu_linear.run(x, self.kernels, self.dense, self.packed, self.skinny, self.rows, None)
+        return cpu_linear.run(x, self.kernels, self.dense, self.packed, self.skinny, self.rows, None, self.quant)
 
 
 class RMSNorm(nn.Module):
@@ -210,34 +222,52 @@ class LlamaForCausalLM(nn.Module):
 
     def select_kernels(self, policy: str | None = None) -> bool:
         """Choose each linear layer's and the head's CPU kernel by row count (see cpu_linear),
-        making the weight copies the chosen kernels read. A no-op off the CPU, for dense-only
-        policies, or where no faster kernel exists. Returns whether any copy was made."""
+        making the weight copies the chosen kernels read. Quantized layers (GGUF blocks) get a
+        quant / dequant table whatever the dense policy. A no-op off the CPU, for dense-only
+        policies without quantized layers, or where no faster kernel exists. Returns whether any
+        table was set."""
+        if self._head is not None:
+            return False
         policy = policy or cpu_linear.policy()
         kinds = cpu_linear.candidates(self.device, self.dtype, policy)
-        if not kinds or self._head is not None:
-            return False
-        groups: dict[str, list[Linear]] = {}
+        groups: dict[str, list[Linear]] = {}  # dense weights by shape
+        quant_groups: dict[str, list[Linear]] = {}  # quantized weights by shape and type
         names = {"qkv_proj": "qkv", "o_proj": "o", "gate_up_proj": "gate_up", "down_proj": "down"}
         for layer in self.layers:
             for attr, short in names.items():
                 m = getattr(layer, attr)
-                groups.setdefault(f"{short} {m.out_features}x{m.in_features}", []).append(m)
-        for ms in groups.values():
-            for m in ms:
-                m.make_copies(kinds)
+                if m.quant is not None:
+                    quant_groups.setdefault(f"{short} {m.out_features}x{m.in_features} {m.quant.qtype}", []).append(m)
+                else:
+                    groups.setdefault(f"{short} {m.out_features}x{m.in_features}", []).append(m)
         head = self._make_head()
-        if cpu_linear.PACKED in kinds:
-            head.packed = cpu_linear.pack(head.dense)
-        if cpu_linear.SKINNY in kinds:
-            head.skinny = skinny_linear.pack(head.dense)
-        total = 0
-        for name, ms in groups.items():
-            table = self._table(policy, kinds, ms)
+        if not kinds and not quant_groups and head.quant is None:
+            return False
+        for name, ms in quant_groups.items():
+            table = self._quant_table(policy, ms)
             self.kernel_tables[name] = table
-            total += sum(m.keep(table) for m in ms)
-        table = self._table(policy, kinds, [head])
-        self.kernel_tables[f"head {head.rows}x{self.cfg.hidden_size}"] = table
-        total += self._keep_head(head, table)
+            for m in ms:
+                m.kernels = table
+        total = 0
+        if kinds:
+            for ms in groups.values():
+                for m in ms:
+                    m.make_copies(kinds)
+            for name, ms in groups.items():
+                table = self._table(policy, kinds, ms)
+                self.kernel_tables[name] = table
+                total += sum(m.keep(table) for m in ms)
+        if head.quant is not None:
+            head.kernels = self._quant_table(policy, [head])
+            self.kernel_tables[f"head {head.rows}x{self.cfg.hidden_size} {head.quant.qtype}"] = head.kernels
+        elif kinds:
+            if cpu_linear.PACKED in kinds:
+                head.packed = cpu_linear.pack(head.dense)
+            if cpu_linear.SKINNY in kinds:
+                head.skinny = skinny_linear.pack(head.dense)
+            table = self._table(policy, kinds, [head])
+            self.kernel_tables[f"head {head.rows}x{self.cfg.hidden_size}"] = table
+            total += self._keep_head(head, table)
         self._head = head
         self.untracked_weight_bytes = total
         self._warm_packed(groups, head)
@@ -255,6 +285,27 @@ class LlamaForCausalLM(nn.Module):
         """Replace the head by wrap(head): the chosen one, or the plain head where no kernels were
         chosen (--deterministic makes it row-wise, models/deterministic.py)."""
         self._head = wrap(self._head if self._head is not None else self._make_head())
+
+    def _quant_table(self, policy: str, layers: list) -> cpu_linear.RowKernels:
+        """quant / dequant by row count for quantized weights of one shape (Linears or the _Head):
+        timed under `auto` at the row counts up to QUANT_ROWS, else the static split."""
+        if policy != "auto":
+            return cpu_linear.quant_static_table()
+        weights = [m.quant for m in layers]
+        bias = [getattr(m, "bias", None) for m in layers]
+
+        def pass_of(kind: str):
+            table = cpu_linear.RowKernels.single(kind)
+
+            def run(x: torch.Tensor) -> None:
+                for w, b in zip(weights, bias):
+                    cpu_linear.run(x, table, None, None, None, w.out_features, b, w)
+            return run
+
+        rows = tuple(r for r in cpu_linear.CALIBRATION_ROWS if r <= cpu_linear.QUANT_ROWS)
+        return cpu_linear.calibrate((cpu_linear.QUANT, pass_of(cpu_linear.QUANT)),
+                                    (cpu_linear.DEQUANT, pass_of(cpu_linear.DEQUANT)),
+                                    weights[0].in_features, torch.float32, len(layers), rows, beyond=cpu_linear.DEQUANT)
 
     def _keep_head(self, head: _Head, table: cpu_linear.RowKernels) -> int:
         """Free the head copies `table` never uses; returns the packed (opaque) bytes kept."""
@@ -317,7 +368,12 @@ class LlamaForCausalLM(nn.Module):
         if self._subset_head is not None:  # a draft's FR-Spec head: its own copy of some rows
             return _Head(self._subset_head, owns_dense=True)
         if self.lm_head is not None:
+            if self.lm_head.quant is not None:
+                return _Head(None, owns_dense=False, quant=self.lm_head.quant)
             return _Head(self.lm_head.weight, owns_dense=False)
+        quant = getattr(self.embed_tokens, "quant", None)  # a GGUF embedding kept quantized (gguf_native)
+        if quant is not None:
+            return _Head(None, owns_dense=False, quant=quant)
         return _Head(self.embed_tokens.weight, owns_dense=False)  # tied: the embedding stays dense
 
     def set_vocab_subset(self, token_ids: torch.Tensor | None) -> None:

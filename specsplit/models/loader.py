@@ -1,7 +1,11 @@
 """Load weights into the native model: Hugging Face directories, GGUF files, the shipped draft.
 
 GGUF files are dequantized once by transformers and cached as a Hugging Face directory under
-$SPECSPLIT_CACHE (default ~/.cache/specsplit), so later start-ups read safetensors directly.
+$SPECSPLIT_CACHE (default ~/.cache/specsplit), so later start-ups read safetensors directly; it
+holds the config, the tokenizer and every tensor. With `weights="native"` (the default; models/
+gguf_native.py) the linear layers and the embedding of a GGUF model keep the file's Q4_0/Q4_1/Q8_0
+blocks instead, read from the .gguf itself, and only the rest (norms, other block types) comes
+from the dequantized directory.
 """
 from __future__ import annotations
 
@@ -21,6 +25,9 @@ from tqdm import tqdm
 
 from specsplit.config import ModelConfig
 from specsplit.kv.meters import trim_host_memory
+from specsplit.kernels import quant_linear
+from specsplit.models import gguf_native
+from specsplit.models.gguf_native import WEIGHT_MODES
 from specsplit.models.llama import LlamaForCausalLM
 from specsplit.models.registry import DRAFT_ALIAS, TARGET_ALIAS, resolve_model_path
 
@@ -117,6 +124,7 @@ class LoadedModel:
     config: ModelConfig
     hf_dir: Path  # directory holding config.json and the tokenizer (for the draft: its base's)
     name: str
+    weights: str = "fp32"  # how the weights are held: "fp32", "bf16", "native Q4_1 x210, Q8_0 x1 (88.1 MB)"
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
@@ -133,23 +141,29 @@ def _load_weights(model: LlamaForCausalLM, sources: list[TensorSource], show_pro
         raise KeyError(f"tensor {name!r} is missing from the checkpoint")
 
     cfg = model.cfg
-    _copy(model.embed_tokens.weight, get("model.embed_tokens.weight"), "model.embed_tokens.weight")
+    # weights already attached as GGUF blocks (gguf_native.attach) are not read again
+    if getattr(model.embed_tokens, "quant", None) is None:
+        _copy(model.embed_tokens.weight, get("model.embed_tokens.weight"), "model.embed_tokens.weight")
     _copy(model.norm.weight, get("model.norm.weight"), "model.norm.weight")
-    if model.lm_head is not None:
+    if model.lm_head is not None and model.lm_head.quant is None:
         _copy(model.lm_head.weight, get("lm_head.weight"), "lm_head.weight")
     layers = tqdm(range(cfg.num_layers), desc="loading layers", disable=not show_progress, leave=False)
     for i in layers:
         p = f"model.layers.{i}."
         layer = model.layers[i]
-        qkv = torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"], dim=0)
-        _copy(layer.qkv_proj.weight, qkv, p + "self_attn.qkv")
+        if layer.qkv_proj.quant is None:
+            qkv = torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"], dim=0)
+            _copy(layer.qkv_proj.weight, qkv, p + "self_attn.qkv")
         if cfg.attention_bias:
             bias = torch.cat([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"], dim=0)
             _copy(layer.qkv_proj.bias, bias, p + "self_attn.qkv.bias")
-        _copy(layer.o_proj.weight, get(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
-        gate_up = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")], dim=0)
-        _copy(layer.gate_up_proj.weight, gate_up, p + "mlp.gate_up")
-        _copy(layer.down_proj.weight, get(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
+        if layer.o_proj.quant is None:
+            _copy(layer.o_proj.weight, get(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
+        if layer.gate_up_proj.quant is None:
+            gate_up = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")], dim=0)
+            _copy(layer.gate_up_proj.weight, gate_up, p + "mlp.gate_up")
+        if layer.down_proj.quant is None:
+            _copy(layer.down_proj.weight, get(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
         _copy(layer.input_norm.weight, get(p + "input_layernorm.weight"), p + "input_layernorm.weight")
         _copy(layer.post_attn_norm.weight, get(p + "post_attention_layernorm.weight"), p + "post_attention_layernorm")
 
@@ -204,8 +218,18 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     max_positions: int | None = None,
     show_progress: bool = True,
+    weights: str = "native",
 ) -> LoadedModel:
-    """Build the native model for a model argument and load its weights onto the device."""
+    """Build the native model for a model argument and load its weights onto the device.
+
+    weights: "native" keeps a GGUF file's quantized blocks where a kernel runs them (CPU, fp32,
+    the compiled kernel; else it falls back to dense, logged); "fp32" dequantizes as before (to
+    `dtype`); "bf16" holds dense bf16 weights (the model runs in bf16). No effect on a Hugging
+    Face directory other than bf16's dtype."""
+    if weights not in WEIGHT_MODES:
+        raise ValueError(f"weights {weights!r}: choose one of {', '.join(WEIGHT_MODES)}")
+    if weights == "bf16":
+        dtype = torch.bfloat16
     directory = hf_dir_for(name, show_progress)
     raw = json.loads((directory / "config.json").read_text())
     cfg = model_config_from_hf(raw)
@@ -225,6 +249,14 @@ def load_model(
         base_cfg = model_config_from_hf(json.loads((base_dir / "config.json").read_text()))
         cfg = _with_eos(cfg, base_cfg.eos_token_ids)
     model = LlamaForCausalLM(cfg, dtype, device, max_positions=max_positions)
+    held = str(dtype).replace("torch.", "").replace("float32", "fp32").replace("bfloat16", "bf16").replace("float16", "fp16")
+    gguf_file = resolve_model_path(name)  # the .gguf itself, or a directory
+    if weights == "native" and gguf_file.is_file():
+        why = native_unavailable(model.device, dtype)
+        if why:
+            log.info("weights: %s held as dense %s (native GGUF weights need %s)", gguf_file.name, held, why)
+        else:
+            held = gguf_native.attach(model, gguf_file)
     _load_weights(model, sources, show_progress)
     for s in sources:
         s.close()
@@ -236,7 +268,18 @@ def load_model(
         gc.collect()
         trim_host_memory()
     model.eval()
-    return LoadedModel(model=model, config=cfg, hf_dir=tokenizer_dir, name=name)
+    return LoadedModel(model=model, config=cfg, hf_dir=tokenizer_dir, name=name, weights=held)
+
+
+def native_unavailable(device: torch.device, dtype: torch.dtype) -> str:
+    """Why GGUF blocks cannot be kept on this device and dtype ('' when they can)."""
+    if device.type != "cpu":
+        return "the CPU"
+    if dtype != torch.float32:
+        return "--dtype fp32"
+    if quant_linear.load() is None:
+        return "the compiled quantized kernel (AVX2/FMA/F16C and a C++ compiler)"
+    return ""
 
 
 def _with_eos(cfg: ModelConfig, eos: tuple[int, ...]) -> ModelConfig:

@@ -98,7 +98,9 @@ def build_rank(cfg: EngineConfig, spec: SpecConfig, rank: int, world: int, start
 
     def load():
         with unpacked_load() as policy:  # dense weights to shard; kernels chosen for the shard after
-            loaded = load_for(replace(rcfg, deterministic=False), show_progress and rank == 0)
+            # weights fp32 (or bf16): the shards are cut from dense weights (a GGUF's blocks are not split)
+            loaded = load_for(replace(rcfg, deterministic=False, weights="bf16" if rcfg.weights == "bf16" else "fp32"),
+                              show_progress and rank == 0)
         check_shardable(loaded.config, world)
         loaded.config = shard_model(loaded.model, rank, world, compute_group, policy)
         if rcfg.deterministic:

@@ -18,7 +18,7 @@ SMOLLM = "smollm2-135m"
 def _measured_weights(dtype: torch.dtype, policy: str, monkeypatch) -> tuple[int, int, int]:
     """(measured weights, bytes the model holds: storages + opaque packed, bytes of the packed head copy)"""
     monkeypatch.setenv("SPECSPLIT_LINEAR_KERNEL", policy)
-    cfg = EngineConfig(model=SMOLLM, dtype=dtype, max_model_len=2048)
+    cfg = EngineConfig(model=SMOLLM, dtype=dtype, max_model_len=2048, weights="fp32")  # dense, dequantized
     prof = MemoryProfiler("cpu", budget_bytes=8 << 30)
     loaded = prof.load("verifier", lambda: load_for(cfg, False))
     model = loaded.model
@@ -49,3 +49,22 @@ def test_smollm2_weights_measured_within_2_percent_and_bf16_halves_them(monkeypa
     assert (params16 - head_copy) * 2 == params32
     assert abs(bf16 - params16) <= 0.02 * params16, (bf16, params16)
     assert abs((bf16 - head_copy) / fp32 - 0.5) <= 0.01
+
+
+def test_smollm2_native_gguf_weights_measured_at_their_width(monkeypatch):
+    """--weights native (the default): the Q4_1/Q8_0 blocks the model holds are what the profiler
+    measures, under a fifth of the fp32 parameters."""
+    from specsplit.kv.meters import tensor_storage_bytes
+
+    monkeypatch.setenv("SPECSPLIT_LINEAR_KERNEL", "static")
+    prof = MemoryProfiler("cpu", budget_bytes=8 << 30)
+    try:
+        loaded = prof.load("verifier", lambda: load_for(EngineConfig(model=SMOLLM, max_model_len=2048), False))
+    except ValueError as e:  # ModelNotFound
+        pytest.skip(str(e))
+    if not loaded.weights.startswith("native"):
+        pytest.skip(f"weights held as {loaded.weights}: no quantized kernel on this machine")
+    held = tensor_storage_bytes(loaded.model)
+    weights = prof.measured["verifier"].weights
+    assert abs(weights - held) <= 0.02 * held, (weights, held)
+    assert held < 0.2 * 134.5e6 * 4

@@ -1,0 +1,399 @@
+// y[M, N] = x[M, K] @ W[N, K]^T for GGUF block-quantized W (Q4_0, Q4_1, Q8_0), fp32 x and y.
+//
+// W keeps the file's bytes, one row of blocks per output feature, B bytes per 32 weights: 18
+// (Q4_0: fp16 d, 16 bytes of nibbles), 20 (Q4_1: fp16 d, fp16 m, 16 bytes) or 34 (Q8_0: fp16 d,
+// 32 int8). In a 4-bit block byte j holds weight j in its low nibble and weight j+16 in its high
+// nibble. The same bytes are regrouped per row ("split rows", kernels/quant_linear.py does it at
+// load): first the quants of the row's blocks, then their fp16 scales side by side, so a row's
+// scales convert to fp32 with a few vector instructions instead of two scalar conversions per
+// block (measured: ~30% of the loop). blocks [N, K/32 * B] uint8.
+// A decode or verify step reads each block once: per output row, each block is dequantized into
+// fp32 registers and multiplied (FMA) with every x row of the pass.
+//
+// The dequantized value is the one gguf-py (and so transformers) computes, bit for bit:
+//   Q4_0  d * (q - 8)      Q4_1  (d * q) + m  (two roundings, no FMA)      Q8_0  d * q
+// so y equals F.linear(x, dequantized W) within fp32 summation order. The file is compiled with
+// -ffp-contract=off, which keeps the compiler from fusing d * q + m into one FMA.
+//
+// Rows of x run in passes of up to 4 (AVX2) or 8 (AVX-512) with two accumulators per row in
+// registers; a further pass re-reads the row's blocks from L1. Output rows are split over
+// torch's intra-op threads (at::parallel_for). AVX2 + FMA + F16C (every AVX2 CPU has F16C); an
+// AVX-512 variant of the same loop is used where the CPU has AVX-512F/BW (picked at run time).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  // ggml's type ids
+
+constexpr int64_t QK = 32;  // weights per block
+
+inline int64_t block_bytes(int64_t t) {
+  switch (t) {
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q8_0: return 34;
+    default: return 0;
+  }
+}
+
+inline int64_t quant_bytes(int64_t t) { return t == Q8_0 ? 32 : 16; }  // per block, before the scales
+inline int64_t scale_halves(int64_t t) { return t == Q4_1 ? 2 : 1; }  // fp16 scales per block: d (, m)
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// A split row's fp16 scales [nb * NS] -> fp32 (8 at a time with F16C)
+template <int64_t T>
+inline void row_scales(const uint8_t* row, int64_t nb, float* out) {
+  const uint8_t* h = row + nb * quant_bytes(T);
+  const int64_t n = nb * scale_halves(T);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 2 * i))));
+  for (; i < n; ++i) out[i] = half_to_float(h + 2 * i);
+}
+
+// ---- AVX2: one block -> 4 x 8 fp32 ------------------------------------------------------------
+
+// qs: the block's quants; dv, mv: its scales
+template <int64_t T>
+inline void dequant8x4(const uint8_t* qs, float dv, float mv, __m256 w[4]) {
+  const __m256 d = _mm256_set1_ps(dv);
+  if constexpr (T == Q8_0) {
+    for (int j = 0; j < 4; ++j) {
+      const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * j));
+      w[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)));
+    }
+  } else {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(raw, mask);                     // weights 0..15
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);  // weights 16..31
+    __m256 q[4] = {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)),
+                   _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))),
+                   _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)),
+                   _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)))};
+    if constexpr (T == Q4_0) {
+      const __m256 eight = _mm256_set1_ps(8.0f);
+      for (int j = 0; j < 4; ++j) w[j] = _mm256_mul_ps(d, _mm256_sub_ps(q[j], eight));  // q - 8 is exact
+    } else {
+      const __m256 m = _mm256_set1_ps(mv);
+      for (int j = 0; j < 4; ++j) w[j] = _mm256_add_ps(_mm256_mul_ps(d, q[j]), m);
+    }
+  }
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// y[m, n] for rows n0..n1 and MP rows of x (x [MP, K], y row stride ldy)
+template <int64_t T, int MP>
+void rows_avx2(const float* x, int64_t K, const uint8_t* blocks, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  const int64_t nb = K / QK, row_bytes = nb * block_bytes(T), QB = quant_bytes(T), NS = scale_halves(T);
+  std::vector<float> sc(nb * NS);  // the row's scales in fp32: d (, m) per block
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = blocks + n * row_bytes;
+    row_scales<T>(row, nb, sc.data());
+    // NA accumulators per x row: 4 independent FMA chains while registers allow (one FMA per
+    // chain per block), else 2 (16 ymm registers)
+    constexpr int NA = MP <= 2 ? 4 : 2;
+    __m256 a[MP][NA];
+    for (int m = 0; m < MP; ++m)
+      for (int j = 0; j < NA; ++j) a[m][j] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256 w[4];
+      dequant8x4<T>(row + b * QB, sc[b * NS], sc[b * NS + NS - 1], w);
+      const float* xb = x + b * QK;
+      for (int m = 0; m < MP; ++m) {
+        const float* xm = xb + m * K;
+        for (int j = 0; j < 4; ++j) a[m][j % NA] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xm + 8 * j), a[m][j % NA]);
+      }
+    }
+    for (int m = 0; m < MP; ++m) {
+      __m256 s = a[m][0];
+      for (int j = 1; j < NA; ++j) s = _mm256_add_ps(s, a[m][j]);
+      y[m * ldy + n] = hsum(s);
+    }
+  }
+}
+
+// ---- AVX-512: one block -> 2 x 16 fp32 (same values) ------------------------------------------
+
+#define SPECSPLIT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+
+// One block -> 2 x 16 fp32, given its scales. A 4-bit block has 16 distinct values:
+// table[q] = the dequantized value of q (one mul, one add: the same roundings as the per-weight
+// formula), and vpermps picks each weight's entry by its nibble (it reads only the low 4 bits of
+// each 32-bit index, so the low nibble needs no mask).
+template <int64_t T>
+SPECSPLIT_AVX512 inline void dequant16x2(const uint8_t* qs, float dv, float mv, __m512 w[2]) {
+  const __m512 d = _mm512_set1_ps(dv);
+  if constexpr (T == Q8_0) {
+    for (int j = 0; j < 2; ++j) {
+      const __m128i q8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16 * j));
+      w[j] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q8)));
+    }
+  } else {
+    __m512 table;
+    if constexpr (T == Q4_0) {
+      table = _mm512_mul_ps(d, _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7));
+    } else {
+      table = _mm512_add_ps(_mm512_mul_ps(d, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
+                            _mm512_set1_ps(mv));
+    }
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+    w[0] = _mm512_permutexvar_ps(q, table);                        // weights 0..15: low nibbles
+    w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);  // weights 16..31: high nibbles
+  }
+}
+
+template <int64_t T, int MP>
+SPECSPLIT_AVX512 void rows_avx512(const float* x, int64_t K, const uint8_t* blocks, int64_t n0, int64_t n1, float* y,
+                                  int64_t ldy) {
+  const int64_t nb = K / QK, row_bytes = nb * block_bytes(T), QB = quant_bytes(T), NS = scale_halves(T);
+  std::vector<float> sc(nb * NS);  // the row's scales in fp32: d (, m) per block
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = blocks + n * row_bytes;
+    row_scales<T>(row, nb, sc.data());
+    __m512 a0[MP], a1[MP];
+    for (int m = 0; m < MP; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
+    int64_t b = 0;
+    if constexpr (MP == 1) {  // one x row: two blocks per iteration, 4 independent FMA chains
+      __m512 c0 = _mm512_setzero_ps(), c1 = _mm512_setzero_ps();
+      for (; b + 2 <= nb; b += 2) {
+        __m512 w[2], v[2];
+        dequant16x2<T>(row + b * QB, sc[b * NS], sc[b * NS + NS - 1], w);
+        dequant16x2<T>(row + (b + 1) * QB, sc[(b + 1) * NS], sc[(b + 1) * NS + NS - 1], v);
+        const float* xb = x + b * QK;
+        a0[0] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xb), a0[0]);
+        a1[0] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xb + 16), a1[0]);
+        c0 = _mm512_fmadd_ps(v[0], _mm512_loadu_ps(xb + 32), c0);
+        c1 = _mm512_fmadd_ps(v[1], _mm512_loadu_ps(xb + 48), c1);
+      }
+      a0[0] = _mm512_add_ps(a0[0], c0);
+      a1[0] = _mm512_add_ps(a1[0], c1);
+    }
+    for (; b < nb; ++b) {
+      __m512 w[2];
+      dequant16x2<T>(row + b * QB, sc[b * NS], sc[b * NS + NS - 1], w);
+      const float* xb = x + b * QK;
+      for (int m = 0; m < MP; ++m) {
+        a0[m] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xb + m * K), a0[m]);
+        a1[m] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xb + m * K + 16), a1[m]);
+      }
+    }
+    for (int m = 0; m < MP; ++m) y[m * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m]));
+  }
+}
+
+// Two output rows at a time for 4+ x rows: each x load feeds both rows' FMAs, halving the loads
+// that bound the single-row loop there (one accumulator per output row and x row: the FMAs of a
+// block, 4 per x row, already outnumber an FMA's latency).
+template <int64_t T, int MP>
+SPECSPLIT_AVX512 void row_pairs_avx512(const float* x, int64_t K, const uint8_t* blocks, int64_t n0, int64_t n1,
+                                       float* y, int64_t ldy) {
+  const int64_t nb = K / QK, row_bytes = nb * block_bytes(T), QB = quant_bytes(T), NS = scale_halves(T);
+  std::vector<float> sc(2 * nb * NS);  // the two rows' scales in fp32
+  float* s0 = sc.data();
+  float* s1 = s0 + nb * NS;
+  int64_t n = n0;
+  for (; n + 2 <= n1; n += 2) {
+    const uint8_t* r0 = blocks + n * row_bytes;
+    const uint8_t* r1 = r0 + row_bytes;
+    row_scales<T>(r0, nb, s0);
+    row_scales<T>(r1, nb, s1);
+    __m512 a0[MP], a1[MP];
+    for (int m = 0; m < MP; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      __m512 w[2], v[2];
+      dequant16x2<T>(r0 + b * QB, s0[b * NS], s0[b * NS + NS - 1], w);
+      dequant16x2<T>(r1 + b * QB, s1[b * NS], s1[b * NS + NS - 1], v);
+      const float* xb = x + b * QK;
+      for (int m = 0; m < MP; ++m) {
+        const __m512 xlo = _mm512_loadu_ps(xb + m * K), xhi = _mm512_loadu_ps(xb + m * K + 16);
+        a0[m] = _mm512_fmadd_ps(w[1], xhi, _mm512_fmadd_ps(w[0], xlo, a0[m]));
+        a1[m] = _mm512_fmadd_ps(v[1], xhi, _mm512_fmadd_ps(v[0], xlo, a1[m]));
+      }
+    }
+    for (int m = 0; m < MP; ++m) {
+      y[m * ldy + n] = _mm512_reduce_add_ps(a0[m]);
+      y[m * ldy + n + 1] = _mm512_reduce_add_ps(a1[m]);
+    }
+  }
+  if (n < n1) rows_avx512<T, MP>(x, K, blocks, n, n1, y, ldy);
+}
+
+bool use_avx512() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl");
+  return yes;
+}
+
+// x rows per pass over a weight row: AVX2 has 16 ymm registers (4 weights + 2 x 4 accumulators),
+// AVX-512 32 zmm (2 weights + the table + 2 x 8 accumulators)
+constexpr int MAX_PASS_AVX2 = 4, MAX_PASS_AVX512 = 8;
+
+template <int64_t T, int MP>
+void pass(const float* x, int64_t K, const uint8_t* blocks, int64_t N, float* y, bool avx512) {
+  // grain: at least 64 output rows per task, so one thread is a plain loop
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    if (avx512) {
+      if constexpr (MP < 4)  // measured: pairs pay from 4 x rows on, cost ~15% at 2-3
+        rows_avx512<T, MP>(x, K, blocks, n0, n1, y, N);
+      else
+        row_pairs_avx512<T, MP>(x, K, blocks, n0, n1, y, N);
+    } else if constexpr (MP <= MAX_PASS_AVX2) {
+      rows_avx2<T, MP>(x, K, blocks, n0, n1, y, N);
+    }
+  });
+}
+
+template <int64_t T>
+void run(const float* x, int64_t M, int64_t K, const uint8_t* blocks, int64_t N, float* y, bool avx512) {
+  const int64_t max_pass = avx512 ? MAX_PASS_AVX512 : MAX_PASS_AVX2;
+  for (int64_t m0 = 0; m0 < M; m0 += max_pass) {
+    const float* xs = x + m0 * K;
+    float* ys = y + m0 * N;
+    switch (std::min<int64_t>(max_pass, M - m0)) {
+      case 1: pass<T, 1>(xs, K, blocks, N, ys, avx512); break;
+      case 2: pass<T, 2>(xs, K, blocks, N, ys, avx512); break;
+      case 3: pass<T, 3>(xs, K, blocks, N, ys, avx512); break;
+      case 4: pass<T, 4>(xs, K, blocks, N, ys, avx512); break;
+      case 5: pass<T, 5>(xs, K, blocks, N, ys, avx512); break;
+      case 6: pass<T, 6>(xs, K, blocks, N, ys, avx512); break;
+      case 7: pass<T, 7>(xs, K, blocks, N, ys, avx512); break;
+      default: pass<T, 8>(xs, K, blocks, N, ys, avx512); break;
+    }
+  }
+}
+
+// one row of blocks -> K fp32 (scalar, the same arithmetic as the vector paths; tests compare)
+template <int64_t T>
+void dequant_row(const uint8_t* row, int64_t K, float* out) {
+  const int64_t nb = K / QK, QB = quant_bytes(T), NS = scale_halves(T);
+  const uint8_t* scales = row + nb * QB;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = row + b * QB;
+    const float d = half_to_float(scales + 2 * NS * b);
+    float* o = out + b * QK;
+    if constexpr (T == Q8_0) {
+      for (int j = 0; j < 32; ++j) o[j] = d * static_cast<float>(static_cast<int8_t>(p[j]));
+    } else if constexpr (T == Q4_0) {
+      for (int j = 0; j < 16; ++j) {
+        o[j] = d * static_cast<float>((p[j] & 0x0F) - 8);
+        o[j + 16] = d * static_cast<float>((p[j] >> 4) - 8);
+      }
+    } else {
+      const float m = half_to_float(scales + 2 * NS * b + 2);
+      for (int j = 0; j < 16; ++j) {
+        o[j] = d * static_cast<float>(p[j] & 0x0F) + m;
+        o[j + 16] = d * static_cast<float>(p[j] >> 4) + m;
+      }
+    }
+  }
+}
+
+// one split row -> K fp32 with the AVX2 dequantizer (the same values as dequant_row)
+template <int64_t T>
+void dequant_row_avx2(const uint8_t* row, int64_t K, float* out, float* sc) {
+  const int64_t nb = K / QK, QB = quant_bytes(T), NS = scale_halves(T);
+  row_scales<T>(row, nb, sc);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256 w[4];
+    dequant8x4<T>(row + b * QB, sc[b * NS], sc[b * NS + NS - 1], w);
+    for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out + b * QK + 8 * j, w[j]);
+  }
+}
+
+void check_blocks(const torch::Tensor& blocks, int64_t qtype, int64_t K) {
+  TORCH_CHECK(block_bytes(qtype) > 0, "quant_linear: type ", qtype, " is not Q4_0 (2), Q4_1 (3) or Q8_0 (8)");
+  TORCH_CHECK(K % QK == 0, "quant_linear: in_features ", K, " is not a multiple of 32");
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
+                  blocks.size(1) == K / QK * block_bytes(qtype),
+              "quant_linear: blocks must be contiguous uint8 [N, K/32 * block bytes], split rows");
+}
+
+}  // namespace
+
+// x [M, K] fp32, blocks [N, K/32 * B] uint8 -> y [M, N] fp32 (+ bias)
+// allow_avx512 = false runs the AVX2 loop on any CPU (tests compare both)
+torch::Tensor quant_linear(const torch::Tensor& x_in, const torch::Tensor& blocks, int64_t qtype,
+                           const c10::optional<torch::Tensor>& bias, bool allow_avx512) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "quant_linear: x must be fp32 [M, K]");
+  const int64_t M = x_in.size(0), K = x_in.size(1), N = blocks.size(0);
+  check_blocks(blocks, qtype, K);
+  const torch::Tensor x = x_in.contiguous();
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* bp = blocks.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  const bool avx512 = allow_avx512 && use_avx512();
+  if (M > 0) {
+    switch (qtype) {
+      case Q4_0: run<Q4_0>(xp, M, K, bp, N, yp, avx512); break;
+      case Q4_1: run<Q4_1>(xp, M, K, bp, N, yp, avx512); break;
+      default: run<Q8_0>(xp, M, K, bp, N, yp, avx512); break;
+    }
+  }
+  if (bias.has_value() && bias->defined()) y.add_(*bias);
+  return y;
+}
+
+// blocks [N, K/32 * B] uint8 -> W [N, K] fp32 (the values quant_linear multiplies with)
+torch::Tensor quant_dequantize(const torch::Tensor& blocks, int64_t qtype, int64_t K) {
+  check_blocks(blocks, qtype, K);
+  const int64_t N = blocks.size(0), row_bytes = blocks.size(1);
+  auto w = torch::empty({N, K}, blocks.options().dtype(at::kFloat));
+  const uint8_t* bp = blocks.data_ptr<uint8_t>();
+  float* wp = w.data_ptr<float>();
+  at::parallel_for(0, N, 256, [&](int64_t n0, int64_t n1) {
+    std::vector<float> sc(K / QK * 2);
+    for (int64_t n = n0; n < n1; ++n) {
+      switch (qtype) {
+        case Q4_0: dequant_row_avx2<Q4_0>(bp + n * row_bytes, K, wp + n * K, sc.data()); break;
+        case Q4_1: dequant_row_avx2<Q4_1>(bp + n * row_bytes, K, wp + n * K, sc.data()); break;
+        default: dequant_row_avx2<Q8_0>(bp + n * row_bytes, K, wp + n * K, sc.data()); break;
+      }
+    }
+  });
+  return w;
+}
+
+// the scalar dequantizer, for tests: equal to quant_dequantize bit for bit
+torch::Tensor quant_dequantize_scalar(const torch::Tensor& blocks, int64_t qtype, int64_t K) {
+  check_blocks(blocks, qtype, K);
+  const int64_t N = blocks.size(0), row_bytes = blocks.size(1);
+  auto w = torch::empty({N, K}, blocks.options().dtype(at::kFloat));
+  for (int64_t n = 0; n < N; ++n) {
+    const uint8_t* row = blocks.data_ptr<uint8_t>() + n * row_bytes;
+    float* out = w.data_ptr<float>() + n * K;
+    switch (qtype) {
+      case Q4_0: dequant_row<Q4_0>(row, K, out); break;
+      case Q4_1: dequant_row<Q4_1>(row, K, out); break;
+      default: dequant_row<Q8_0>(row, K, out); break;
+    }
+  }
+  return w;
+}
+
+bool quant_uses_avx512() { return use_avx512(); }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("quant_linear", &quant_linear, "y = x @ W.T (+ bias), W as split rows of GGUF Q4_0/Q4_1/Q8_0 blocks, fp32 x");
+  m.def("quant_dequantize", &quant_dequantize, "split rows of GGUF Q4_0/Q4_1/Q8_0 blocks [N, K/32*B] -> fp32 [N, K]");
+  m.def("quant_dequantize_scalar", &quant_dequantize_scalar, "the scalar dequantizer (tests)");
+  m.def("quant_uses_avx512", &quant_uses_avx512, "whether the AVX-512 loop runs on this CPU");
+}

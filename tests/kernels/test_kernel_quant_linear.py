@@ -1,0 +1,138 @@
+"""kernels/quant_linear: the C++ kernel over GGUF Q4_0/Q4_1/Q8_0 blocks equals dequantize-then-
+F.linear within fp32 summation order, at every row count the engine runs (1..16) and past it, on
+both its loops (AVX2, and AVX-512 where the CPU has it); its dequantized values equal gguf-py's
+bit for bit, on random blocks and on the real SmolLM2 GGUF file."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specsplit.kernels import quant_linear
+from specsplit.kernels.quant_linear import TYPES, QuantWeight
+
+pytestmark = pytest.mark.skipif(quant_linear.load() is None,
+                                reason="no AVX2/FMA/F16C CPU or no C++ compiler: the quantized kernel is off")
+ISAS = [False, True] if quant_linear.uses_avx512() else [False]
+
+
+def random_blocks(qtype: str, n: int, k: int, seed: int = 0) -> QuantWeight:
+    """Random but realistic blocks: fp16 scales of either sign around 1e-2, random quants."""
+    g = torch.Generator().manual_seed(seed)
+    nb, size = k // 32, TYPES[qtype][1]
+    b = torch.randint(0, 256, (n, nb, size), dtype=torch.uint8, generator=g)  # [N, nb, B]
+    d = (torch.randn(n, nb, 1, generator=g) * 0.01).half()
+    b[..., :2] = d.view(torch.uint8)
+    if qtype == "Q4_1":
+        b[..., 2:4] = (torch.randn(n, nb, 1, generator=g) * 0.05).half().view(torch.uint8)
+    return QuantWeight.from_gguf(b.reshape(n, nb * size), qtype, k)
+
+
+def exact_linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:  # [M, N] in float64
+    return F.linear(x.double(), quant_linear.reference_dequantize(w).double())
+
+
+def gguf_py_dequantize(w: QuantWeight) -> torch.Tensor:
+    from gguf import GGMLQuantizationType, quants
+
+    return torch.from_numpy(quants.dequantize(w.gguf_blocks().numpy(), GGMLQuantizationType[w.qtype]).astype(np.float32))
+
+
+@pytest.mark.parametrize("qtype", list(TYPES))
+def test_dequantize_equals_gguf_py_bit_for_bit(qtype):
+    w = random_blocks(qtype, 37, 128)
+    expected = gguf_py_dequantize(w)
+    assert torch.equal(quant_linear.reference_dequantize(w), expected)
+    assert torch.equal(quant_linear.dequantize(w), expected)
+    assert torch.equal(quant_linear.load().quant_dequantize_scalar(w.blocks, TYPES[qtype][0], 128), expected)
+
+
+@pytest.mark.parametrize("qtype", list(TYPES))
+@pytest.mark.parametrize("avx512", ISAS)
+def test_linear_equals_reference_for_every_row_count(qtype, avx512):
+    # N = 131: not a multiple of any block of outputs; K = 160: an odd number of blocks
+    w = random_blocks(qtype, 131, 160, seed=1)
+    g = torch.Generator().manual_seed(2)
+    for m in list(range(1, 17)) + [23]:
+        x = torch.randn(m, 160, generator=g)
+        y = quant_linear.linear(x, w, avx512=avx512)
+        assert y.shape == (m, 131) and y.dtype == torch.float32
+        torch.testing.assert_close(y.double(), exact_linear(x, w), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(y, quant_linear.reference(x, w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("avx512", ISAS)
+def test_bias_strided_input_and_dequantized_linear(avx512):
+    w = random_blocks("Q4_1", 64, 96, seed=3)
+    bias = torch.randn(64)
+    x = torch.randn(96, 5).t()  # [5, 96], not contiguous
+    expected = quant_linear.reference(x.contiguous(), w, bias)
+    torch.testing.assert_close(quant_linear.linear(x, w, bias, avx512=avx512), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(quant_linear.dequantized_linear(x, w, bias), expected, rtol=1e-5, atol=1e-5)
+    assert quant_linear.linear(torch.zeros(0, 96), w).shape == (0, 64)
+
+
+def test_split_rows_hold_the_file_bytes():
+    for qtype in TYPES:
+        w = random_blocks(qtype, 5, 96, seed=6)
+        assert torch.equal(QuantWeight.from_gguf(w.gguf_blocks(), qtype, 96).blocks, w.blocks)
+        assert w.blocks.shape == w.gguf_blocks().shape and not torch.equal(w.blocks, w.gguf_blocks())
+
+
+def test_weight_shapes_are_checked():
+    w = random_blocks("Q8_0", 8, 64)
+    with pytest.raises(ValueError, match="do not hold rows"):
+        QuantWeight(w.blocks, "Q8_0", 96)
+    with pytest.raises(ValueError, match="Q6_K"):
+        QuantWeight(w.blocks, "Q6_K", 64)
+    with pytest.raises(RuntimeError, match="fp32"):
+        quant_linear.linear(torch.zeros(1, 64, dtype=torch.float64), w)
+    rows = w.rows(torch.tensor([7, 0]))
+    assert torch.equal(quant_linear.dequantize(rows), quant_linear.dequantize(w)[[7, 0]])
+    both = QuantWeight.cat([w, rows])
+    assert both.out_features == 10 and torch.equal(both.blocks[8:], rows.blocks)
+    with pytest.raises(ValueError, match="cannot fuse"):
+        QuantWeight.cat([w, random_blocks("Q4_0", 8, 64)])
+
+
+def test_real_smollm2_tensors():
+    """A Q4_1 layer and rows of the Q8_0 embedding of the shipped GGUF file, against gguf-py."""
+    gguf = pytest.importorskip("gguf")
+    from specsplit.models.registry import ModelNotFound, smollm2_gguf_path
+
+    try:
+        path = smollm2_gguf_path()
+    except ModelNotFound as e:
+        pytest.skip(str(e))
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    g = torch.Generator().manual_seed(4)
+    for name, rows in (("blk.3.ffn_down.weight", None), ("blk.0.attn_k.weight", None), ("token_embd.weight", 3000)):
+        t = tensors[name]
+        data = np.array(t.data[:rows] if rows else t.data)
+        w = QuantWeight.from_gguf(torch.from_numpy(data), t.tensor_type.name, int(t.shape[0]))
+        expected = torch.from_numpy(gguf.quants.dequantize(data, t.tensor_type))
+        assert torch.equal(quant_linear.dequantize(w), expected), name
+        for m in (1, 3, 8, 16):
+            x = torch.randn(m, w.in_features, generator=g)
+            for avx512 in ISAS:
+                torch.testing.assert_close(quant_linear.linear(x, w, avx512=avx512), F.linear(x, expected),
+                                           rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("avx512", ISAS)
+def test_threads_split_output_rows_without_changing_them(avx512):
+    """torch's intra-op threads take chunks of output rows (odd chunk ends included): every row is
+    computed as on one thread, bit for bit."""
+    w = random_blocks("Q4_1", 333, 96, seed=7)
+    x = torch.randn(9, 96)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = [quant_linear.linear(x[:m], w, avx512=avx512) for m in (1, 3, 4, 9)]
+        torch.set_num_threads(2)
+        two = [quant_linear.linear(x[:m], w, avx512=avx512) for m in (1, 3, 4, 9)]
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(one, two):
+        assert torch.equal(a, b)

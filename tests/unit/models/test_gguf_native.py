@@ -1,0 +1,131 @@
+"""models/gguf_native: the shipped SmolLM2 GGUF run at its own width (`weights="native"`) is the
+same function as today's dequantized fp32 model: the same weights bit for bit once dequantized
+(q/k rows un-permuted as transformers does), logits within fp32 rounding at every row count,
+the same greedy tokens; its weights take a fraction of the bytes; without the kernel it loads
+dense as before."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specsplit.kernels import quant_linear
+from specsplit.kv.meters import tensor_storage_bytes
+from specsplit.models import cpu_linear
+from specsplit.models.gguf_native import QuantEmbedding, reverse_permute_rows
+from specsplit.models.loader import load_model
+from specsplit.models.registry import ModelNotFound, smollm2_gguf_path
+from specsplit.models.runner import ForwardItem, ModelRunner
+
+try:
+    smollm2_gguf_path()
+    NO_MODEL = ""
+except ModelNotFound as e:
+    NO_MODEL = str(e)
+
+pytestmark = [
+    pytest.mark.skipif(bool(NO_MODEL), reason=NO_MODEL or "-"),
+    pytest.mark.skipif(quant_linear.load() is None,
+                       reason="no AVX2/FMA/F16C CPU or no C++ compiler: GGUF weights load dense"),
+]
+
+
+@pytest.fixture(scope="module")
+def models():
+    mp = pytest.MonkeyPatch()
+    mp.setenv(cpu_linear.ENV_POLICY, "static")  # no timing: deterministic tables, a fast load
+    try:
+        native = load_model("smollm2-135m", show_progress=False)
+        dense = load_model("smollm2-135m", show_progress=False, weights="fp32")
+    finally:
+        mp.undo()
+    return native, dense
+
+
+def test_native_holds_the_file_blocks(models):
+    native, dense = models
+    assert native.weights.startswith("native Q4_1 x120, Q8_0 x1")
+    assert dense.weights == "fp32"
+    layer = native.model.layers[0]
+    assert all(getattr(layer, a).quant is not None and getattr(layer, a).weight.numel() == 0
+               for a in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+    assert isinstance(native.model.embed_tokens, QuantEmbedding)
+    assert native.model.kernel_tables["head 49152x576 Q8_0"].describe() == "quant 1-16, dequant 17+"
+    # 4.5-6.4x fewer weight bytes (Q4_1 layers, Q8_0 embedding, fp32 norms)
+    assert tensor_storage_bytes(native.model) < 0.25 * tensor_storage_bytes(dense.model)
+
+
+def test_dequantized_weights_equal_transformers_bit_for_bit(models):
+    """q/k rows un-permuted, q|k|v and gate|up fused: every weight as transformers dequantizes it."""
+    native, dense = models
+    for i in (0, 17, 29):
+        a, b = native.model.layers[i], dense.model.layers[i]
+        for attr in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            assert torch.equal(getattr(a, attr).dense_weight(), getattr(b, attr).weight), (i, attr)
+    ids = torch.tensor([0, 1, 500, 49151])
+    assert torch.equal(native.model.embed_tokens(ids), dense.model.embed_tokens(ids))
+
+
+def test_reverse_permute_rows_is_transformers_reverse_permute():
+    rows, n_head = 24, 3
+    w = torch.arange(rows * 2).reshape(rows, 2)
+    dim = rows // n_head // 2
+    expected = w.reshape(n_head, dim, 2, 2).swapaxes(2, 1).reshape(rows, 2)  # transformers' numpy code
+    assert torch.equal(w[reverse_permute_rows(rows, n_head)], expected)
+
+
+def _logits(model, qs):
+    """A 40-token prefill (the dequant kernel), then decode/verify-shaped steps (the quant kernel)."""
+    runner = ModelRunner(model, num_blocks=32, block_size=16, max_model_len=256)
+    prompt = list(range(100, 140))
+    out = runner.forward([ForwardItem("s", 0, prompt, num_logits=len(prompt))])
+    n, g = len(prompt), torch.Generator().manual_seed(1)
+    for q in qs:
+        new = torch.randint(0, 49152, (q,), generator=g).tolist()
+        out += runner.forward([ForwardItem("s", n, new, num_logits=q)])
+        n += q
+    return [torch.as_tensor(o) for o in out]
+
+
+def test_logits_equal_the_fp32_path_within_rounding(models):
+    native, dense = models
+    rows = [1, 2, 3, 4, 5, 8, 16]
+    for a, b in zip(_logits(native.model, rows), _logits(dense.model, rows)):
+        assert a.shape == b.shape
+        # |logits| ~ 30: 1e-3 is ~3e-5 relative, the fp32 rounding of a 30-layer forward
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-3)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def _greedy(model, n: int = 24):
+    runner = ModelRunner(model, num_blocks=32, block_size=16, max_model_len=256)
+    prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 2]
+    tok = int(torch.as_tensor(runner.forward([ForwardItem("g", 0, prompt, num_logits=1)])[0]).argmax())
+    out, pos = [tok], len(prompt)
+    for _ in range(n - 1):
+        tok = int(torch.as_tensor(runner.forward([ForwardItem("g", pos, [tok], num_logits=1)])[0]).argmax())
+        out.append(tok)
+        pos += 1
+    return out
+
+
+def test_greedy_generation_equals_the_fp32_path(models):
+    native, dense = models
+    assert _greedy(native.model) == _greedy(dense.model)
+
+
+def test_without_the_kernel_native_loads_dense(monkeypatch):
+    monkeypatch.setattr(quant_linear, "_tried", True)  # as on a CPU without AVX2 or a compiler
+    monkeypatch.setattr(quant_linear, "_module", None)
+    monkeypatch.setenv(cpu_linear.ENV_POLICY, "dense")
+    loaded = load_model("smollm2-135m", show_progress=False)
+    assert loaded.weights == "fp32"
+    assert loaded.model.layers[0].qkv_proj.quant is None and loaded.model.layers[0].qkv_proj.weight.numel() > 0
+    with pytest.raises(ValueError, match="weights 'int3'"):
+        load_model("smollm2-135m", show_progress=False, weights="int3")
+
+
+def test_bf16_weights_are_dense_bf16(monkeypatch):
+    monkeypatch.setenv(cpu_linear.ENV_POLICY, "dense")
+    loaded = load_model("smollm2-135m", show_progress=False, weights="bf16")
+    assert loaded.weights == "bf16" and loaded.model.dtype == torch.bfloat16
+    assert loaded.model.layers[0].qkv_proj.quant is None
