@@ -216,7 +216,11 @@ def draft_engine_and_plan(cfg: EngineConfig, spec: SpecConfig, show_progress: bo
     cfg, hybrid = without_lookup(cfg)
     if cfg.model in LOOKUPS:
         drafter = lookup_drafter(cfg.model, spec, vocab_size, cfg.max_model_len) if allocate else None
-        return drafter, _ngram_plan(cfg)
+        plan = _ngram_plan(cfg)
+        if cfg.model == "suffix" and spec.suffix_share != "none":
+            # the shared cache at its bound: 8 bytes a token in the array, 8 per occurrence in the index
+            plan.services[DRAFTER].non_torch_bytes = 16 * spec.suffix_cache_tokens
+        return drafter, plan
     if is_eagle3(cfg.model):
         plan = _ngram_plan(cfg)
         drafter = with_lookup(_feature_drafter(cfg, spec, plan=plan), hybrid, spec) if allocate else None

@@ -183,7 +183,8 @@ class MemoryPlan:
         )
         for s in self.services.values():
             if s.kv_limited_by == "none":
-                lines.append(f"memory plan [{s.service}] {s.model}: no weights, no KV cache")
+                extra = f"; host memory up to {fmt_bytes(s.non_torch_bytes)} (its cache)" if s.non_torch_bytes else ""
+                lines.append(f"memory plan [{s.service}] {s.model}: no weights, no KV cache{extra}")
                 continue
             budget = (
                 f"joint budget {fmt_bytes(self.budget_bytes)} (share {fmt_bytes(s.budget_bytes)})"

@@ -137,3 +137,15 @@ def test_sampled_requests_are_seeded_in_batch_or_alone(tiny_llama):
     alone = [Scheduler(colo.decoder, colo.eos_token_ids, 8).run([r])[0].output for r in reqs("a")]
     assert together == alone and all(len(o) == 24 for o in together)
     assert colo.drafter.proposals > 0 and colo.drafter.num_running == 0
+
+
+def test_the_drafter_service_plan_reports_the_cache_bound():
+    from specsplit.factory import build_draft_engine
+
+    cfg = EngineConfig(model="suffix", max_model_len=256)
+    shared = build_draft_engine(cfg, SpecConfig(num_speculative_tokens=6, suffix_cache_tokens=1000))
+    assert isinstance(shared.engine, SuffixDrafter) and shared.engine.shared.max_tokens == 1000
+    assert shared.plan.services["drafter"].non_torch_bytes == 16_000
+    assert "host memory up to" in shared.plan.log_lines()[0]
+    alone = build_draft_engine(cfg, SpecConfig(num_speculative_tokens=6, suffix_share="none"))
+    assert alone.plan.services["drafter"].non_torch_bytes == 0 and alone.engine.shared.max_tokens == 0
