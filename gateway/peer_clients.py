@@ -215,23 +215,35 @@ class GrpcDrafter(_PeerClient, DrafterTraits):
 
     def __init__(self, address: str, timeout: float = 5.0, **kw):
         super().__init__(address, timeout, **kw)
-        # The target layers a feature drafter reads: from its GetInfo (info() records them); a
-        # drafter unreachable at the gateway's start-up stays a plain drafter for the gateway's life.
+        # The target layers a feature drafter reads: from its GetInfo (info() records them: at
+        # start-up, and in each probe before a re-sync, so a drafter that was unreachable at start-up
+        # gets its features for the requests that come after it answers).
         self.feature_layers: tuple[int, ...] = ()
+        self.deadline_s: float | None = None
 
     def info(self, timeout: float = 5.0, wait_for_ready: bool = False) -> common_pb2.ServiceInfo:
         info = super().info(timeout, wait_for_ready)
         self.feature_layers = tuple(info.feature_layers)
         return info
 
+    def reachable(self, timeout: float) -> bool:
+        try:
+            self.info(timeout=timeout)
+        except grpc.RpcError:
+            return False
+        return True
+
+    def _deadline(self) -> float:
+        return self.timeout if self.deadline_s is None else min(self.timeout, self.deadline_s)
+
     def propose(self, reqs: Sequence[ProposeRequest]) -> list[Proposal]:
         self._check_live(r.seq_id for r in reqs)
-        resp = self._request(propose=wire.propose_to_pb(reqs))
+        resp = self._request(self._deadline(), propose=wire.propose_to_pb(reqs))
         return wire.proposals_from_pb(resp.proposals)
 
     def fetch_rows(self, fetch: Sequence[RowRequest]) -> list[QRow]:
         self._check_live(r.seq_id for r in fetch)
-        resp = self._request(fetch_rows=wire.fetch_rows_to_pb(fetch))
+        resp = self._request(self._deadline(), fetch_rows=wire.fetch_rows_to_pb(fetch))
         return wire.rows_from_pb(resp.rows.rows)
 
 

@@ -120,6 +120,15 @@ class DrafterTraits:
     block_manager: "BlockManager | None" = None
     # The suffix lookups it drafts with (`suffix`, MODEL+suffix; metrics read them); None = none.
     suffix: "SuffixDrafter | None" = None
+    # A remote drafter's deadline (seconds) for the next propose / fetch_rows, set by the step from
+    # how long verifying takes (spec/decoder.py); None = the client's own timeout. In-process
+    # drafters ignore it.
+    deadline_s: float | None = None
+
+    def reachable(self, timeout: float) -> bool:
+        """Whether it answers now (a remote drafter: GetInfo within `timeout`); checked before a
+        re-sync, so a hung drafter costs the step one short probe, not a re-sync's full timeout."""
+        return True
 
 
 class VerifierTraits:

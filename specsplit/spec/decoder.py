@@ -48,6 +48,15 @@ from specsplit.spec.track import IDLE_FEATURE_ROWS, MAX_FEATURE_ROWS, Track
 
 log = logging.getLogger("specsplit.spec")
 
+# A remote drafter's deadline per call, from what verifying costs (an exponential average of the
+# verify calls): DRAFT_DEADLINE_FACTOR verifies, at least DRAFT_DEADLINE_FLOOR_S, plus the verify's
+# cost per token for each token the drafter must ingest first (a prompt, after a re-sync). A drafter
+# slower than that cannot pay for itself; a hung one costs the step this long, then the step goes on
+# target-only (spec/drafter_health.py). Capped by the client's own --drafter-timeout.
+DRAFT_DEADLINE_FACTOR = 2.0
+DRAFT_DEADLINE_FLOOR_S = 0.25
+_EMA = 0.2  # weight of the newest verify call in the average
+
 
 @dataclass
 class StepOutput:
@@ -96,6 +105,8 @@ class SpecDecoder:
         self.policy: KPolicy | None = None
         self.k_chosen: Counter[int] = Counter()  # steps per K drafted (0: speculation off that step)
         self._probes = 0  # probe steps so far: which sequence drafts in the next one
+        self._verify_s: float | None = None  # average seconds per verify call
+        self._verify_token_s: float | None = None  # ... per token it scored
         if costs is not None and costs.verify and spec.k_policy == "auto":
             # A hybrid's model drafts at most model_tokens a step (0: all k, as a feature drafter does)
             hybrid = drafter.model_tokens or None if drafter is not None else None
@@ -240,6 +251,7 @@ class SpecDecoder:
                 feats, start = t.take_features()
                 asks.append(ProposeRequest(s, tuple(t.unsent), k, features=feats, features_start=start))
         stats.feature_rows += sum(a.features.shape[0] for a in asks if a.features is not None)
+        self._set_deadline(asks)
         t0 = time.perf_counter()
         proposals.update(self._propose(asks))
         stats.draft_s = time.perf_counter() - t0
@@ -257,6 +269,7 @@ class SpecDecoder:
             return {}
         for r in reqs:
             self.tracks[r.seq_id].unsent = []
+            self.tracks[r.seq_id].fresh = False
         return checked_proposals(reqs, proposals, self.tracks, self.verifier.vocab_size, self._hold_now)
 
     # ---- phase 3: verify (and pre-draft the next step meanwhile) ----------------------------
@@ -267,6 +280,7 @@ class SpecDecoder:
         t0 = time.perf_counter()
         results = self.verifier.verify(reqs)
         verified = time.perf_counter()
+        self._time_verify(verified - t0, sum(len(r.draft_token_ids) + 1 for r in reqs))
         branches = self._join_predraft(started)
         stats.draft_wait_s += time.perf_counter() - verified
         results = self._resolve_pending(results, proposals)
@@ -291,6 +305,7 @@ class SpecDecoder:
         for a in asks:
             self.tracks[a.seq_id].unsent = []
         stats.feature_rows += sum(a.features.shape[0] for a in asks if a.features is not None)
+        self._set_deadline(asks)
         return asks, self.predraft.start(asks)
 
     def _join_predraft(self, started) -> dict[str, Proposal]:
@@ -303,6 +318,9 @@ class SpecDecoder:
         except Exception as e:
             self._drafter_failed(e)
             return {}
+        for a in asks:
+            if a.seq_id in self.tracks:
+                self.tracks[a.seq_id].fresh = False
         return checked_proposals(asks, proposals, self.tracks, self.verifier.vocab_size, self._hold_now)
 
     # ---- phase 4: q rows (sampling) ----------------------------------------------------------
@@ -316,6 +334,7 @@ class SpecDecoder:
         fetch = [RowRequest(r.seq_id, len(self.tracks[r.seq_id].unsent) + r.pending_position) for r in pending]
         if not self.drafter_up:  # it failed during this step's pre-draft: its q rows are lost
             return self._abandon_sampled(results, proposals, "the drafter was lost before it sent its q rows")
+        self._set_deadline([])
         try:
             rows = self.drafter.fetch_rows(fetch)
         except Exception as e:
@@ -402,6 +421,24 @@ class SpecDecoder:
         self.branch_hits += stats.branch_hits
         self.branch_misses += stats.branch_misses
         return StepOutput(out, stats, False, drafts, logprobs=logprobs)
+
+    # ---- the drafter's deadline ------------------------------------------------------------
+    def _time_verify(self, seconds: float, tokens: int) -> None:
+        per_token = seconds / max(1, tokens)
+        if self._verify_s is None:
+            self._verify_s, self._verify_token_s = seconds, per_token
+        else:
+            self._verify_s += _EMA * (seconds - self._verify_s)
+            self._verify_token_s += _EMA * (per_token - self._verify_token_s)
+
+    def _set_deadline(self, asks: Sequence[ProposeRequest]) -> None:
+        """The deadline of the drafter's next call (None until a verify has been timed)."""
+        if self._verify_s is None or self.drafter is None:
+            return
+        ingest = sum(len(a.new_token_ids) + len(a.pending_drafts)
+                     + (len(self.tracks[a.seq_id].tokens) if self.tracks[a.seq_id].fresh else 0) for a in asks)
+        self.drafter.deadline_s = (max(DRAFT_DEADLINE_FLOOR_S, DRAFT_DEADLINE_FACTOR * self._verify_s)
+                                   + ingest * self._verify_token_s)
 
     # ---- drafter health --------------------------------------------------------------------
     def _drafter_failed(self, error: Exception) -> None:

@@ -10,6 +10,8 @@ from specsplit.spec.track import Track
 
 log = logging.getLogger("specsplit.spec")
 
+PROBE_S = 0.25  # a re-sync first asks the drafter whether it answers, for at most this long
+
 
 class DrafterHealth:
     def __init__(self, drafter: Drafter | None, retry_s: float = 1.0, clock=time.monotonic):
@@ -43,6 +45,9 @@ class DrafterHealth:
         that speculates again (releasing first what it may still hold)."""
         if self.drafter is None or self.down_since is None or self._clock() < self._next_try:
             return
+        if not self.drafter.reachable(PROBE_S):  # still down (or hung): no re-sync at its full timeout
+            self._next_try = self._clock() + self.retry_s
+            return
         want = [t for t in tracks.values() if t.k > 0]
         # Release what it may still hold: the sequences to re-add, and those that finished while it
         # was down (their release was never sent).
@@ -61,3 +66,4 @@ class DrafterHealth:
         for t in want:
             t.on_drafter = True
             t.unsent = []
+            t.fresh = True

@@ -19,6 +19,9 @@ class Track:
     tokens: list[int]  # prompt + every emitted token
     unsent: list[int] = field(default_factory=list)  # emitted, not yet sent to the drafter
     on_drafter: bool = False
+    # (Re-)added to the drafter and not yet drafted for: its next propose prefills the whole context
+    # there (the step's deadline for that call allows for it).
+    fresh: bool = True
     acceptance: Acceptance = field(default_factory=Acceptance)  # per position, for the K policy
     # Feature drafters: the target's features [rows, F] of positions feat_start.., committed since
     # the drafter last heard; sent with `unsent`. Bounded (MAX_FEATURE_ROWS, newest kept): while
