@@ -346,7 +346,9 @@ def build_colocated(
     if d is not None:
         drafter = _with_lookup(_allocate(d, plan.services[DRAFTER], calibrate), hybrid, spec)
     elif draft is not None and is_eagle3(draft.model):
-        embedding = t.loaded.model.embed_tokens.weight
+        emb = t.loaded.model.embed_tokens
+        # a GGUF target's quantized embedding is shared as the module (no dense fp32 copy)
+        embedding = emb if getattr(emb, "quant", None) is not None else emb.weight
         drafter = _with_lookup(_feature_drafter(replace(draft, max_model_len=target.max_model_len), spec, embedding,
                                                 t.loaded.config.num_layers, plan), hybrid, spec)
     elif draft is not None:
