@@ -37,6 +37,7 @@ SCALE_BYTES = {"Q4_0": 2, "Q4_1": 4, "Q8_0": 2}  # the fp16 d (and m) at the sta
 _lock = threading.Lock()
 _module = None
 _tried = False
+_avx512 = True  # SPECSPLIT_QUANT_AVX512, read once by load() (a decode step makes ~120 calls)
 
 
 @dataclass
@@ -104,11 +105,14 @@ def cpu_supports() -> bool:
 
 def load():
     """The compiled extension, or None (logged once) where it cannot be had."""
-    global _module, _tried
+    global _module, _tried, _avx512
+    if _tried:  # the per-call path: no lock
+        return _module
     with _lock:
         if _tried:
             return _module
         _tried = True
+        _avx512 = os.environ.get(ENV_AVX512, "1") != "0"
         if os.environ.get(ENV_SWITCH, "1") == "0" or not cpu_supports():
             return None
         bin_dir = str(Path(sys.executable).parent)  # where pip puts `ninja`
@@ -130,14 +134,13 @@ def load():
 
 def uses_avx512() -> bool:
     m = load()
-    return bool(m is not None and os.environ.get(ENV_AVX512, "1") != "0" and m.quant_uses_avx512())
+    return bool(m is not None and _avx512 and m.quant_uses_avx512())
 
 
 def linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, avx512: bool | None = None) -> torch.Tensor:
-    """x [M, in] fp32 -> [M, out] fp32; equal to `reference` within fp32 summation order."""
-    if avx512 is None:
-        avx512 = os.environ.get(ENV_AVX512, "1") != "0"
-    return load().quant_linear(x, w.blocks, TYPES[w.qtype][0], bias, avx512)
+    """x [M, in] fp32 -> [M, out] fp32; equal to `reference` within fp32 summation order.
+    avx512=False runs the AVX2 loop (None: the AVX-512 one where the CPU has it)."""
+    return load().quant_linear(x, w.blocks, TYPES[w.qtype][0], bias, _avx512 if avx512 is None else avx512)
 
 
 def dequantize(w: QuantWeight) -> torch.Tensor:

@@ -30,6 +30,7 @@ from specsplit.feature_drafter import FeatureDrafter, calibrate_feature_drafter,
 from specsplit.hybrid_drafter import LOOKUPS, HybridDrafter, split_draft_name
 from specsplit.suffix_drafter import SuffixDrafter
 from specsplit.kv.profiler import MemoryPlan, MemoryProfiler, ServicePlan
+from specsplit.models.gguf_native import QuantEmbedding
 from specsplit.models.loader import LoadedModel, load_tokenizer
 from specsplit.models.registry import is_eagle3
 from specsplit.spec import SpecDecoder
@@ -288,7 +289,9 @@ def build_colocated(
     if d is not None:
         drafter = with_lookup(allocate_engine(d, plan.services[DRAFTER], calibrate), hybrid, spec)
     elif draft is not None and is_eagle3(draft.model):
-        embedding = t.loaded.model.embed_tokens.weight
+        emb = t.loaded.model.embed_tokens
+        # a GGUF target's quantized embedding is shared as the module (no dense fp32 copy)
+        embedding = emb if isinstance(emb, QuantEmbedding) else emb.weight
         drafter = with_lookup(_feature_drafter(replace(draft, max_model_len=target.max_model_len), spec, embedding,
                                                 t.loaded.config.num_layers, plan), hybrid, spec)
     elif draft is not None:

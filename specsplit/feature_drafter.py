@@ -61,9 +61,11 @@ class FeatureDrafter(DrafterTraits):
 
     side = "drafter"
 
-    def __init__(self, head: Eagle3Head, embedding: torch.Tensor, max_model_len: int):
+    def __init__(self, head: Eagle3Head, embedding: torch.Tensor | torch.nn.Module, max_model_len: int):
         self.head = head
-        self.embedding = embedding  # [V, H] the target's token embedding (shared, frozen)
+        # [V, H] the target's token embedding (shared, frozen), or the module that looks rows up in
+        # it (a GGUF target's quantized embedding, models/gguf_native.QuantEmbedding: no fp32 copy)
+        self.embedding = embedding
         self.max_model_len = max_model_len
         self.seqs: dict[str, _FSeq] = {}
         self.step_costs = None  # calibration.StepCosts (factory.build_feature_drafter)
@@ -145,7 +147,7 @@ class FeatureDrafter(DrafterTraits):
         rows = feats[first - start:last - start]
         dtype = self.head.fc.weight.dtype
         g = self.head.fuse(rows.to(dtype))  # [n, H]
-        e = F.embedding(torch.tensor(s.tokens[first + 1:last + 1]), self.embedding).to(dtype)  # [n, H]
+        e = self._embed(torch.tensor(s.tokens[first + 1:last + 1])).to(dtype)  # [n, H]
         h = self.head.extend(s.cache, g, e, first)
         s.committed = len(s.cache)
         s.next_pos = last
@@ -160,7 +162,7 @@ class FeatureDrafter(DrafterTraits):
         forced = (s.tokens + s.drafted)[s.next_pos + 1:]
         h, pos = s.last_h, s.next_pos
         for y in forced:
-            h = self.head.extend(s.cache, h, self.embedding[y:y + 1].to(dtype), pos)
+            h = self.head.extend(s.cache, h, self._embed(torch.tensor([y])).to(dtype), pos)
             pos += 1
         new: list[int] = []
         q_x: list[float] = []
@@ -171,7 +173,7 @@ class FeatureDrafter(DrafterTraits):
             s.drafted.append(t)
             new.append(t)
             if j + 1 < r.k:
-                h = self.head.extend(s.cache, h, self.embedding[t:t + 1].to(dtype), pos)
+                h = self.head.extend(s.cache, h, self._embed(torch.tensor([t])).to(dtype), pos)
                 pos += 1
         sampled = bool(rows)
         s.q_rows.extend(rows if sampled else [None] * len(new))
@@ -183,6 +185,11 @@ class FeatureDrafter(DrafterTraits):
         full = torch.full((1, self.vocab_size), float("-inf"))
         full[:, self.head.draft_ids] = sub
         return full
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:  # [n] -> [n, H]
+        if isinstance(self.embedding, torch.Tensor):
+            return F.embedding(ids, self.embedding)
+        return self.embedding(ids)
 
     # ---- q rows ------------------------------------------------------------------------------------
     @property
@@ -216,11 +223,16 @@ def load_feature_drafter(name: str, max_model_len: int, device: str | torch.devi
             embedding = src.get("model.embed_tokens.weight")
         finally:
             src.close()
+    lookup = None  # a GGUF target's quantized embedding module: looked up as is, dense only while loading
+    if isinstance(embedding, torch.nn.Module):
+        lookup, embedding = embedding, embedding.weight
     embedding = embedding.detach().to(device=device, dtype=dtype)
     head = load_eagle3(path, target_embedding=embedding, num_target_layers=num_target_layers, dtype=dtype, device=device)
     if head.cfg.vocab_size != embedding.shape[0] or head.cfg.hidden_size != embedding.shape[1]:
         raise ValueError(f"{name}: the head is for a vocabulary of {head.cfg.vocab_size} x hidden {head.cfg.hidden_size}; "
                          f"the target's embedding is {tuple(embedding.shape)}")
+    if lookup is not None:
+        embedding = lookup
     use_cpu_kernels(head)
     drafter = FeatureDrafter(head, embedding, max_model_len)
     log.info("feature drafter %s: EAGLE-3 head over target layers %s, draft vocabulary %d, %.1f MB of weights (%s)",

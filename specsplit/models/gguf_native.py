@@ -5,9 +5,10 @@ instead of a dequantized fp32 copy (`--weights native`, the default for GGUF mod
 Tensors are read with the `gguf` package straight from the file (memory-mapped, then copied by
 torch, so the memory profiler counts them as weights).
 Two things make them the model's layout:
-  * llama.cpp's converter permutes the rows of q and k (per head, the rotary halves interleaved);
-    transformers undoes it when it dequantizes (reverse_permute). Rows are independent, so the same
-    permutation applied to whole rows of blocks is exact.
+  * llama.cpp's converter permutes the rows of q and k of "llama"-architecture files (Llama,
+    SmolLM2, Mistral: per head, the rotary halves interleaved); transformers undoes it when it
+    dequantizes (reverse_permute; not for qwen2, which the converter leaves alone). Rows are
+    independent, so the same permutation applied to whole rows of blocks is exact.
   * the model fuses q|k|v and gate|up into one matmul each: their rows of blocks are concatenated
     (only when the parts share one block type).
 Other block types (F32, F16, K-quants) are left to the dense path, which is loaded as before.
@@ -66,6 +67,9 @@ class GGUFTensors:
         self.cfg = cfg
         reader = gguf.GGUFReader(path)
         self._tensors = {t.name: t for t in reader.tensors}
+        arch = reader.fields.get("general.architecture")
+        self.architecture = bytes(arch.parts[arch.data[0]]).decode() if arch is not None else ""
+        self.permuted_qk = self.architecture == "llama"  # as transformers' LlamaTensorProcessor
 
     def get(self, name: str) -> QuantWeight | None:
         """A GGUF tensor [out, in] as blocks, or None if it is absent or of a type the kernel lacks."""
@@ -84,7 +88,8 @@ class GGUFTensors:
             w = self.get(name)
             if w is None:
                 return None
-            parts.append(w if n_head is None else w.rows(reverse_permute_rows(w.out_features, n_head)))
+            permute = n_head is not None and self.permuted_qk
+            parts.append(w.rows(reverse_permute_rows(w.out_features, n_head)) if permute else w)
         if len({p.qtype for p in parts}) != 1:
             return None
         return QuantWeight.cat(parts)

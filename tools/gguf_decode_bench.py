@@ -1,0 +1,81 @@
+"""Target-only decode tok/s of a GGUF model per --weights mode, alternating with llama.cpp's
+llama-bench on the same file, one thread (docs/kernels.md, "GGUF weights at their own width").
+
+    python tools/gguf_decode_bench.py [--model smollm2-135m] [--weights native,fp32] [--rounds 5]
+                                      [--llama-bench PATH/TO/llama-bench] [--tokens 64]
+
+Each round runs `llama-bench -m FILE -t 1 -p 0 -n TOKENS -r 1` (its tg TOKENS), then a greedy
+decode of TOKENS one-token steps (after an 8-token prompt) with each weights mode, in turn, so the
+shared machine's drift hits every arm alike; prints each arm's median and the ratios to llama.cpp.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import time
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--weights", default="native,fp32")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--llama-bench", default=None, help="a built llama-bench binary (omit: our arms only)")
+    args = p.parse_args()
+
+    import torch
+
+    from specsplit.models.loader import load_model
+    from specsplit.models.registry import resolve_model_path
+    from specsplit.models.runner import ForwardItem, ModelRunner
+
+    torch.set_num_threads(1)
+    gguf = resolve_model_path(args.model)
+    modes = args.weights.split(",")
+    models = {w: load_model(args.model, show_progress=False, weights=w).model for w in modes}
+
+    def decode(model, n: int) -> tuple[float, list[int]]:
+        runner = ModelRunner(model, num_blocks=64, block_size=16, max_model_len=512)
+        prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646]
+        tok = int(torch.as_tensor(runner.forward([ForwardItem("d", 0, prompt, num_logits=1)])[0]).argmax())
+        pos, out = len(prompt), [tok]
+        t0 = time.perf_counter()
+        for _ in range(n):
+            tok = int(torch.as_tensor(runner.forward([ForwardItem("d", pos, [tok], num_logits=1)])[0]).argmax())
+            pos += 1
+            out.append(tok)
+        return n / (time.perf_counter() - t0), out
+
+    def llama_cpp() -> float:
+        cmd = [args.llama_bench, "-m", str(gguf), "-t", "1", "-p", "0", "-n", str(args.tokens), "-r", "1", "-o", "json"]
+        return float(json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)[0]["avg_ts"])
+
+    for w in modes:
+        decode(models[w], 8)  # warm up
+    runs: dict[str, list[float]] = {w: [] for w in modes}
+    if args.llama_bench:
+        runs = {"llama.cpp": [], **runs}
+    tokens: dict[str, list[int]] = {}
+    for _ in range(args.rounds):
+        if args.llama_bench:
+            runs["llama.cpp"].append(llama_cpp())
+        for w in modes:
+            tps, tokens[w] = decode(models[w], args.tokens)
+            runs[w].append(tps)
+    flags = open("/proc/cpuinfo").read()
+    isa = "AMX" if "amx_tile" in flags else ("AVX-512" if "avx512f" in flags else "AVX2")
+    print(f"{gguf.name}, decode {args.tokens} tokens, 1 thread, CPU {isa}, medians of {args.rounds} alternating rounds")
+    ref = statistics.median(runs["llama.cpp"]) if args.llama_bench else None
+    for arm, v in runs.items():
+        med = statistics.median(v)
+        ratio = f"  {med / ref:.2f}x llama.cpp" if ref and arm != "llama.cpp" else ""
+        print(f"  {arm:10s} {med:6.1f} tok/s{ratio}   runs: {', '.join(f'{x:.1f}' for x in v)}")
+    if len(modes) > 1:
+        print("  same greedy tokens across weights modes:", len({tuple(t) for t in tokens.values()}) == 1)
+
+
+if __name__ == "__main__":
+    main()
