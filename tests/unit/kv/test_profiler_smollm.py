@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specsplit.config import EngineConfig
-from specsplit.factory import load_for
+from specsplit.engine_build import load_for
 from specsplit.kv.profiler import MemoryProfiler
 
 pytestmark = pytest.mark.smollm
