@@ -17,6 +17,8 @@ Served over HTTP by `start_metrics_server` when a service gets --metrics-port. N
   specsplit_engine_seconds{service,op}              drafter / verifier: engine time per session message
   specsplit_kv_blocks{service,state}                used / free KV blocks of every engine in the process
   specsplit_suffix_cache{unit}                      suffix drafter: shared cache size (tokens, outputs)
+  specsplit_hybrid_draft_tokens_total{source,outcome}
+                                                    MODEL+ngram / MODEL+suffix: drafts by lookup or model, proposed / accepted
   specsplit_suffix_proposals_total, specsplit_suffix_proposed_tokens_total, specsplit_suffix_seconds_total
                                                     suffix drafter: steps that proposed, tokens, lookup time
 """
@@ -27,6 +29,7 @@ import logging
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, disable_created_metrics, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from specsplit.hybrid_drafter import HybridDrafter
 from specsplit.protocols import DrafterTraits
 
 log = logging.getLogger(__name__)
@@ -69,6 +72,14 @@ class KvCollector:
         yield g
         yield from _suffix_metrics([e.suffix for e in list(self.engines.values())
                                     if isinstance(e, DrafterTraits) and e.suffix is not None])
+        hybrids = [e for e in list(self.engines.values()) if isinstance(e, HybridDrafter)]
+        if hybrids:
+            g = CounterMetricFamily("specsplit_hybrid_draft_tokens", "MODEL+lookup drafts by who drafted them "
+                                    "(lookup, model) and outcome (proposed, accepted)", labels=["source", "outcome"])
+            for source, (proposed, accepted) in hybrids[0].judged.items():
+                g.add_metric([source, "proposed"], proposed)
+                g.add_metric([source, "accepted"], accepted)
+            yield g
 
 
 def _suffix_metrics(drafters):

@@ -63,6 +63,11 @@ class HybridDrafter(DrafterTraits):
         self.params: dict[str, SamplingParams] = {}
         self.lookup_steps = 0  # sequence-steps drafted by prompt lookup
         self.model_steps = 0  # sequence-steps drafted by the model
+        # Draft tokens proposed and accepted, by who drafted them ("lookup", "model"), as the drafter
+        # sees it: a proposal's accepted prefix is read off the tokens the next propose brings
+        # (lockstep proposals only; a pre-draft branch is not judged).
+        self.judged: dict[str, list[int]] = {"lookup": [0, 0], "model": [0, 0]}
+        self._last: dict[str, tuple[str, tuple[int, ...]]] = {}  # seq_id -> (source, drafts) awaiting judgement
 
     # the model engine's surface the services and the benchmark read
     @property
@@ -109,6 +114,7 @@ class HybridDrafter(DrafterTraits):
                 raise EngineError(f"unknown sequence {r.seq_id!r} on the drafter: add it first")
         lookup: dict[str, tuple[int, ...]] = {}
         for r in reqs:
+            self._judge(r)
             if self.suffix is not None:
                 self.suffix.extend(r.seq_id, r.new_token_ids)
             if r.k <= 0 or not self.params[r.seq_id].accepts_by_match:  # sampled: the model's q rows
@@ -137,7 +143,24 @@ class HybridDrafter(DrafterTraits):
             else:
                 self.model_steps += int(r.k > 0)
                 out.append(p)
+            source = "lookup" if r.seq_id in lookup else "model"
+            if out[-1].token_ids and not r.pre_draft:
+                self._last[r.seq_id] = (source, tuple(out[-1].token_ids))
+                self.judged[source][0] += len(out[-1].token_ids)
         return out
+
+    def _judge(self, r: ProposeRequest) -> None:
+        """Count how much of this sequence's last (lockstep) proposal the verifier accepted."""
+        last = self._last.pop(r.seq_id, None)
+        if last is None or r.pending_drafts or not r.new_token_ids:
+            return
+        source, drafts = last
+        accepted = 0
+        for d, t in zip(drafts, r.new_token_ids):
+            if d != t:
+                break
+            accepted += 1
+        self.judged[source][1] += accepted
 
     def _model_k(self, k: int) -> int:
         return k if self.model_tokens <= 0 else min(k, self.model_tokens)
@@ -147,6 +170,8 @@ class HybridDrafter(DrafterTraits):
 
     def release(self, seq_ids: Sequence[str], finished: bool = False) -> None:
         self.model.release(seq_ids)
+        for seq_id in seq_ids:
+            self._last.pop(seq_id, None)
         if self.suffix is not None:
             for seq_id in seq_ids:
                 self.suffix.finish(seq_id, finished)

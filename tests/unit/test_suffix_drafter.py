@@ -117,6 +117,9 @@ def test_greedy_equals_target_only_and_repeats_are_drafted_from_the_cache(reques
     assert suffix.shared.outputs == 12 and suffix.num_running == 0
     if hybrid:
         assert colo.drafter.lookup_steps > 0 and colo.drafter.num_running == 0
+        # the metric of drafts by source: what the verifier accepted of each, as the drafter saw it
+        (lp, la), (mp, ma) = colo.drafter.judged["lookup"], colo.drafter.judged["model"]
+        assert 0 < la <= lp and 0 <= ma <= mp and la + ma <= sum(s.accepted for s in first + second)
         assert colo.drafter.block_manager.num_free_blocks == colo.drafter.block_manager.num_blocks
     assert colo.target.block_manager.num_free_blocks == colo.target.block_manager.num_blocks
 
