@@ -124,6 +124,9 @@ def load():
         try:
             from torch.utils.cpp_extension import load as build
 
+            from specsplit.kernels.skinny_linear import clear_stale_build_lock
+
+            clear_stale_build_lock("specsplit_quant_linear")
             _module = build("specsplit_quant_linear", [str(SOURCE)],
                             extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"], verbose=False)
         except Exception as e:  # a missing header, an old compiler: fall back, say why

@@ -57,12 +57,30 @@ def load():
         try:
             from torch.utils.cpp_extension import load as build
 
+            clear_stale_build_lock("specsplit_skinny_linear")
             _module = build("specsplit_skinny_linear", [str(SOURCE)], extra_cflags=["-O3", "-mavx2", "-mfma"],
                             verbose=False)
         except Exception as e:  # a missing header, an old compiler: fall back, say why
             log.warning("skinny linear kernel: build failed (%s); using MKL/oneDNN for few-row calls", e)
             _module = None
         return _module
+
+
+def clear_stale_build_lock(name: str, max_age_s: float = 600.0) -> None:
+    """torch's extension build holds a lock file in its build directory; a process killed while
+    compiling leaves it behind, and every later build of that extension then waits on it forever.
+    A lock older than any build (about 25 s here) is such a leftover: remove it."""
+    import time
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    try:
+        lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+        if time.time() - lock.stat().st_mtime > max_age_s:
+            log.warning("removing a stale build lock left by a killed build: %s", lock)
+            lock.unlink()
+    except (OSError, RuntimeError):  # no lock (the usual case), or no build directory yet
+        pass
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
