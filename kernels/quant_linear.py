@@ -14,10 +14,7 @@ keeps the AVX2 one).
 """
 from __future__ import annotations
 
-import logging
 import os
-import shutil
-import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +22,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-log = logging.getLogger(__name__)
+from specsplit.kernels.cpu_build import build
+
 
 SOURCE = Path(__file__).resolve().parent / "cpu" / "quant_linear.cpp"
 ENV_SWITCH = "SPECSPLIT_QUANT"  # "0": never build or use it
@@ -115,23 +113,8 @@ def load():
         _avx512 = os.environ.get(ENV_AVX512, "1") != "0"
         if os.environ.get(ENV_SWITCH, "1") == "0" or not cpu_supports():
             return None
-        bin_dir = str(Path(sys.executable).parent)  # where pip puts `ninja`
-        if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
-            os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-        if shutil.which("ninja") is None or shutil.which(os.environ.get("CXX", "c++")) is None:
-            log.warning("quantized linear kernel: no ninja or C++ compiler; GGUF weights are dequantized to fp32")
-            return None
-        try:
-            from torch.utils.cpp_extension import load as build
-
-            from specsplit.kernels.skinny_linear import clear_stale_build_lock
-
-            clear_stale_build_lock("specsplit_quant_linear")
-            _module = build("specsplit_quant_linear", [str(SOURCE)],
-                            extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"], verbose=False)
-        except Exception as e:  # a missing header, an old compiler: fall back, say why
-            log.warning("quantized linear kernel: build failed (%s); GGUF weights are dequantized to fp32", e)
-            _module = None
+        _module = build("specsplit_quant_linear", SOURCE, ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"],
+                        "quantized linear kernel", "GGUF weights are dequantized to fp32")
         return _module
 
 

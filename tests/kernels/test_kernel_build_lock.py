@@ -1,6 +1,6 @@
 """A process killed while compiling a kernel leaves torch's build lock behind, and every later build
 of that extension would wait on it forever (seen: a killed test run hung the next one). The loaders
-remove a lock older than any build (kernels/skinny_linear.py clear_stale_build_lock)."""
+remove a lock older than any build (kernels/cpu_build.py clear_stale_build_lock)."""
 from __future__ import annotations
 
 import os
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from torch.utils.cpp_extension import _get_build_directory
 
-from specsplit.kernels.skinny_linear import clear_stale_build_lock
+from specsplit.kernels.cpu_build import clear_stale_build_lock
 
 
 def test_a_stale_lock_is_removed_and_a_fresh_one_kept():

@@ -1,0 +1,47 @@
+"""Compiling the CPU kernels (kernels/cpu/*.cpp) on first use, the one way both loaders do it:
+torch's cpp_extension with the ninja pip installed beside the interpreter, cached by torch after the
+first build (about 25 s). Where there is no ninja or compiler, or the build fails, `build` returns
+None and logs why; the callers fall back to torch's own kernels."""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def build(name: str, source: Path, cflags: list[str], what: str, fallback: str):
+    """The compiled module `name` from `source`, or None (logged: '<what>: <why>; <fallback>')."""
+    bin_dir = str(Path(sys.executable).parent)  # where pip puts `ninja`
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    if shutil.which("ninja") is None or shutil.which(os.environ.get("CXX", "c++")) is None:
+        log.warning("%s: no ninja or C++ compiler; %s", what, fallback)
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        clear_stale_build_lock(name)
+        return load(name, [str(source)], extra_cflags=cflags, verbose=False)
+    except Exception as e:  # a missing header, an old compiler: fall back, say why
+        log.warning("%s: build failed (%s); %s", what, e, fallback)
+        return None
+
+
+def clear_stale_build_lock(name: str, max_age_s: float = 600.0) -> None:
+    """torch's extension build holds a lock file in its build directory; a process killed while
+    compiling leaves it behind, and every later build of that extension then waits on it forever.
+    A lock older than any build (about 25 s here) is such a leftover: remove it."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    try:
+        lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+        if time.time() - lock.stat().st_mtime > max_age_s:
+            log.warning("removing a stale build lock left by a killed build: %s", lock)
+            lock.unlink()
+    except (OSError, RuntimeError):  # no lock (the usual case), or no build directory yet
+        pass
