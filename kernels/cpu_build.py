@@ -14,6 +14,15 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
+def cpu_has(*flags: str) -> bool:
+    """Whether this CPU has every one of the flags (x86 Linux: /proc/cpuinfo; elsewhere False)."""
+    try:
+        line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return False
+    return set(flags) <= set(line.split())
+
+
 def build(name: str, source: Path, cflags: list[str], what: str, fallback: str):
     """The compiled module `name` from `source`, or None (logged: '<what>: <why>; <fallback>')."""
     bin_dir = str(Path(sys.executable).parent)  # where pip puts `ninja`

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specsplit.kernels.cpu_build import build
+from specsplit.kernels.cpu_build import build, cpu_has
 
 
 SOURCE = Path(__file__).resolve().parent / "cpu" / "quant_linear.cpp"
@@ -93,12 +93,8 @@ class QuantWeight:
 
 
 def cpu_supports() -> bool:
-    """AVX2, FMA and F16C on this CPU (x86 Linux: /proc/cpuinfo)."""
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return False
-    return {"avx2", "fma", "f16c"} <= set(flags.split())
+    """AVX2, FMA and F16C on this CPU."""
+    return cpu_has("avx2", "fma", "f16c")
 
 
 def load():

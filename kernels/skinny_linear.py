@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specsplit.kernels.cpu_build import build
+from specsplit.kernels.cpu_build import build, cpu_has
 
 
 SOURCE = Path(__file__).resolve().parent / "cpu" / "skinny_linear.cpp"
@@ -27,13 +27,8 @@ _tried = False
 
 
 def cpu_supports() -> bool:
-    """AVX2 and FMA on this CPU (x86 Linux: /proc/cpuinfo)."""
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return False
-    words = set(flags.split())
-    return {"avx2", "fma"} <= words
+    """AVX2 and FMA on this CPU."""
+    return cpu_has("avx2", "fma")
 
 
 def load():
