@@ -87,7 +87,7 @@ class SpecConfig:
     k_policy: str = "fixed"
     # --draft suffix / MODEL+suffix (specsplit/suffix_drafter.py): finished outputs the drafter keeps
     # to draft from (tokens), and whether requests share them ("finished") or not ("none").
-    suffix_cache_tokens: int = 1 << 18
+    suffix_cache_tokens: int = 1 << 18  # = defaults.DEFAULT_SUFFIX_CACHE_TOKENS (defaults imports config)
     suffix_share: str = "finished"
     # Pre-draft the next step's likeliest branch while the verifier verifies this one
     # (specsplit/spec/). The split gateway turns it on by default; in one process it needs the

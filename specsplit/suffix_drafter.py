@@ -28,15 +28,15 @@ from typing import Sequence
 
 import numpy as np
 
+from specsplit.defaults import DEFAULT_SUFFIX_CACHE_TOKENS as DEFAULT_CACHE_TOKENS
+from specsplit.defaults import SUFFIX_SHARE_MODES as SHARE_MODES
 from specsplit.engine import EngineError, check_propose, check_seq_adds
 from specsplit.protocols import DrafterTraits, Proposal, ProposeRequest, QRow, RowRequest, SeqAdd
 
 log = logging.getLogger(__name__)
 
-SHARE_MODES = ("none", "finished")
 DEFAULT_MAX_DEPTH = 8  # longest suffix matched (tokens)
 DEFAULT_MIN_PROB = 0.1  # stop drafting when the path's estimated probability falls below
-DEFAULT_CACHE_TOKENS = 1 << 18  # shared cache of finished outputs: 262,144 tokens
 
 
 SEP = -1  # between outputs in the shared cache: no match crosses it

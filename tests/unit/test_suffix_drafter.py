@@ -152,3 +152,10 @@ def test_the_drafter_service_plan_reports_the_cache_bound():
     assert "host memory up to" in shared.plan.log_lines()[0]
     alone = build_draft_engine(cfg, SpecConfig(num_speculative_tokens=6, suffix_share="none"))
     assert alone.plan.services["drafter"].non_torch_bytes == 0 and alone.engine.shared.max_tokens == 0
+
+
+def test_one_default_cache_size_everywhere():
+    from specsplit.defaults import DEFAULT_SUFFIX_CACHE_TOKENS, SUFFIX_SHARE_MODES
+
+    assert SpecConfig().suffix_cache_tokens == DEFAULT_SUFFIX_CACHE_TOKENS == SuffixDrafter().shared.max_tokens
+    assert SpecConfig().suffix_share in SUFFIX_SHARE_MODES
