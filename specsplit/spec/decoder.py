@@ -269,8 +269,15 @@ class SpecDecoder:
             return {}
         for r in reqs:
             self.tracks[r.seq_id].unsent = []
-            self.tracks[r.seq_id].fresh = False
-        return checked_proposals(reqs, proposals, self.tracks, self.verifier.vocab_size, self._hold_now)
+        return self._received(reqs, proposals)
+
+    def _received(self, asks: list[ProposeRequest], proposals) -> dict[str, Proposal]:
+        """The drafter answered `asks` (just in time or pre-drafted): their sequences are in its KV
+        now (no longer fresh), and its proposals that are safe to verify, by seq_id."""
+        for a in asks:
+            if a.seq_id in self.tracks:
+                self.tracks[a.seq_id].fresh = False
+        return checked_proposals(asks, proposals, self.tracks, self.verifier.vocab_size, self._hold_now)
 
     # ---- phase 3: verify (and pre-draft the next step meanwhile) ----------------------------
     def _verify(self, reqs: list[VerifyRequest], proposals: dict[str, Proposal], plan: _Plan,
@@ -318,10 +325,7 @@ class SpecDecoder:
         except Exception as e:
             self._drafter_failed(e)
             return {}
-        for a in asks:
-            if a.seq_id in self.tracks:
-                self.tracks[a.seq_id].fresh = False
-        return checked_proposals(asks, proposals, self.tracks, self.verifier.vocab_size, self._hold_now)
+        return self._received(asks, proposals)
 
     # ---- phase 4: q rows (sampling) ----------------------------------------------------------
     def _resolve_pending(self, results: list[VerifyResult], proposals) -> list[VerifyResult]:
