@@ -171,6 +171,22 @@ class Corpus:
         return len(self.items)
 
 
+def generate_halving(model, ps: list[list[int]], args, device: str, label: str) -> list[list[int]] | None:
+    """generate() on the batch, or on its halves (recursively) where the batch runs out of memory."""
+    try:
+        return generate(model, ps, args.max_new, args.eos, args.pad, device)
+    except torch.OutOfMemoryError:
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        if len(ps) < 2:
+            log(f"{label}: out of memory generating one prompt: generation stops here")
+            return None
+        log(f"{label}: out of memory generating a batch of {len(ps)}: halving it")
+        first = generate_halving(model, ps[: len(ps) // 2], args, device, label)
+        second = None if first is None else generate_halving(model, ps[len(ps) // 2:], args, device, label)
+        return None if second is None else first + second
+
+
 def collect(model, prompts, corpus: Corpus, counts: np.ndarray, args, deadline: float, device: str, label: str) -> None:
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     batches = [order[i:i + args.gen_batch] for i in range(0, len(order), args.gen_batch)]
@@ -181,10 +197,8 @@ def collect(model, prompts, corpus: Corpus, counts: np.ndarray, args, deadline: 
             log(f"{label}: generation deadline after {bi}/{len(batches)} batches")
             break
         ps = [prompts[i] for i in b]
-        try:
-            conts = generate(model, ps, args.max_new, args.eos, args.pad, device)
-        except torch.OutOfMemoryError:
-            log(f"{label}: out of memory generating a batch of {len(ps)}: generation stops here")
+        conts = generate_halving(model, ps, args, device, label)
+        if conts is None:
             break
         seqs = [p + c for p, c in zip(ps, conts)]
         for c in conts:
