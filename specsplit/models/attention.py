@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specsplit.kernels import dispatch
+from specsplit.kernels import decode_ops, dispatch
 
 
 @dataclass
@@ -37,6 +37,10 @@ class BatchMetadata:
     groups: list[AttentionGroup]
     logits_index: torch.Tensor  # [N] flat token indices whose logits are wanted
     all_slots_valid: bool = False  # no slot < 0 in slot_mapping: KV writes need no masking
+    # every sequence in batch order, for kernels that take the whole batch (kernels/decode_ops):
+    block_tables: torch.Tensor | None = None  # [B, max_blocks] int64
+    q_lens_t: torch.Tensor | None = None  # [B] int64
+    kv_lens_t: torch.Tensor | None = None  # [B] int64
 
     @classmethod
     def build(
@@ -86,7 +90,13 @@ class BatchMetadata:
                     covers_all=single,  # one group holds every sequence, in batch order
                 )
             )
+        all_tables = torch.zeros((len(q_lens), max(len(t) for t in block_tables) if block_tables else 0), dtype=torch.int64)
+        for b, table in enumerate(block_tables):
+            all_tables[b, : len(table)] = torch.tensor(table, dtype=torch.int64)
         return cls(
+            block_tables=all_tables.to(device),
+            q_lens_t=torch.tensor(q_lens, dtype=torch.int64, device=device),
+            kv_lens_t=torch.tensor(kv_lens, dtype=torch.int64, device=device),
             positions=torch.tensor(positions, dtype=torch.int64, device=device),
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
             q_lens=list(q_lens),
@@ -115,6 +125,11 @@ def paged_attention(
     meta: BatchMetadata,
     scale: float,
 ) -> torch.Tensor:  # [T, H, D]
+    if (meta.block_tables is not None and decode_ops.usable(query) and k_cache.dtype == torch.float32
+            and query.shape[2] % 8 == 0):
+        # fp32 on the CPU: the whole batch in one call, reading the blocks in place
+        return decode_ops.load().paged_attention(query.contiguous(), k_cache, v_cache, meta.block_tables,
+                                                 meta.q_lens_t, meta.kv_lens_t, scale)
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
     out = None if meta.groups[0].covers_all else torch.empty_like(query)

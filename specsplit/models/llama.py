@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specsplit.config import ModelConfig
-from specsplit.kernels import quant_linear, skinny_linear
+from specsplit.kernels import decode_ops, quant_linear, skinny_linear
 from specsplit.models import cpu_linear
 from specsplit.kv.paged_cache import PagedKVCache
 from specsplit.models.attention import BatchMetadata, paged_attention, store_kv
@@ -93,6 +93,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, dim]
+        if decode_ops.usable(x) and x.stride(-1) == 1:  # fp32 on the CPU: one call
+            return decode_ops.load().rms_norm(x, self.weight, self.eps)
         # Normalise in fp32 like the reference implementation (one fused op), then cast back.
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
@@ -148,6 +150,8 @@ class RotaryEmbedding(nn.Module):
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [T, heads, D]; computed in fp32, returned in x's dtype
+        if decode_ops.usable(x) and x.stride(2) == 1 and x.stride(1) == x.shape[2]:  # fp32 on the CPU: one call
+            return decode_ops.load().rope(x, cos, sin)
         x32 = x.float()
         x1, x2 = x32.chunk(2, dim=-1)
         return (x32 * cos + torch.cat((x2, x1), dim=-1) * sin).to(x.dtype)

@@ -1,0 +1,116 @@
+"""kernels/decode_ops: the C++ RMSNorm, rope and paged attention equal the torch path they replace
+(within fp32 summation order) on mixed batches (decode, verify and prefill rows; blocks scattered
+through the cache; GQA), a verify row equals the decode row at its position bit for bit, and the
+whole model with the ops gives the torch ops' logits."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specsplit.kernels import decode_ops
+from specsplit.models.attention import BatchMetadata
+from specsplit.models.llama import RMSNorm, RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(decode_ops.load() is None, reason="no AVX2/FMA CPU or no C++ compiler: decode ops off")
+
+
+def torch_attention(query, k_cache, v_cache, meta: BatchMetadata, scale: float) -> torch.Tensor:
+    """The rule written plainly, in float64: token i of sequence b attends to positions <= its own."""
+    out, t = [], 0
+    bs = k_cache.shape[1]
+    for b, (q, kv) in enumerate(zip(meta.q_lens, meta.kv_lens)):
+        table = meta.block_tables[b]
+        slots = torch.stack([table[j // bs] * bs + j % bs for j in range(kv)])  # [kv]
+        keys = k_cache.reshape(-1, *k_cache.shape[2:])[slots].double()  # [kv, Hkv, D]
+        values = v_cache.reshape(-1, *v_cache.shape[2:])[slots].double()
+        rep = query.shape[1] // keys.shape[1]
+        keys, values = keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1)  # [kv, H, D]
+        for i in range(q):
+            pos = kv - q + i
+            s = torch.einsum("hd,khd->hk", query[t].double(), keys[: pos + 1]) * scale  # [H, pos+1]
+            out.append(torch.einsum("hk,khd->hd", torch.softmax(s, -1), values[: pos + 1]))
+            t += 1
+    return torch.stack(out).float()
+
+
+def test_paged_attention_mixed_batch_matches_reference():
+    g = torch.Generator().manual_seed(0)
+    nb, bs, hkv, d, h = 40, 16, 3, 64, 9
+    k_cache, v_cache = torch.randn(nb, bs, hkv, d, generator=g), torch.randn(nb, bs, hkv, d, generator=g)
+    perm = torch.randperm(nb, generator=g).tolist()
+    q_lens, kv_lens = [1, 4, 37, 1], [300, 5, 37, 17]  # decode, verify, prefill, decode
+    tables, used = [], 0
+    for kv in kv_lens:
+        n = -(-kv // bs)
+        tables.append(perm[used:used + n])
+        used += n
+    meta = BatchMetadata.build(q_lens, kv_lens, tables, [0] * sum(q_lens), [1] * len(q_lens), bs, torch.device("cpu"))
+    query = torch.randn(sum(q_lens), h, d, generator=g)
+    got = decode_ops.load().paged_attention(query, k_cache, v_cache, meta.block_tables, meta.q_lens_t, meta.kv_lens_t, d**-0.5)
+    torch.testing.assert_close(got, torch_attention(query, k_cache, v_cache, meta, d**-0.5), rtol=1e-5, atol=1e-6)
+
+
+def test_verify_rows_equal_decode_rows_bit_for_bit():
+    g = torch.Generator().manual_seed(1)
+    k_cache, v_cache = torch.randn(8, 16, 3, 64, generator=g), torch.randn(8, 16, 3, 64, generator=g)
+    query = torch.randn(4, 9, 64, generator=g)
+    op = decode_ops.load().paged_attention
+    t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+    table = t([[5, 2, 7]])
+    verify = op(query, k_cache, v_cache, table, t([4]), t([40]), 0.125)  # positions 36..39
+    for i in range(4):
+        decode = op(query[i:i + 1].contiguous(), k_cache, v_cache, table, t([1]), t([37 + i]), 0.125)
+        assert torch.equal(verify[i:i + 1], decode)
+
+
+def test_paged_attention_refuses_bad_shapes_with_a_message():
+    op = decode_ops.load().paged_attention
+    k = torch.zeros(2, 16, 3, 64)
+    t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+    with pytest.raises(RuntimeError, match="q_lens add up"):
+        op(torch.zeros(3, 9, 64), k, k, t([[0, 1]]), t([2]), t([20]), 0.125)
+    with pytest.raises(RuntimeError, match="kv_len"):
+        op(torch.zeros(1, 9, 64), k, k, t([[0, 1]]), t([1]), t([40]), 0.125)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        op(torch.zeros(1, 9, 64), k, k, t([[0, 5]]), t([1]), t([20]), 0.125)
+
+
+def test_rms_norm_and_rope_match_torch():
+    g = torch.Generator().manual_seed(2)
+    norm = RMSNorm(576, 1e-5, torch.float32, "cpu")
+    norm.weight.data = torch.randn(576, generator=g)
+    x = torch.randn(7, 576, generator=g)
+    ref = norm.weight * F.rms_norm(x, (576,), eps=1e-5)
+    torch.testing.assert_close(norm(x), ref, rtol=1e-5, atol=1e-5)
+    qkv = torch.randn(5, 960, generator=g)  # strided rows, as the layer's q|k view of its qkv output
+    x = qkv[:, :768].view(5, 12, 64)
+    cos, sin = torch.randn(5, 1, 64, generator=g), torch.randn(5, 1, 64, generator=g)
+    x1, x2 = x.chunk(2, dim=-1)
+    ref = x * cos + torch.cat((x2, x1), dim=-1) * sin
+    torch.testing.assert_close(RotaryEmbedding.apply(x, cos, sin), ref, rtol=0, atol=1e-6)
+
+
+def test_model_logits_match_the_torch_ops(monkeypatch, tiny_llama):
+    """The whole forward (decode and a verify-sized step over a cached prefix) with the ops and
+    without them: the same logits within fp32 rounding."""
+    from specsplit.models.loader import load_model
+    from specsplit.models.runner import ForwardItem, ModelRunner
+
+    model = load_model(str(tiny_llama), show_progress=False).model
+    prompt = [(7 * j + 3) % model.cfg.vocab_size for j in range(45)]
+
+    def run() -> torch.Tensor:
+        runner = ModelRunner(model, num_blocks=16, block_size=16, max_model_len=128)
+        runner.forward([ForwardItem("s", 0, prompt[:40])])
+        return runner.forward([ForwardItem("s", 40, prompt[40:45], 5)])[0]
+
+    with_ops = run()
+    monkeypatch.setenv(decode_ops.ENV_SWITCH, "0")
+    decode_ops.load.cache_clear()
+    try:
+        without = run()
+    finally:
+        monkeypatch.undo()
+        decode_ops.load.cache_clear()
+    torch.testing.assert_close(with_ops, without, rtol=1e-4, atol=1e-4)
