@@ -20,6 +20,8 @@ from typing import Sequence
 
 import torch
 
+from specsplit.kernels import decode_ops
+
 ENV_VAR = "SPECSPLIT_KERNELS"
 _MODES = ("auto", "torch", "triton")
 
@@ -136,6 +138,8 @@ def store_kv(
 
     if use_triton(k_cache.device):
         kv_store.store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+    elif decode_ops.usable(key) and k_cache.dtype == torch.float32 and value.dtype == torch.float32:
+        decode_ops.load().store_kv(key, value, k_cache, v_cache, slot_mapping)  # CPU fp32: one call
     elif all_valid:
         kv_store.store_kv_dense(key, value, k_cache, v_cache, slot_mapping)
     else:

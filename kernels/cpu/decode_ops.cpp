@@ -12,6 +12,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -105,12 +106,12 @@ torch::Tensor decode_rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin)
 
 namespace {
 
-// exp(x) for 8 lanes (x <= 0 here: scores minus their max): Cephes' expf, range reduction by ln 2
+// exp(x) for 8 lanes: Cephes' expf, range reduction by ln 2
 // in two parts and a degree-5 polynomial, within 1-2 ulp of expf; below -87.3 it returns 0.
 inline __m256 exp256(__m256 x) {
   const __m256 lo = _mm256_set1_ps(-87.33654f);
   const __m256 zero_mask = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  x = _mm256_max_ps(x, lo);
+  x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.3762626647949f));  // above: the largest finite
   __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
@@ -136,48 +137,64 @@ inline __m256 hsum8(const __m256 v[8]) {
   return _mm256_add_ps(lo, hi);
 }
 
-// One query row of one head over n keys (rows[j]: key j's offset in the caches, in floats).
-// scores: scratch of at least n rounded up to 8.
-void attend_row(const float* q, const float* kc, const float* vc, const int64_t* rows, int64_t n, int64_t D,
-                float scale, float* scores, float* o) {
-  const int64_t n8 = n / 8 * 8;
-  __m256 mx8 = _mm256_set1_ps(-INFINITY);
-  for (int64_t j = 0; j < n8; j += 8) {  // 8 keys at a time, one horizontal reduction for all 8
-    __m256 acc[8];
-    for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < D; i += 8) {
-      const __m256 qv = _mm256_loadu_ps(q + i);
-      for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kc + rows[j + u] + i), acc[u]);
-    }
-    const __m256 s = _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale));
-    _mm256_storeu_ps(scores + j, s);
-    mx8 = _mm256_max_ps(mx8, s);
+// One query row of the G heads that share a KV head, over n keys (rows[j]: key j's offset in the
+// caches, in floats); q and o hold the G heads one after another ([G, D]). The heads take turns on
+// each 8 keys, so a key is read from memory once for all of them. scores: scratch [G, n8up].
+void attend_group(const float* q, const float* kc, const float* vc, const int64_t* rows, int64_t n, int64_t D,
+                  int64_t G, float scale, float* scores, float* o) {
+  const int64_t n8 = n / 8 * 8, n8up = (n + 7) / 8 * 8;
+  for (int64_t h = 0; h < G; ++h) {
+    float* sc = scores + h * n8up;
+    for (int64_t j = n8; j < n8up; ++j) sc[j] = -INFINITY;  // exp -> 0 in the padded tail
   }
-  float mx = -INFINITY;
-  {
+  for (int64_t j = 0; j < n8; j += 8) {  // 8 keys at a time, one horizontal reduction for all 8
+    for (int64_t h = 0; h < G; ++h) {
+      const float* qh = q + h * D;
+      __m256 acc[8];
+      for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
+      for (int64_t i = 0; i < D; i += 8) {
+        const __m256 qv = _mm256_loadu_ps(qh + i);
+        for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kc + rows[j + u] + i), acc[u]);
+      }
+      _mm256_storeu_ps(scores + h * n8up + j, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)));
+    }
+  }
+  for (int64_t j = n8; j < n; ++j)
+    for (int64_t h = 0; h < G; ++h) scores[h * n8up + j] = dot(q + h * D, kc + rows[j], D) * scale;
+  std::vector<float> inv(G);
+  for (int64_t h = 0; h < G; ++h) {
+    float* sc = scores + h * n8up;
+    __m256 mx8 = _mm256_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < n8up; j += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(sc + j));
     alignas(32) float m[8];
     _mm256_store_ps(m, mx8);
+    float mx = -INFINITY;
     for (float v : m) mx = v > mx ? v : mx;
+    const __m256 mxv = _mm256_set1_ps(mx);
+    __m256 den = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n8up; j += 8) {
+      const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + j), mxv));
+      _mm256_storeu_ps(sc + j, e);
+      den = _mm256_add_ps(den, e);
+    }
+    inv[h] = 1.0f / hsum(den);
   }
-  for (int64_t j = n8; j < n; ++j) {
-    scores[j] = dot(q, kc + rows[j], D) * scale;
-    mx = scores[j] > mx ? scores[j] : mx;
+  // o_h = sum_j p_hj v_j, 64 output lanes at a time held in registers (8 accumulators)
+  for (int64_t h = 0; h < G; ++h) {
+    const float* sc = scores + h * n8up;
+    for (int64_t i0 = 0; i0 < D; i0 += 64) {
+      const int64_t w = D - i0 < 64 ? (D - i0) / 8 : 8;
+      __m256 acc[8];
+      for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
+      for (int64_t j = 0; j < n; ++j) {
+        const __m256 pj = _mm256_set1_ps(sc[j]);
+        const float* v = vc + rows[j] + i0;
+        for (int u = 0; u < w; ++u) acc[u] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8 * u), acc[u]);
+      }
+      const __m256 invv = _mm256_set1_ps(inv[h]);
+      for (int u = 0; u < w; ++u) _mm256_storeu_ps(o + h * D + i0 + 8 * u, _mm256_mul_ps(acc[u], invv));
+    }
   }
-  for (int64_t j = n; j < (n + 7) / 8 * 8; ++j) scores[j] = -INFINITY;  // exp -> 0 in the padded tail
-  const __m256 mxv = _mm256_set1_ps(mx);
-  __m256 den = _mm256_setzero_ps();
-  for (int64_t j = 0; j < n; j += 8) {
-    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(scores + j), mxv));
-    _mm256_storeu_ps(scores + j, e);
-    den = _mm256_add_ps(den, e);
-  }
-  const float inv = 1.0f / hsum(den);
-  for (int64_t i = 0; i < D; ++i) o[i] = 0.0f;
-  for (int64_t j = 0; j < n; ++j) axpy(scores[j], vc + rows[j], o, D);
-  const __m256 invv = _mm256_set1_ps(inv);
-  int64_t i = 0;
-  for (; i + 8 <= D; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(o + i), invv));
-  for (; i < D; ++i) o[i] *= inv;
 }
 
 }  // namespace
@@ -224,10 +241,10 @@ torch::Tensor decode_paged_attention(torch::Tensor query, torch::Tensor k_cache,
   TORCH_CHECK(t == T, "paged_attention: q_lens add up to ", t, ", the query has ", T, " rows");
   std::vector<int64_t> rows(row_start[B]);
   for (int64_t b = 0; b < B; ++b)
-    for (int64_t j = 0; j < kl[b]; ++j) {
-      const int64_t blk = tables[b * max_blocks + j / BS];
+    for (int64_t j0 = 0, i = 0; j0 < kl[b]; j0 += BS, ++i) {  // block by block: no division per position
+      const int64_t blk = tables[b * max_blocks + i];
       TORCH_CHECK(blk >= 0 && blk < num_blocks, "paged_attention: block ", blk, " outside the cache");
-      rows[row_start[b] + j] = (blk * BS + j % BS) * token_stride;
+      for (int64_t j = j0; j < std::min(j0 + BS, kl[b]); ++j) rows[row_start[b] + j] = (blk * BS + j - j0) * token_stride;
     }
   auto out = torch::empty({T, H, D}, query.options());
   const float* qp = query.data_ptr<float>();
@@ -236,19 +253,68 @@ torch::Tensor decode_paged_attention(torch::Tensor query, torch::Tensor k_cache,
   float* op = out.data_ptr<float>();
   const int64_t group = H / Hkv;
   const float fscale = static_cast<float>(scale);
-  at::parallel_for(0, T * H, 4, [&](int64_t w0, int64_t w1) {
+  at::parallel_for(0, T * Hkv, 2, [&](int64_t w0, int64_t w1) {  // work item: a token's KV head and its G heads
     std::vector<float> scores;
     for (int64_t w = w0; w < w1; ++w) {
-      const int64_t tok = w / H, h = w % H, g = h / group, n = pos_of[tok] + 1;
-      scores.resize((n + 7) / 8 * 8);
-      attend_row(qp + (tok * H + h) * D, kp + g * D, vp + g * D, rows.data() + row_start[seq_of[tok]], n, D, fscale,
-                 scores.data(), op + (tok * H + h) * D);
+      const int64_t tok = w / Hkv, g = w % Hkv, n = pos_of[tok] + 1;
+      scores.resize(group * ((n + 7) / 8 * 8));
+      attend_group(qp + (tok * H + g * group) * D, kp + g * D, vp + g * D, rows.data() + row_start[seq_of[tok]], n, D,
+                   group, fscale, scores.data(), op + (tok * H + g * group) * D);
     }
   });
   return out;
 }
 
+// gate_up [T, 2I] (gate | up, rows may be strided) -> silu(gate) * up [T, I], silu(g) = g / (1 + exp(-g))
+torch::Tensor decode_silu_mul(torch::Tensor gate_up) {
+  check_f32(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 16 == 0,
+              "silu_mul: gate_up [T, 2I], I a multiple of 8");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2, ld = gate_up.stride(0);
+  auto out = torch::empty({T, I}, gate_up.options());
+  const float* gp = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+  at::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* g = gp + t * ld;
+      for (int64_t i = 0; i < I; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 sig = _mm256_div_ps(gv, _mm256_add_ps(one, exp256(_mm256_sub_ps(zero, gv))));
+        _mm256_storeu_ps(op + t * I + i, _mm256_mul_ps(sig, _mm256_loadu_ps(g + I + i)));
+      }
+    }
+  });
+  return out;
+}
+
+// k_cache[slot_mapping[t]] = key[t], v_cache[...] = value[t]; slots < 0 are skipped (padding rows)
+//   key, value [T, Hkv, D] (rows may be strided, heads contiguous); caches [blocks, block_size, Hkv, D]
+void decode_store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
+                     torch::Tensor slot_mapping) {
+  check_f32(key, "key");
+  check_f32(value, "value");
+  check_f32(k_cache, "k_cache");
+  check_f32(v_cache, "v_cache");
+  const int64_t T = key.size(0), row = k_cache.size(2) * k_cache.size(3), slots = k_cache.size(0) * k_cache.size(1);
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes() && key.size(1) * key.size(2) == row &&
+                  key.stride(2) == 1 && key.stride(1) == key.size(2) && value.stride(2) == 1 &&
+                  value.stride(1) == value.size(2) && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.numel() == T,
+              "store_kv: key, value [T, Hkv, D]; caches [blocks, block_size, Hkv, D]; int64 slot_mapping [T]");
+  const int64_t* sm = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t s = sm[t];
+    if (s < 0) continue;
+    TORCH_CHECK(s < slots, "store_kv: slot ", s, " outside the cache's ", slots);
+    std::copy_n(key.data_ptr<float>() + t * key.stride(0), row, k_cache.data_ptr<float>() + s * row);
+    std::copy_n(value.data_ptr<float>() + t * value.stride(0), row, v_cache.data_ptr<float>() + s * row);
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("silu_mul", &decode_silu_mul, "silu(gate) * up of fp32 rows");
+  m.def("store_kv", &decode_store_kv, "write new tokens' K and V into the paged caches, fp32");
   m.def("rms_norm", &decode_rms_norm, "RMSNorm of fp32 rows");
   m.def("rope", &decode_rope, "rotate-half rotary embedding of fp32 heads");
   m.def("paged_attention", &decode_paged_attention, "causal attention over the paged KV cache, fp32");

@@ -114,3 +114,20 @@ def test_model_logits_match_the_torch_ops(monkeypatch, tiny_llama):
         monkeypatch.undo()
         decode_ops.load.cache_clear()
     torch.testing.assert_close(with_ops, without, rtol=1e-4, atol=1e-4)
+
+
+def test_silu_mul_and_store_kv_match_torch():
+    g = torch.Generator().manual_seed(3)
+    gate_up = torch.randn(6, 2 * 1536, generator=g) * 8  # wide range: exp over- and underflow handled
+    gate_up[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -88.0])
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(decode_ops.load().silu_mul(gate_up), F.silu(gate) * up, rtol=1e-6, atol=1e-6)
+    k_cache, v_cache = torch.zeros(4, 16, 3, 64), torch.zeros(4, 16, 3, 64)
+    qkv = torch.randn(3, 960, generator=g)
+    key, value = qkv[:, 576:768].view(3, 3, 64), qkv[:, 768:].view(3, 3, 64)  # strided rows, as in the layer
+    decode_ops.load().store_kv(key, value, k_cache, v_cache, torch.tensor([17, -1, 63]))
+    assert torch.equal(k_cache.view(64, 3, 64)[[17, 63]], key[[0, 2]])
+    assert torch.equal(v_cache.view(64, 3, 64)[[17, 63]], value[[0, 2]])
+    assert k_cache.view(64, 3, 64).abs().sum(dim=(1, 2)).count_nonzero() == 2  # the padding row wrote nothing
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        decode_ops.load().store_kv(key, value, k_cache, v_cache, torch.tensor([0, 1, 64]))
