@@ -155,5 +155,20 @@ def reference_dequantize(w: QuantWeight) -> torch.Tensor:
     return (d * q + m).reshape(n, w.in_features)
 
 
+def quantize_q8_0(w: torch.Tensor) -> QuantWeight:
+    """w [out, in] (in a multiple of 32) -> Q8_0 blocks as llama.cpp makes them: per 32 weights an
+    fp16 d = max|w| / 127 and int8 q = round(w / d). Rows that are already Q8_0 values (a GGUF
+    file's Q8_0 tensor, dequantized) come back as the same blocks."""
+    n, k = w.shape
+    if k % BLOCK:
+        raise ValueError(f"Q8_0 needs rows of a multiple of {BLOCK} weights, got {k}")
+    b = w.detach().float().reshape(n, k // BLOCK, BLOCK)  # [N, nb, 32]
+    d = (b.abs().amax(-1, keepdim=True) / 127).half()  # [N, nb, 1]
+    inv = torch.where(d.float() > 0, 1.0 / d.float(), torch.zeros(()))
+    q = torch.round(b * inv).clamp(-127, 127).to(torch.int8)
+    blocks = torch.cat([d.view(torch.uint8).reshape(n, -1, 2), q.view(torch.uint8)], dim=-1)  # [N, nb, 34]
+    return QuantWeight.from_gguf(blocks.reshape(n, -1).contiguous(), "Q8_0", k)
+
+
 def reference(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     return F.linear(x, reference_dequantize(w), bias)

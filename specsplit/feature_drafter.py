@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from specsplit.engine import EngineError, check_propose, check_seq_adds, fetch_q_rows, ingest_chain, sample_drafts
+from specsplit.kernels.quant_linear import QuantWeight
 from specsplit.models.eagle3 import DraftCache, Eagle3Head
 from specsplit.protocols import DrafterTraits, Proposal, ProposeRequest, QRow, RowRequest, SeqAdd
 from specsplit.sampling.params import SamplingParams
@@ -168,8 +169,10 @@ class FeatureDrafter(DrafterTraits):
         q_x: list[float] = []
         rows: list[torch.Tensor] = []
         for j in range(r.k):
-            logits = self._full_logits(h)  # [1, V]
-            t = sample_drafts([s], [logits], {0: q_x}, {0: rows}, [0])[0]
+            if s.params.greedy:  # the argmax over the draft vocabulary is the one over all (q = 0 elsewhere)
+                t = int(self.head.draft_ids[self.head.logits(h)[0].argmax()])
+            else:
+                t = sample_drafts([s], [self._full_logits(h)], {0: q_x}, {0: rows}, [0])[0]
             s.drafted.append(t)
             new.append(t)
             if j + 1 < r.k:
@@ -265,7 +268,26 @@ def use_cpu_kernels(head: Eagle3Head) -> None:
     head.fc = fast(head.fc.weight)
     for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
         setattr(layer, name, fast(getattr(layer, name).weight))
-    head.head_linear = fast(head.lm_head)
+    head.head_linear = quantized_head(head.lm_head) or fast(head.lm_head)
+    if isinstance(head.head_linear.quant, QuantWeight):
+        head.lm_head = None  # the blocks hold it now
+
+
+def quantized_head(lm_head: torch.Tensor):
+    """The head [draft_vocab, H] as Q8_0 blocks through kernels/quant_linear, or None (not fp32 on
+    a CPU, H not a multiple of 32, or no kernel). The head is most of a drafted token's bytes (8,192
+    rows x 576: 18.9 MB fp32, 5.0 MB as Q8_0); a GGUF target's embedding is Q8_0 already, and its
+    dequantized rows quantize back to the very same blocks, so the logits are the same numbers."""
+    from specsplit.kernels import quant_linear
+    from specsplit.models.llama import Linear
+
+    if (lm_head.device.type != "cpu" or lm_head.dtype != torch.float32 or lm_head.shape[1] % quant_linear.BLOCK
+            or quant_linear.load() is None):
+        return None
+    m = Linear(lm_head.shape[1], lm_head.shape[0], bias=False, dtype=torch.float32)
+    m.set_quant(quant_linear.quantize_q8_0(lm_head))
+    m.requires_grad_(False)
+    return m
 
 
 def head_bytes(head: Eagle3Head) -> int:

@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specsplit.kernels import decode_ops
+
 EAGLE3_ARCH = "LlamaForCausalLMEagle3"
 
 
@@ -164,26 +166,40 @@ class EagleLayer(nn.Module):
 
 
 class DraftCache:
-    """The head's KV cache for one sequence: contiguous [kvh, n, hd] keys and values.
+    """The head's KV cache for one sequence: keys and values [capacity, kvh, hd] (the paged cache's
+    per-token layout, as one block), the first ``len`` rows in use; capacity doubles as it fills.
 
     ``committed`` entries come from target features and are kept; entries past it were written by
     a chain and are dropped by ``truncate`` before the next step (the target's features replace them).
     """
 
     def __init__(self):
-        self.k: torch.Tensor | None = None
+        self.k: torch.Tensor | None = None  # [capacity, kvh, hd]
         self.v: torch.Tensor | None = None
+        self.n = 0
 
     def __len__(self) -> int:
-        return 0 if self.k is None else self.k.shape[-2]
+        return self.n
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k = k if self.k is None else torch.cat([self.k, k], dim=-2)
-        self.v = v if self.v is None else torch.cat([self.v, v], dim=-2)
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:  # k, v [n, kvh, hd]
+        need = self.n + k.shape[0]
+        if self.k is None or need > self.k.shape[0]:
+            cap = max(64, need, 2 * (0 if self.k is None else self.k.shape[0]))
+            nk, nv = k.new_empty(cap, *k.shape[1:]), v.new_empty(cap, *v.shape[1:])
+            if self.n:
+                nk[: self.n], nv[: self.n] = self.k[: self.n], self.v[: self.n]
+            self.k, self.v = nk, nv
+        self.k[self.n:need], self.v[self.n:need] = k, v
+        self.n = need
+
+    def keys(self) -> torch.Tensor:  # [len, kvh, hd]
+        return self.k[: self.n]
+
+    def values(self) -> torch.Tensor:
+        return self.v[: self.n]
 
     def truncate(self, n: int) -> None:
-        if self.k is not None and n < len(self):
-            self.k, self.v = self.k[..., :n, :], self.v[..., :n, :]
+        self.n = min(self.n, n)
 
     def nbytes(self) -> int:
         return 0 if self.k is None else 2 * self.k.numel() * self.k.element_size()
@@ -259,19 +275,36 @@ class Eagle3Head(nn.Module):
         g [n, H] (fc(features) for committed entries, or the previous chain output), embeds [n, H];
         the new entries attend to the cache (all of it) and causally to each other. -> h [n, H].
         """
-        layer = self.midlayer
-        n = g.shape[0]
-        pos = torch.arange(start, start + n, device=g.device)
-        q, k, v = layer.qkv(g, embeds, pos)  # q [nh, n, hd], k/v [kvh, n, hd]
-        cache.append(k, v)
-        rep = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
-        K = cache.k.repeat_interleave(rep, dim=0)
-        V = cache.v.repeat_interleave(rep, dim=0)
-        L = K.shape[-2]
-        mask = torch.ones(n, L, dtype=torch.bool, device=g.device).tril(L - n)
-        attn = F.scaled_dot_product_attention(q.unsqueeze(0), K.unsqueeze(0), V.unsqueeze(0),
-                                              attn_mask=mask).squeeze(0)
-        return layer.finish(g, attn)
+        layer, cfg = self.midlayer, self.cfg
+        n, hd, nh, kvh = g.shape[0], cfg.hd, cfg.num_attention_heads, cfg.num_key_value_heads
+        ops = decode_ops.load() if decode_ops.usable(g) and hd % 8 == 0 and cfg.intermediate_size % 8 == 0 else None
+        if ops is None:
+            q, k, v = layer.qkv(g, embeds, torch.arange(start, start + n, device=g.device))  # q [nh, n, hd]
+            cache.append(k.transpose(0, 1), v.transpose(0, 1))
+            rep = nh // kvh
+            K = cache.keys().transpose(0, 1).repeat_interleave(rep, dim=0)  # [nh, L, hd]
+            V = cache.values().transpose(0, 1).repeat_interleave(rep, dim=0)
+            L = K.shape[-2]
+            mask = torch.ones(n, L, dtype=torch.bool, device=g.device).tril(L - n)
+            attn = F.scaled_dot_product_attention(q.unsqueeze(0), K.unsqueeze(0), V.unsqueeze(0),
+                                                  attn_mask=mask).squeeze(0)
+            return layer.finish(g, attn)
+        # fp32 on the CPU (kernels/decode_ops): norms, rope and attention one call each, the
+        # cache read in place
+        eps = cfg.rms_norm_eps
+        x = torch.cat([ops.rms_norm(embeds, layer.input_layernorm, eps), ops.rms_norm(g, layer.hidden_norm, eps)], -1)
+        qkv = layer.qkv_proj(x)  # [n, (nh + 2 kvh) hd]
+        cos, sin = rope_cos_sin(torch.arange(start, start + n), hd, cfg.rope_theta, torch.float32)  # [n, hd]
+        signed = torch.cat([-sin[:, : hd // 2], sin[:, hd // 2:]], -1)
+        qk = ops.rope(qkv[:, : (nh + kvh) * hd].view(n, nh + kvh, hd), cos, signed)  # [n, nh + kvh, hd]
+        cache.append(qk[:, nh:], qkv[:, (nh + kvh) * hd:].view(n, kvh, hd))
+        L, cap = len(cache), cache.k.shape[0]
+        one = torch.zeros(1, 1, dtype=torch.long)
+        attn = ops.paged_attention(qk[:, :nh].contiguous(), cache.k.view(1, cap, kvh, hd), cache.v.view(1, cap, kvh, hd),
+                                   one, torch.tensor([n]), torch.tensor([L]), hd**-0.5)  # [n, nh, hd]
+        h = g + layer.o_proj(attn.view(n, nh * hd))
+        gate_up = layer.gate_up_proj(ops.rms_norm(h, layer.post_attention_layernorm, eps))
+        return h + layer.down_proj(ops.silu_mul(gate_up))
 
     def fuse(self, feats: torch.Tensor) -> torch.Tensor:
         """feats [n, 3H] -> g [n, H]."""

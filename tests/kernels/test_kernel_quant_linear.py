@@ -136,3 +136,23 @@ def test_threads_split_output_rows_without_changing_them(avx512):
         torch.set_num_threads(before)
     for a, b in zip(one, two):
         assert torch.equal(a, b)
+
+
+def test_quantize_q8_0_gives_back_a_files_blocks_and_bounds_the_error():
+    b = random_blocks("Q8_0", 16, 128, seed=5).gguf_blocks().view(16, 4, 34)
+    d = b[..., :2].contiguous().view(torch.float16).abs()  # llama.cpp's blocks: d = max|w| / 127 > 0,
+    q = b[..., 2:].contiguous().view(torch.int8).clamp(-127, 127)  # q in -127..127, max |q| = 127
+    q[..., 0] = 127
+    b = torch.cat([d.view(torch.uint8), q.view(torch.uint8)], -1)
+    w = QuantWeight.from_gguf(b.reshape(16, -1).contiguous(), "Q8_0", 128)
+    dense = quant_linear.reference_dequantize(w)
+    again = quant_linear.quantize_q8_0(dense)
+    assert torch.equal(again.blocks, w.blocks)
+    x = torch.randn(16, 96) * 3
+    x[0, :32] = 0.0  # an all-zero block: d = 0, q = 0, no division by zero
+    q = quant_linear.quantize_q8_0(x)
+    err = (quant_linear.reference_dequantize(q) - x).abs()
+    bound = x.reshape(16, 3, 32).abs().amax(-1, keepdim=True) / 127 * 0.5001 + 1e-3  # half a step (+ fp16 d)
+    assert bool((err.reshape(16, 3, 32) <= bound).all()) and err[0, :32].max() == 0
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quant_linear.quantize_q8_0(torch.zeros(2, 40))
