@@ -29,9 +29,11 @@ from specsplit.protocols import (
     VerifyResult,
 )
 from specsplit.sampling.coupled import coupled_sample
+from specsplit.sampling.grammar import GrammarCompiler, GrammarError, GrammarState, apply_masks
 from specsplit.sampling.logprobs import MAX_LOGPROBS, seq_logprobs
 from specsplit.sampling.ngram import ngram_propose
 from specsplit.sampling.params import SamplingParams
+from specsplit.sampling.penalties import penalize
 from specsplit.sampling.probs import logits_to_probs, sampling_tensors
 from specsplit.sampling.rejection import RejectionSampler
 from specsplit.sampling.rng import SeqRandom
@@ -61,6 +63,8 @@ class _Seq:
     pending_logits: torch.Tensor | None = None  # verifier, pending + logprobs: [n+1, V] target logits
     feature_layers: tuple[int, ...] = ()  # verifier: layers to return fused features of (SeqAdd)
     step_features: torch.Tensor | None = None  # verifier: [rows, F] of the last verify, from its start
+    prompt_len: int = 0  # tokens[:prompt_len] is the prompt, the rest generated (penalties, grammar)
+    grammar: GrammarState | None = None  # verifier: the sequence's matcher (specsplit.sampling.grammar)
 
 
 def _probs(logits: list[torch.Tensor], params: Sequence[SamplingParams]) -> list[torch.Tensor]:
@@ -145,6 +149,9 @@ def check_seq_adds(seqs: Sequence[SeqAdd], running, side: str, vocab_size: int |
             s.params.validate()
         except ValueError as e:
             raise EngineError(f"sequence {s.seq_id!r}: {e}") from None
+        if not 0 <= s.generated <= len(s.prompt_token_ids):
+            raise EngineError(f"sequence {s.seq_id!r}: generated must be in [0, {len(s.prompt_token_ids)}], "
+                              f"got {s.generated}")
         if s.logprobs is not None and not 0 <= s.logprobs <= MAX_LOGPROBS:
             raise EngineError(f"sequence {s.seq_id!r}: logprobs must be in [0, {MAX_LOGPROBS}], got {s.logprobs}")
 
@@ -237,6 +244,7 @@ class _EngineBase:
                 self.seqs[s.seq_id] = _Seq(
                     tokens=list(s.prompt_token_ids), params=s.params, rng=SeqRandom(s.params.seed, self.side),
                     logprobs=s.logprobs, feature_layers=tuple(s.feature_layers),
+                    prompt_len=len(s.prompt_token_ids) - s.generated,
                 )
         except OutOfBlocks:
             self.release(added)
@@ -285,12 +293,74 @@ class TargetEngine(_EngineBase, VerifierTraits):
 
     side = "verifier"
 
-    def __init__(self, runner: ModelRunner, max_prefill_tokens: int = 512, sampler: RejectionSampler | None = None):
+    def __init__(self, runner: ModelRunner, max_prefill_tokens: int = 512, sampler: RejectionSampler | None = None,
+                 grammars: GrammarCompiler | None = None):
         super().__init__(runner, max_prefill_tokens)
         self.sampler = sampler or RejectionSampler()
+        # Compiles the grammars of structured-output requests (None: they are refused). The
+        # builders set it from the target's tokenizer; colocated, the gateway admits with it too.
+        self.grammars = grammars
         # One rank of a tensor-parallel group (specsplit.parallel.group sets it when it builds the
         # group): the verifier servicer watches it and reports a dead worker. None: one process.
         self.tensor_parallel = None
+
+    def add(self, seqs: Sequence[SeqAdd]) -> None:
+        """As _EngineBase.add; a sequence with a grammar gets its matcher (compiled, or cached),
+        which takes the tokens a resumed sequence generated before. All or nothing."""
+        states: dict[str, GrammarState] = {}
+        for s in seqs:
+            g = s.params.grammar
+            if g is None:
+                continue
+            if self.grammars is None:
+                raise EngineError(f"sequence {s.seq_id!r} has a grammar, but this verifier has no grammar "
+                                  f"compiler (no tokenizer): structured output is unavailable")
+            try:
+                st = self.grammars.state(g)
+                st.sync(s.prompt_token_ids[len(s.prompt_token_ids) - s.generated:] if s.generated else ())
+            except GrammarError as e:
+                raise EngineError(f"sequence {s.seq_id!r}: {e}") from None
+            states[s.seq_id] = st
+        super().add(seqs)
+        for seq_id, st in states.items():
+            self.seqs[seq_id].grammar = st
+
+    def _constrain(self, reqs: Sequence[VerifyRequest], seqs: Sequence[_Seq]) -> tuple[list[VerifyRequest], dict]:
+        """Drafts cut where a sequence's grammar refuses one (specsplit.sampling.grammar), and each
+        constrained sequence's row masks by index. Greedy / coupled sequences drop the refused draft
+        (the masked target never picks it); sampled ones keep it, surely rejected (p = 0 there), so
+        the token at its position comes from the residual max(0, p - q) as rejection sampling needs."""
+        out, masks = list(reqs), {}
+        for i, (r, s) in enumerate(zip(reqs, seqs)):
+            if s.grammar is None:
+                continue
+            try:
+                s.grammar.sync(s.tokens[s.prompt_len:])
+            except GrammarError as e:
+                raise EngineError(f"sequence {r.seq_id!r}: {e}") from None
+            c, bitmask = s.grammar.masks(r.draft_token_ids)
+            if c < len(r.draft_token_ids):
+                keep = c if s.params.accepts_by_match else c + 1
+                out[i] = replace(r, draft_token_ids=tuple(r.draft_token_ids[:keep]),
+                                 draft_probs=None if r.draft_probs is None else tuple(r.draft_probs[:keep]))
+            masks[i] = bitmask
+        return out, masks
+
+    def _process(self, logits: list[torch.Tensor], reqs: Sequence[VerifyRequest], seqs: Sequence[_Seq],
+                 masks: dict) -> list[torch.Tensor]:
+        """The logits the sampler reads: penalties and logit_bias (specsplit.sampling.penalties),
+        then the grammar's masks, for the sequences that have them; the others' rows as they are.
+        (Log-probabilities are of the raw logits.)"""
+        out = list(logits)
+        for i, (r, s) in enumerate(zip(reqs, seqs)):
+            if not s.params.processed:
+                continue
+            rows = penalize(logits[i], s.params, s.tokens[:s.prompt_len], s.tokens[s.prompt_len:],
+                            r.draft_token_ids) if s.params.penalized else logits[i].float().clone()
+            if i in masks:
+                apply_masks(rows, masks[i])
+            out[i] = rows
+        return out
 
     def verify(self, reqs: Sequence[VerifyRequest]) -> list[VerifyResult]:
         if not reqs:
@@ -309,6 +379,7 @@ class TargetEngine(_EngineBase, VerifierTraits):
                     f"sequence {r.seq_id!r}: {len(s.tokens)} tokens + {len(r.draft_token_ids)} drafts "
                     f"pass max_model_len {self.runner.max_model_len}"
                 )
+        reqs, masks = self._constrain(reqs, seqs)
         items = [
             ForwardItem(r.seq_id, s.num_computed, s.tokens[s.num_computed :] + list(r.draft_token_ids), len(r.draft_token_ids) + 1)
             for r, s in zip(reqs, seqs)
@@ -320,6 +391,7 @@ class TargetEngine(_EngineBase, VerifierTraits):
             s.undo = (len(s.tokens), s.num_computed)
             s.step_features = _features_for(s, layers, feats[i]) if layers else None
 
+        raw, logits = logits, self._process(logits, reqs, seqs, masks)
         results: list[VerifyResult | None] = [None] * len(reqs)
         # Greedy and coupled (seeded, specsplit.sampling.coupled) sequences accept while the draft
         # equals the target's own choice; the others run the rejection sampler.
@@ -331,7 +403,7 @@ class TargetEngine(_EngineBase, VerifierTraits):
             self._verify_sampled(sampled, reqs, seqs, logits, results)
         asked = [i for i, s in enumerate(seqs) if s.logprobs is not None]
         if asked:
-            self._add_logprobs(asked, seqs, logits, results)
+            self._add_logprobs(asked, seqs, raw, results)
         return results  # type: ignore[return-value]
 
     def _add_logprobs(self, idx, seqs, logits, results) -> None:
