@@ -99,5 +99,6 @@ def build_engine(args, role: str) -> BuiltEngine:
     mcfg = runner.model.cfg
     tokenizer_dir = str(hf_dir_for(cfg.model, show_progress=False)) if role == "verifier" else ""
     if role == "verifier" and hasattr(engine, "grammars"):  # loads the tokenizer when a grammar first comes
-        engine.grammars = grammar_compiler(lambda: load_tokenizer(tokenizer_dir), mcfg)
+        engine.grammars = grammar_compiler(lambda: load_tokenizer(tokenizer_dir), mcfg,
+                                           getattr(args, "grammar_timeout", None))
     return BuiltEngine(engine, cfg, lookahead, mcfg.vocab_size, tuple(mcfg.eos_token_ids), tokenizer_dir, plan_dict)

@@ -129,10 +129,12 @@ def _plan_models(target: EngineConfig, draft: EngineConfig | None, spec: SpecCon
     return MemoryPlan.merge([t_plan, d_plan]), t, d
 
 
-def grammar_compiler(tokenizer, config) -> GrammarCompiler:
+def grammar_compiler(tokenizer, config, timeout_s: float | None = None) -> GrammarCompiler:
     """The verifier's compiler of structured-output grammars: the target's tokenizer (or a callable
-    that loads it on first use), its logits width and EOS ids (the tokens that end an output)."""
-    return GrammarCompiler(tokenizer, config.vocab_size, tuple(config.eos_token_ids))
+    that loads it on first use), its logits width and EOS ids (the tokens that end an output);
+    timeout_s: --grammar-timeout (None: the default)."""
+    return GrammarCompiler(tokenizer, config.vocab_size, tuple(config.eos_token_ids),
+                           **({} if timeout_s is None else {"timeout_s": timeout_s}))
 
 
 def plan_memory(target: EngineConfig, draft: EngineConfig | None = None, spec: SpecConfig = SpecConfig(),
