@@ -155,7 +155,11 @@ class GrammarCompiler:
 
 
 class GrammarState:
-    """One sequence's matcher on the verifier; follows the sequence's generated tokens."""
+    """One sequence's matcher on the verifier; follows the sequence's generated tokens.
+
+    A dead end (a state no token can leave: the tokens so far spell a prefix of the language that
+    no token continues, e.g. a word that begins a longer one when no token holds the rest) allows
+    the stop tokens only: the output ends there, as it would with the target alone."""
 
     def __init__(self, compiled, vocab_size: int):
         xgr = _xgr()
@@ -164,6 +168,7 @@ class GrammarState:
         self.vocab_size = vocab_size
         self.accepted: list[int] = []  # generated tokens the matcher has taken, in order
         self.stop_ids = list(self.matcher.stop_token_ids)
+        self.dead_end = False  # a stop token ended the output at a dead end (after `accepted`)
 
     def sync(self, generated: Sequence[int]) -> None:
         """Make the matcher's tokens the sequence's generated tokens: roll back what is no longer
@@ -177,19 +182,28 @@ class GrammarState:
         if same < len(self.accepted):
             self.matcher.rollback(len(self.accepted) - same)
             del self.accepted[same:]
+        if self.dead_end and len(generated) > len(self.accepted):
+            return
+        self.dead_end = False
         for t in generated[same:]:
             if self.matcher.is_terminated():
                 break
             if not self.matcher.accept_token(int(t)):
+                if int(t) in self.stop_ids and self._stuck():
+                    self.dead_end = True
+                    break
                 raise GrammarError(f"generated token {t} is outside the grammar (its mask was not applied)")
             self.accepted.append(int(t))
 
     def masks(self, drafts: Sequence[int]) -> tuple[int, torch.Tensor]:
         """(c, bitmask [c + 1, ceil(V / 32)] int32): c = the drafts the grammar accepts in a row
         (c < len(drafts): d_c is the first it refuses), row j = the tokens allowed after d_0 ..
-        d_{j-1}. Rows of a terminated grammar allow its stop tokens only. The matcher ends where it
-        started."""
+        d_{j-1}. Rows of a terminated grammar or a dead end allow its stop tokens only. The matcher
+        ends where it started."""
         bitmask = self._xgr.allocate_token_bitmask(len(drafts) + 1, self.vocab_size)
+        if self.dead_end:
+            self._stop_only(bitmask, 0)
+            return 0, bitmask[:1]
         taken = 0
         for j in range(len(drafts) + 1):
             self._fill(bitmask, j)
@@ -200,13 +214,24 @@ class GrammarState:
             self.matcher.rollback(taken)
         return taken, bitmask[: taken + 1]
 
+    def _stop_only(self, bitmask: torch.Tensor, j: int) -> None:
+        bitmask[j] = 0
+        for t in self.stop_ids:
+            word, bit = divmod(t, 32)
+            bitmask[j, word] |= (1 << bit) if bit < 31 else -(1 << 31)  # int32 words
+
     def _fill(self, bitmask: torch.Tensor, j: int) -> None:
         if self.matcher.is_terminated():
-            bitmask[j] = 0
-            for t in self.stop_ids:
-                bitmask[j, t // 32] |= (1 << (t % 32)) if t % 32 < 31 else -(1 << 31)
+            self._stop_only(bitmask, j)
             return
         self.matcher.fill_next_token_bitmask(bitmask, j)
+        if not bool(bitmask[j].any()):  # a dead end: nothing continues, the output stops here
+            self._stop_only(bitmask, j)
+
+    def _stuck(self) -> bool:
+        row = self._xgr.allocate_token_bitmask(1, self.vocab_size)
+        self.matcher.fill_next_token_bitmask(row, 0)
+        return not bool(row.any())
 
 
 def apply_masks(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
