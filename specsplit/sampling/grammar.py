@@ -235,7 +235,9 @@ class GrammarState:
 
 
 def apply_masks(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """logits [n, V] (n <= bitmask rows) in place: tokens a row's mask refuses become -inf."""
+    """logits [n, V] in place: in the first min(n, rows of bitmask) rows, tokens the mask refuses
+    become -inf. A row past the masks is the bonus after a refused draft that a sampled sequence
+    keeps (GrammarState.masks): never read, since that draft has probability 0 and is rejected."""
     xgr = _xgr()
-    n = logits.shape[0]
-    xgr.apply_token_bitmask_inplace(logits, bitmask[:n].to(logits.device), vocab_size=logits.shape[1])
+    m = min(logits.shape[0], bitmask.shape[0])
+    xgr.apply_token_bitmask_inplace(logits[:m], bitmask[:m].to(logits.device), vocab_size=logits.shape[1])
