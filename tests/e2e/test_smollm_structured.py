@@ -20,11 +20,10 @@ import pytest
 from specsplit.config import EngineConfig, SpecConfig
 from specsplit.factory import build_colocated
 from specsplit.request import GenerationRequest
-from specsplit.sampling.grammar import apply_masks
 from specsplit.sampling.params import Grammar, SamplingParams
-from specsplit.sampling.penalties import penalize
 from specsplit.scheduler import Scheduler
 from tests.helpers.greedy import assert_greedy_equal_or_tie, native_next_logits
+from tests.helpers.structured import constrained_next_logits
 from tests.services.procs import HOST, ServiceProcess, free_port
 
 pytestmark = [pytest.mark.smollm, pytest.mark.slow]
@@ -69,19 +68,6 @@ def runs():
     return out
 
 
-def _constrained(next_logits, params, prompt_len, compiler):
-    def f(context):
-        context = list(context)
-        rows = penalize(next_logits(context)[None], params, context[:prompt_len], context[prompt_len:])
-        if params.grammar is not None:
-            st = compiler.state(params.grammar)
-            st.sync(context[prompt_len:])
-            apply_masks(rows, st.masks(())[1])
-        return rows[0]
-
-    return f
-
-
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("draft", ["ngram", "smollm2-135m"])
 def test_speculative_equals_target_only(runs, case, draft):
@@ -89,7 +75,7 @@ def test_speculative_equals_target_only(runs, case, draft):
     _, out, proposed = runs[(case, draft)]
     assert proposed > 0
     for p, r, o in zip(prompts, ref, out):
-        assert_greedy_equal_or_tie(r, _constrained(runs["next_logits"], CASES[case], len(p), runs["compiler"]), o,
+        assert_greedy_equal_or_tie(r, constrained_next_logits(runs["next_logits"], CASES[case], len(p), runs["compiler"]), o,
                                    prompt=p)
 
 

@@ -14,11 +14,10 @@ from specsplit.config import EngineConfig, SpecConfig
 from specsplit.factory import build_colocated
 from specsplit.protocols import SeqAdd, VerifyRequest
 from specsplit.request import GenerationRequest
-from specsplit.sampling.grammar import apply_masks
 from specsplit.sampling.params import Grammar, SamplingParams
-from specsplit.sampling.penalties import penalize
 from specsplit.scheduler import Scheduler
 from tests.helpers.greedy import assert_greedy_equal_or_tie
+from tests.helpers.structured import constrained_next_logits
 
 MAX_LEN = 128
 # The tiny tokenizer's words are w0 .. w252 (ids 3 .. 255); the output must alternate a small and a
@@ -69,21 +68,6 @@ def references(tiny_llama):
     return out
 
 
-def _constrained_logits(next_logits, params: SamplingParams, prompt_len: int, compiler):
-    """The reference's next-token logits as the verifier scores them: penalties, then the mask."""
-
-    def f(context):
-        context = list(context)
-        rows = penalize(next_logits(context)[None], params, context[:prompt_len], context[prompt_len:])
-        if params.grammar is not None:
-            st = compiler.state(params.grammar)
-            st.sync(context[prompt_len:])
-            apply_masks(rows, st.masks(())[1])
-        return rows[0]
-
-    return f
-
-
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("draft, k", [("close", 4), ("ngram", 3)])
 def test_speculative_equals_target_only(tiny_llama, tiny_draft_close, tiny_llama_logits, references, case, draft, k):
@@ -92,7 +76,7 @@ def test_speculative_equals_target_only(tiny_llama, tiny_draft_close, tiny_llama
     out, proposed, accepted, _ = _run(tiny_llama, tiny_draft_close if draft == "close" else "ngram", k, reqs)
     assert proposed > 0, "the drafter never proposed: nothing was tested"
     for req, o, r in zip(reqs, out, references[case]):
-        f = _constrained_logits(tiny_llama_logits, params, len(req.prompt_token_ids), references["compiler"])
+        f = constrained_next_logits(tiny_llama_logits, params, len(req.prompt_token_ids), references["compiler"])
         assert_greedy_equal_or_tie(r, f, o, prompt=req.prompt_token_ids)
     if params.grammar is not None:  # and the output follows the grammar: a fresh matcher takes it all
         for o in out:
