@@ -70,7 +70,8 @@ class GrammarCompiler:
         self.stop_token_ids = list(stop_token_ids)
         self.timeout_s = timeout_s
         self.max_cached = max_cached
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the cache and the in-flight compiles (held briefly)
+        self._build_lock = threading.Lock()  # building the tokenizer's vocabulary table (once)
         self._compiler = None
         self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
         self._inflight: dict[tuple[str, str], Future] = {}
@@ -78,7 +79,9 @@ class GrammarCompiler:
         self.compiles = 0  # grammars compiled (cache misses), for tests and metrics
 
     def _xgr_compiler(self):
-        with self._lock:
+        """xgrammar's compiler for this tokenizer, built on first use (on a compile thread, so the
+        first request's time bound covers loading the tokenizer, never a lock without a bound)."""
+        with self._build_lock:
             if self._compiler is None:
                 xgr = _xgr()
                 tok = self._tokenizer() if callable(self._tokenizer) and not hasattr(self._tokenizer, "encode") \
