@@ -558,6 +558,37 @@ class DraftEngine(_EngineBase, DrafterTraits):
     """The draft model: catches up on emitted tokens, rolls back rejected drafts, drafts k more."""
 
     side = "drafter"
+    # The drafter applies a sequence's penalties and logit_bias to its own logits, and with a
+    # compiler (the builders share the verifier's, or give the service its own) its grammar's mask,
+    # so its drafts follow the target's rules and fewer are rejected or cut; q is the distribution
+    # the draft was drawn from (rejection sampling stays exact whatever q is). The mask is best
+    # effort: without a compiler, or where it cannot follow (a grammar that does not compile here,
+    # a chain with tokens outside it), the drafter drafts unmasked and the verifier cuts.
+    grammars: GrammarCompiler | None = None
+
+    def add(self, seqs: Sequence[SeqAdd]) -> None:
+        super().add(seqs)
+        if self.grammars is None:
+            return
+        for a in seqs:
+            if a.params.grammar is not None:
+                try:
+                    self.seqs[a.seq_id].grammar = self.grammars.state(a.params.grammar)
+                except GrammarError as e:
+                    log.info("drafter: sequence %r drafts without its grammar's mask: %s", a.seq_id, e)
+
+    def _process(self, s: _Seq, logits: torch.Tensor) -> torch.Tensor:
+        """logits [1, V] of the next draft of `s`: penalized from its tokens and chain (as the
+        verifier does), then masked by its grammar there."""
+        generated = s.tokens[s.prompt_len:] + s.drafted
+        rows = penalize(logits, s.params, s.tokens[:s.prompt_len], generated)  # a float32 copy
+        if s.grammar is not None:
+            try:
+                s.grammar.sync(generated)
+                apply_masks(rows, s.grammar.masks(())[1])
+            except GrammarError:
+                pass  # a chain the grammar refuses (e.g. a lookup's drafts): unmasked this time
+        return rows
 
     def propose(self, reqs: Sequence[ProposeRequest]) -> list[Proposal]:
         """Per request: ingest new_token_ids, then draft k tokens after them and `pending_drafts` (the drafts
@@ -587,6 +618,8 @@ class DraftEngine(_EngineBase, DrafterTraits):
                 items.append(ForwardItem(reqs[i].seq_id, s.num_computed, context[s.num_computed :], 1))
                 s.num_computed = len(context)
             logits = self._forward(items)  # per seq [1, V]
+            logits = [self._process(seqs[i], x) if seqs[i].params.penalized or seqs[i].grammar is not None else x
+                      for i, x in zip(live, logits)]
             tokens = self._sample([seqs[i] for i in live], logits, q_x, rows, live)
             for i, t in zip(live, tokens):
                 seqs[i].drafted.append(t)

@@ -297,7 +297,10 @@ def build_colocated(
     verifier.grammars = grammar_compiler(tokenizer[0], t.loaded.config)
     drafter = None
     if d is not None:
-        drafter = with_lookup(allocate_engine(d, plan.services[DRAFTER], calibrate), hybrid, spec)
+        engine = allocate_engine(d, plan.services[DRAFTER], calibrate)
+        if isinstance(engine, DraftEngine):  # drafts from the grammar's mask too (one compiler, one cache)
+            engine.grammars = verifier.grammars
+        drafter = with_lookup(engine, hybrid, spec)
     elif draft is not None and is_eagle3(draft.model):
         emb = t.loaded.model.embed_tokens
         # a GGUF target's quantized embedding is shared as the module (no dense fp32 copy)

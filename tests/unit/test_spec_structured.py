@@ -75,6 +75,8 @@ def test_speculative_equals_target_only(tiny_llama, tiny_draft_close, tiny_llama
     reqs = _requests(params)
     out, proposed, accepted, _ = _run(tiny_llama, tiny_draft_close if draft == "close" else "ngram", k, reqs)
     assert proposed > 0, "the drafter never proposed: nothing was tested"
+    if draft == "close" and case != "both":  # the model drafter applies the same rules: most drafts agree
+        assert accepted / proposed > 0.4, (accepted, proposed)
     for req, o, r in zip(reqs, out, references[case]):
         f = constrained_next_logits(tiny_llama_logits, params, len(req.prompt_token_ids), references["compiler"])
         assert_greedy_equal_or_tie(r, f, o, prompt=req.prompt_token_ids)
