@@ -14,7 +14,7 @@ PROMPTS = ["Describe a person named Alice who is 30 and lives in Paris, as JSON.
            "Give me a JSON record for Bob, 42 years old, from Berlin.",
            "Write JSON for Carol (age 25, city Rome)."]
 E = dict(max_model_len=256, max_prefill_tokens=128, max_num_seqs=1)
-for draft, k in ((None, 0), ("ngram", 4)):
+for draft, k in ((None, 0), ("ngram", 4), ("smollm2-135m", 4)):
     colo = build_colocated(EngineConfig(model="smollm2-135m", **E), None if draft is None else EngineConfig(model=draft, **E),
                            SpecConfig(num_speculative_tokens=k, k_policy="fixed", disable_by_batch_size=0), show_progress=False)
     for name, params in (("free", SamplingParams()), ("json_schema", SamplingParams(grammar=Grammar("json_schema", json.dumps(SCHEMA))))):

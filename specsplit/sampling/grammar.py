@@ -9,6 +9,8 @@ gateway compiles each grammar at admission (bounded in time, off the step thread
 an INVALID_ARGUMENT before anything is allocated; colocated, the verifier shares that compiler and
 its cache, so the step thread only looks the grammar up. Split, the verifier compiles it again on
 its add (the same text, its own cache; the gateway's bound has shown it compiles in time).
+A model drafter may hold a matcher too (DraftEngine, to draft inside the grammar): an optimization
+only; what is emitted is decided by the verifier's masks alone.
 
 One verify of a sequence with drafts d_0 .. d_{k-1} (GrammarState.masks):
   * the matcher advances along the drafts; the first draft it refuses (d_c) cuts the draft: row j
