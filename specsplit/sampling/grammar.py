@@ -32,7 +32,7 @@ import logging
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
