@@ -41,7 +41,8 @@ from specsplit.sampling.params import Grammar
 log = logging.getLogger(__name__)
 
 DEFAULT_COMPILE_TIMEOUT_S = 10.0  # a grammar that does not compile within this is refused
-MAX_CACHED_GRAMMARS = 256  # compiled grammars kept (least recently used dropped first)
+MAX_CACHED_GRAMMARS = 256  # compiled grammars kept (least recently used dropped first) ...
+MAX_CACHED_BYTES = 256 * 2**20  # ... and at most this many bytes of them (xgrammar's own count)
 
 
 class GrammarError(ValueError):
@@ -56,6 +57,13 @@ def _xgr():
     return xgrammar
 
 
+def _size(compiled) -> int:
+    try:
+        return int(compiled.memory_size_bytes)
+    except Exception:  # pragma: no cover - older xgrammar
+        return 0
+
+
 class GrammarCompiler:
     """Grammars compiled for one tokenizer, cached by (kind, text), each compile bounded in time.
 
@@ -66,12 +74,15 @@ class GrammarCompiler:
     """
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Sequence[int],
-                 timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S, max_cached: int = MAX_CACHED_GRAMMARS):
+                 timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S, max_cached: int = MAX_CACHED_GRAMMARS,
+                 max_cached_bytes: int = MAX_CACHED_BYTES):
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self.timeout_s = timeout_s
         self.max_cached = max_cached
+        self.max_cached_bytes = max_cached_bytes
+        self._cached_bytes = 0
         self._lock = threading.Lock()  # the cache and the in-flight compiles (held briefly)
         self._build_lock = threading.Lock()  # building the tokenizer's vocabulary table (once)
         self._compiler = None
@@ -117,14 +128,26 @@ class GrammarCompiler:
             raise GrammarError(f"the {g.kind} grammar does not compile: {first[:300]}") from None
         raise GrammarError(f"unknown grammar kind {g.kind!r}")
 
-    def _done(self, key, future: Future) -> None:
+    def _compile_and_cache(self, key, g: Grammar):
+        """On a compile thread: compile, then cache (before the waiting caller wakes up)."""
+        try:
+            compiled = self._compile_now(g)
+        except BaseException:
+            with self._lock:
+                self._inflight.pop(key, None)
+            raise
         with self._lock:
             self._inflight.pop(key, None)
-            if future.exception() is None:
-                self._cache[key] = future.result()
-                self._cache.move_to_end(key)
-                while len(self._cache) > self.max_cached:
-                    self._cache.popitem(last=False)
+            self._cache[key] = compiled
+            self._cache.move_to_end(key)
+            self._cached_bytes += _size(compiled)
+            # The newest stays even when it alone is over the bytes (sequences hold their own
+            # reference: dropping a grammar from the cache frees it once they end).
+            while len(self._cache) > 1 and (len(self._cache) > self.max_cached
+                                            or self._cached_bytes > self.max_cached_bytes):
+                _, old = self._cache.popitem(last=False)
+                self._cached_bytes -= _size(old)
+        return compiled
 
     def compile(self, g: Grammar, timeout_s: float | None = None):
         """The compiled grammar (cached), or GrammarError: invalid, or not compiled within the
@@ -140,10 +163,9 @@ class GrammarCompiler:
                 return self._cache[key]
             future = self._inflight.get(key)
             if future is None:
-                future = self._pool.submit(self._compile_now, g)
+                future = self._pool.submit(self._compile_and_cache, key, g)
                 self._inflight[key] = future
                 self.compiles += 1
-                future.add_done_callback(lambda f, key=key: self._done(key, f))
         bound = self.timeout_s if timeout_s is None else timeout_s
         try:
             return future.result(timeout=bound)

@@ -113,3 +113,18 @@ def test_a_slow_compile_is_refused_within_the_bound(compiler):
     with pytest.raises(GrammarError) as err:
         compiler.compile(Grammar("json_schema", json.dumps(schema)), timeout_s=1e-6)
     assert "did not compile within" in str(err.value)
+
+
+def test_the_cache_is_bounded_in_count_and_bytes(tmp_path):
+    from transformers import AutoTokenizer
+
+    write_tokenizer(tmp_path)
+    small = GrammarCompiler(AutoTokenizer.from_pretrained(tmp_path), len(VOCAB_WORDS), (2,), max_cached=2)
+    for i in range(4):
+        small.compile(Grammar("regex", f"w{i}+"))
+    assert len(small._cache) == 2 and list(small._cache) == [("regex", "w2+"), ("regex", "w3+")]
+    tight = GrammarCompiler(AutoTokenizer.from_pretrained(tmp_path), len(VOCAB_WORDS), (2,), max_cached_bytes=1)
+    for i in range(3):
+        tight.compile(Grammar("regex", f"w{i}+"))
+    assert list(tight._cache) == [("regex", "w2+")]  # the newest stays
+    assert tight.compile(Grammar("regex", "w2+")) is tight._cache[("regex", "w2+")]
