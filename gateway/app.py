@@ -22,6 +22,7 @@ from specsplit.rpc.serving import Server, wait_until
 from grpc_health.v1 import health_pb2
 from specsplit.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from specsplit.request import RequestError
+from specsplit.sampling.grammar import DEFAULT_COMPILE_TIMEOUT_S, GrammarCompiler
 from specsplit.scheduler import KvBudget
 from specsplit.defaults import spec_config
 from specsplit.calibration import StepCosts
@@ -48,6 +49,7 @@ class Gateway:
     kv: list[KvBudget] | None = None  # None: read from the in-process engines
     # Whether the verifier answers (blocking; run off the event loop); None: always (colocated).
     verifier_reachable: Callable[[], bool] | None = None
+    grammars: GrammarCompiler | None = None  # structured output's compiler (admission)
 
 
 HEALTH_PROBE_S = 1.0
@@ -111,7 +113,7 @@ async def run(gw: Gateway, args) -> int:
             branch_misses=gw.decoder.branch_misses,
         )
 
-    servicer = GatewayServicer(scheduler, gw.tokenizer, gw.limits, server_info)
+    servicer = GatewayServicer(scheduler, gw.tokenizer, gw.limits, server_info, grammars=gw.grammars)
     server = Server("gateway", args.host, args.port, [SERVICE_NAME], ServerSecurity.from_args(args),
                     max_receive_bytes=getattr(args, "max_request_bytes", MAX_REQUEST_BYTES))
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server.server)
@@ -255,6 +257,10 @@ def build_split(args) -> Gateway:
         mode="split", target_model=vinfo.model, draft_model=draft_model or (UNKNOWN if args.drafter else ""),
         services=services, timing_sources=[c for c in (verifier, drafter) if c is not None],
         kv=kv, verifier_reachable=verifier_reachable,
+        # Admission compiles with the gateway's tokenizer (a bad grammar is refused here); the
+        # verifier compiles the same text again for its matchers, in its own cache.
+        grammars=GrammarCompiler(tokenizer.tokenizer, vinfo.vocab_size, tuple(vinfo.eos_token_ids),
+                                 timeout_s=getattr(args, "grammar_timeout", DEFAULT_COMPILE_TIMEOUT_S)),
     )
 
 
@@ -329,7 +335,17 @@ def build_colocated_gateway(args) -> Gateway:
         decoder=colo.decoder, tokenizer=Tokenizer(colo.tokenizer), eos_token_ids=tuple(colo.eos_token_ids),
         limits=Limits(cfg.vocab_size, args.max_model_len), max_num_seqs=args.max_num_seqs, max_queue=args.max_queue,
         mode="colocated", target_model=args.target, draft_model=args.draft or "", services=services,
+        grammars=_colocated_grammars(colo, args),
     )
+
+
+def _colocated_grammars(colo, args):
+    """The verifier's grammar compiler (one cache: what the gateway compiles at admission, the
+    step thread finds), bounded by --grammar-timeout."""
+    grammars = getattr(colo.target, "grammars", None)
+    if grammars is not None and getattr(args, "grammar_timeout", None):
+        grammars.timeout_s = args.grammar_timeout
+    return grammars
 
 
 def run_colocated(args) -> int:

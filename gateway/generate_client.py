@@ -13,6 +13,7 @@ from typing import Iterator, Sequence
 import grpc
 
 from specsplit.v1 import gateway_pb2, gateway_pb2_grpc
+from specsplit.rpc.wire import grammar_to_pb
 
 
 def parse_ids(text: str) -> list[int]:
@@ -20,6 +21,25 @@ def parse_ids(text: str) -> list[int]:
         return [int(t) for t in text.replace(" ", "").split(",") if t != ""]
     except ValueError:
         raise ValueError(f"--prompt-token-ids must be comma-separated integers, got {text!r}") from None
+
+
+def grammar_from_args(args):
+    """--json-schema / --json-object / --regex / --ebnf -> a Grammar (None: free text); @FILE reads it."""
+    from specsplit.sampling.params import Grammar
+
+    def text(value: str) -> str:
+        if value.startswith("@"):
+            with open(value[1:], encoding="utf-8") as f:
+                return f.read()
+        return value
+
+    if getattr(args, "json_object", False):
+        return Grammar("json_object")
+    for kind in ("json_schema", "regex", "ebnf"):
+        value = getattr(args, kind, None)
+        if value is not None:
+            return Grammar(kind, value if kind == "regex" else text(value))
+    return None
 
 
 def request_from_args(args) -> gateway_pb2.GenerateRequest:
@@ -39,6 +59,13 @@ def request_from_args(args) -> gateway_pb2.GenerateRequest:
         req.logprobs = args.logprobs
     for s in getattr(args, "stop", None) or []:
         req.stop.append(s)
+    req.presence_penalty = getattr(args, "presence_penalty", 0.0)
+    req.frequency_penalty = getattr(args, "frequency_penalty", 0.0)
+    if getattr(args, "repetition_penalty", 1.0) != 1.0:
+        req.repetition_penalty = args.repetition_penalty
+    g = grammar_from_args(args)
+    if g is not None:
+        req.grammar.CopyFrom(grammar_to_pb(g))
     k = args.num_speculative_tokens
     if k == 0:
         req.speculation.disable = True

@@ -47,10 +47,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specsplit.gateway.scheduler_thread import status_of
 from specsplit.gateway.service import GatewayServicer, build_request, check_before_tokenizing
-from specsplit.v1 import gateway_pb2
+from specsplit.v1 import common_pb2, gateway_pb2
 from specsplit.rpc.security import ServerSecurity, read_token
 from specsplit.rpc.wire import ServiceError
-from specsplit.request import MAX_LOGPROBS, Event, TokenLogprob
+from specsplit.request import MAX_LOGPROBS, Event, RequestError, TokenLogprob, validate
+from specsplit.sampling.params import MAX_LOGIT_BIAS_ENTRIES
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,8 @@ class _Body(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    repetition_penalty: float | None = None  # extension: transformers' rule, 1 = off
+    response_format: dict | None = None  # chat (and, as an extension, completions): structured output
     user: str | None = None
 
 
@@ -147,11 +150,6 @@ class ChatBody(_Body):
 def _check_unsupported(body: _Body) -> None:
     if body.n not in (None, 1):
         raise _invalid("n must be 1: this server returns one choice per request", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name):
-            raise _invalid(f"{name} is not supported (leave it unset or 0)", name)
-    if body.logit_bias:
-        raise _invalid("logit_bias is not supported", "logit_bias")
     if isinstance(body, CompletionBody):
         if body.echo:
             raise _invalid("echo is not supported", "echo")
@@ -162,9 +160,53 @@ def _check_unsupported(body: _Body) -> None:
     if isinstance(body, ChatBody):
         if body.tools:
             raise _invalid("tools are not supported", "tools")
-        fmt = (body.model_extra or {}).get("response_format")
-        if isinstance(fmt, dict) and fmt.get("type", "text") != "text":
-            raise _invalid("response_format other than text is not supported", "response_format")
+
+
+RESPONSE_FORMATS = ("text", "json_object", "json_schema", "regex", "ebnf")
+
+
+def _grammar(fmt: dict | None) -> common_pb2.Grammar | None:
+    """OpenAI's response_format -> the gRPC API's Grammar (None: free text). {"type": "json_object"};
+    {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}; and, as
+    extensions, {"type": "regex", "regex": "..."} and {"type": "ebnf", "ebnf": "..."}."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type", "text")
+    if kind not in RESPONSE_FORMATS:
+        raise _invalid(f"response_format.type must be one of {', '.join(RESPONSE_FORMATS)}, got {kind!r}",
+                       "response_format")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return common_pb2.Grammar(json_object=True)
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise _invalid('response_format json_schema needs "json_schema": {"name": ..., "schema": {...}} with '
+                           "the schema as a JSON object", "response_format")
+        return common_pb2.Grammar(json_schema=json.dumps(schema))
+    text = fmt.get(kind)
+    if not isinstance(text, str) or not text:
+        raise _invalid(f'response_format {kind} needs "{kind}": "<the {kind} text>"', "response_format")
+    return common_pb2.Grammar(**{kind: text})
+
+
+def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's logit_bias (token id as a string -> bias); ids and bounds are checked by validate."""
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise _invalid(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES} token ids are allowed",
+                       "logit_bias")
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise _invalid(f"logit_bias keys must be token ids (integers as strings), got {key!r}", "logit_bias") from None
+        if not -2**31 <= token < 2**31:
+            raise _invalid(f"logit_bias token id {token} is outside the vocabulary", "logit_bias")
+        out[token] = value
+    return out
 
 
 def _content(m: ChatMessageBody, i: int) -> str:
@@ -188,7 +230,16 @@ def _generate_request(body: _Body, request_id: str, max_tokens: int) -> gateway_
             request_id=request_id, max_tokens=max_tokens,
             temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
             top_k=body.top_k or 0, ignore_eos=bool(body.ignore_eos), stop=stop,
+            presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
         )
+        if body.repetition_penalty is not None:
+            msg.repetition_penalty = body.repetition_penalty
+        if body.logit_bias:
+            for token, bias in _logit_bias(body.logit_bias).items():
+                msg.logit_bias[token] = bias
+        grammar = _grammar(body.response_format)
+        if grammar is not None:
+            msg.grammar.CopyFrom(grammar)
         if body.top_p is not None:
             if body.top_p == 0.0:  # the proto reads an explicit 0 as unset (1.0): refuse it here instead
                 raise _invalid("top_p must be in (0, 1], got 0.0", "top_p")
@@ -452,6 +503,11 @@ def create_app(backend: HttpBackend) -> FastAPI:
             if logprobs is not None:
                 msg.logprobs = logprobs
             req = build_request(msg, ids)
+            try:
+                validate(req, limits)  # the bounds before compiling a grammar
+            except RequestError as e:
+                raise status_of(e) from None
+            await servicer.admit(req)
             live = _Live(scheduler, http_request)
             live.ignore_eos = req.ignore_eos
             live.request = scheduler.submit(req, live.sink)

@@ -24,8 +24,9 @@ from jinja2 import TemplateError
 
 from specsplit.gateway.scheduler_thread import Event, SchedulerThread, status_of
 from specsplit.v1 import gateway_pb2, gateway_pb2_grpc
-from specsplit.rpc.wire import ServiceError, logprobs_to_pb
+from specsplit.rpc.wire import ServiceError, grammar_from_pb, logprobs_to_pb
 from specsplit.request import MAX_REQUEST_ID_BYTES, GenerationRequest, Limits, RequestError, validate
+from specsplit.sampling.grammar import GrammarCompiler, GrammarError
 from specsplit.sampling.params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -126,7 +127,13 @@ def build_request(msg: gateway_pb2.GenerateRequest, ids: list[int]) -> Generatio
     p = msg.top_p if msg.HasField("top_p") and msg.top_p != 0.0 else 1.0
     # The API's floats are float32: take the shortest decimal they stand for (0.7, not 0.69999999),
     # the value `specsplit generate` uses locally, so seeded samples match the local mode.
-    params = SamplingParams(_decimal(t), _decimal(p), int(k), int(msg.seed) if msg.HasField("seed") else None)
+    params = SamplingParams(
+        _decimal(t), _decimal(p), int(k), int(msg.seed) if msg.HasField("seed") else None,
+        presence_penalty=_decimal(msg.presence_penalty), frequency_penalty=_decimal(msg.frequency_penalty),
+        repetition_penalty=_decimal(msg.repetition_penalty) if msg.HasField("repetition_penalty") else 1.0,
+        logit_bias=tuple(sorted((int(t), _decimal(b)) for t, b in msg.logit_bias.items())),
+        grammar=grammar_from_pb(msg.grammar) if msg.HasField("grammar") else None,
+    )
     return GenerationRequest(
         request_id=msg.request_id,
         prompt_token_ids=tuple(ids),
@@ -167,8 +174,12 @@ def response_pb(ev: Event) -> gateway_pb2.GenerateResponse:
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, scheduler: SchedulerThread, tokenizer: Tokenizer, limits: Limits,
-                 server_info: Callable[[], Awaitable[gateway_pb2.ServerInfo]]):
+                 server_info: Callable[[], Awaitable[gateway_pb2.ServerInfo]],
+                 grammars: GrammarCompiler | None = None):
         self.scheduler = scheduler
+        # Compiles structured-output grammars at admission (colocated: the verifier's own, so its
+        # step thread finds them cached). None: requests with a grammar are refused.
+        self.grammars = grammars
         self.tokenizer = tokenizer
         self.limits = limits
         self.server_info = server_info
@@ -181,6 +192,20 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             return list(msg.prompt_token_ids)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tokenize, self.tokenizer.encode_request, msg)
+
+    async def admit(self, req: GenerationRequest) -> None:
+        """Admission work before the scheduler: compile the request's grammar (cached by its text,
+        on the compiler's threads, at most --grammar-timeout seconds). ServiceError(INVALID_ARGUMENT)."""
+        g = req.params.grammar
+        if g is None:
+            return
+        if self.grammars is None:
+            raise _invalid("structured output (a grammar / response_format) is not available on this server")
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(None, self.grammars.compile, g)
+        except GrammarError as e:
+            raise _invalid(str(e)) from None
 
     async def Generate(self, request, context):
         if self.draining:
@@ -197,7 +222,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         try:
             check_before_tokenizing(request, self.limits)
             ids = await self.prompt_ids(request)
-            live = self.scheduler.submit(build_request(request, ids), sink)
+            req = build_request(request, ids)
+            try:
+                validate(req, self.limits)  # before compiling: a cheap refusal comes first
+            except RequestError as e:
+                raise status_of(e) from None
+            await self.admit(req)
+            live = self.scheduler.submit(req, sink)
         except ServiceError as e:
             await context.abort(e.code, e.message)
         finished = False

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from specsplit.defaults import DEFAULT_K_NGRAM, DEFAULT_K_POLICY, engine_config
 from specsplit.config import EngineConfig, SpecConfig
 from specsplit.factory import build_draft_engine, build_target_engine
-from specsplit.models.loader import hf_dir_for
+from specsplit.engine import DraftEngine
+from specsplit.factory import grammar_compiler
+from specsplit.models.loader import hf_dir_for, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -97,4 +99,12 @@ def build_engine(args, role: str) -> BuiltEngine:
         return BuiltEngine(engine, cfg, lookahead, 0, (), "", plan_dict)
     mcfg = runner.model.cfg
     tokenizer_dir = str(hf_dir_for(cfg.model, show_progress=False)) if role == "verifier" else ""
+    model_drafter = getattr(engine, "model", engine)  # MODEL+ngram: the model part
+    if role == "drafter" and isinstance(model_drafter, DraftEngine):  # masks its drafts (best effort)
+        draft_dir = hf_dir_for(cfg.model, show_progress=False)
+        model_drafter.grammars = grammar_compiler(lambda: load_tokenizer(draft_dir), mcfg,
+                                                  getattr(args, "grammar_timeout", None))
+    if role == "verifier" and hasattr(engine, "grammars"):  # loads the tokenizer when a grammar first comes
+        engine.grammars = grammar_compiler(lambda: load_tokenizer(tokenizer_dir), mcfg,
+                                           getattr(args, "grammar_timeout", None))
     return BuiltEngine(engine, cfg, lookahead, mcfg.vocab_size, tuple(mcfg.eos_token_ids), tokenizer_dir, plan_dict)

@@ -17,7 +17,7 @@ from specsplit.engine import EngineError
 from specsplit.protocols import (Proposal, ProposeRequest, QRow, RowRequest, SeqAdd, TokenLogprob, VerifyRequest,
                                  VerifyResult)
 from specsplit.request import error_from_exception
-from specsplit.sampling.params import SamplingParams
+from specsplit.sampling.params import Grammar, SamplingParams
 
 
 # ---- errors -------------------------------------------------------------------------------
@@ -74,7 +74,27 @@ def params_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
         msg.seed = p.seed
     if p.coupling is not None:
         msg.coupling = p.coupling
+    msg.presence_penalty, msg.frequency_penalty = p.presence_penalty, p.frequency_penalty
+    if p.repetition_penalty != 1.0:
+        msg.repetition_penalty = p.repetition_penalty
+    msg.logit_bias.extend(common_pb2.LogitBias(token_id=t, bias=b) for t, b in p.logit_bias)
+    if p.grammar is not None:
+        msg.grammar.CopyFrom(grammar_to_pb(p.grammar))
     return msg
+
+
+def grammar_to_pb(g: Grammar) -> common_pb2.Grammar:
+    if g.kind == "json_object":
+        return common_pb2.Grammar(json_object=True)
+    return common_pb2.Grammar(**{g.kind: g.text})
+
+
+def grammar_from_pb(m: common_pb2.Grammar) -> Grammar | None:
+    """The oneof's field -> Grammar; None when unset (or json_object false)."""
+    kind = m.WhichOneof("kind")
+    if kind is None or (kind == "json_object" and not m.json_object):
+        return None
+    return Grammar(kind, "" if kind == "json_object" else getattr(m, kind))
 
 
 def params_from_pb(m: common_pb2.SamplingParams) -> SamplingParams:
@@ -82,6 +102,10 @@ def params_from_pb(m: common_pb2.SamplingParams) -> SamplingParams:
         temperature=float(m.temperature), top_p=float(m.top_p), top_k=int(m.top_k),
         seed=int(m.seed) if m.HasField("seed") else None,
         coupling=bool(m.coupling) if m.HasField("coupling") else None,
+        presence_penalty=float(m.presence_penalty), frequency_penalty=float(m.frequency_penalty),
+        repetition_penalty=float(m.repetition_penalty) if m.HasField("repetition_penalty") else 1.0,
+        logit_bias=tuple((int(b.token_id), float(b.bias)) for b in m.logit_bias),
+        grammar=grammar_from_pb(m.grammar) if m.HasField("grammar") else None,
     )
 
 
@@ -89,14 +113,15 @@ def seq_adds_to_pb(seqs: Sequence[SeqAdd]) -> common_pb2.AddSeqs:
     return common_pb2.AddSeqs(seqs=[
         common_pb2.SeqAdd(seq_id=s.seq_id, prompt_token_ids=s.prompt_token_ids, params=params_to_pb(s.params),
                           logprobs=s.logprobs,  # None: the optional field stays unset
-                          feature_layers=s.feature_layers)
+                          feature_layers=s.feature_layers, generated=s.generated)
         for s in seqs
     ])
 
 
 def seq_adds_from_pb(m: common_pb2.AddSeqs, rename=lambda s: s) -> list[SeqAdd]:
     return [SeqAdd(rename(s.seq_id), tuple(s.prompt_token_ids), params_from_pb(s.params),
-                   int(s.logprobs) if s.HasField("logprobs") else None, tuple(s.feature_layers)) for s in m.seqs]
+                   int(s.logprobs) if s.HasField("logprobs") else None, tuple(s.feature_layers),
+                   int(s.generated)) for s in m.seqs]
 
 
 # ---- target features (feature drafters) --------------------------------------------------------

@@ -29,9 +29,11 @@ from specsplit.protocols import (
     VerifyResult,
 )
 from specsplit.sampling.coupled import coupled_sample
+from specsplit.sampling.grammar import GrammarCompiler, GrammarError, GrammarState, apply_masks
 from specsplit.sampling.logprobs import MAX_LOGPROBS, seq_logprobs
 from specsplit.sampling.ngram import ngram_propose
 from specsplit.sampling.params import SamplingParams
+from specsplit.sampling.penalties import penalize
 from specsplit.sampling.probs import logits_to_probs, sampling_tensors
 from specsplit.sampling.rejection import RejectionSampler
 from specsplit.sampling.rng import SeqRandom
@@ -61,6 +63,8 @@ class _Seq:
     pending_logits: torch.Tensor | None = None  # verifier, pending + logprobs: [n+1, V] target logits
     feature_layers: tuple[int, ...] = ()  # verifier: layers to return fused features of (SeqAdd)
     step_features: torch.Tensor | None = None  # verifier: [rows, F] of the last verify, from its start
+    prompt_len: int = 0  # tokens[:prompt_len] is the prompt, the rest generated (penalties, grammar)
+    grammar: GrammarState | None = None  # verifier: the sequence's matcher (specsplit.sampling.grammar)
 
 
 def _probs(logits: list[torch.Tensor], params: Sequence[SamplingParams]) -> list[torch.Tensor]:
@@ -145,6 +149,9 @@ def check_seq_adds(seqs: Sequence[SeqAdd], running, side: str, vocab_size: int |
             s.params.validate()
         except ValueError as e:
             raise EngineError(f"sequence {s.seq_id!r}: {e}") from None
+        if not 0 <= s.generated <= len(s.prompt_token_ids):
+            raise EngineError(f"sequence {s.seq_id!r}: generated must be in [0, {len(s.prompt_token_ids)}], "
+                              f"got {s.generated}")
         if s.logprobs is not None and not 0 <= s.logprobs <= MAX_LOGPROBS:
             raise EngineError(f"sequence {s.seq_id!r}: logprobs must be in [0, {MAX_LOGPROBS}], got {s.logprobs}")
 
@@ -237,6 +244,7 @@ class _EngineBase:
                 self.seqs[s.seq_id] = _Seq(
                     tokens=list(s.prompt_token_ids), params=s.params, rng=SeqRandom(s.params.seed, self.side),
                     logprobs=s.logprobs, feature_layers=tuple(s.feature_layers),
+                    prompt_len=len(s.prompt_token_ids) - s.generated,
                 )
         except OutOfBlocks:
             self.release(added)
@@ -285,12 +293,74 @@ class TargetEngine(_EngineBase, VerifierTraits):
 
     side = "verifier"
 
-    def __init__(self, runner: ModelRunner, max_prefill_tokens: int = 512, sampler: RejectionSampler | None = None):
+    def __init__(self, runner: ModelRunner, max_prefill_tokens: int = 512, sampler: RejectionSampler | None = None,
+                 grammars: GrammarCompiler | None = None):
         super().__init__(runner, max_prefill_tokens)
         self.sampler = sampler or RejectionSampler()
+        # Compiles the grammars of structured-output requests (None: they are refused). The
+        # builders set it from the target's tokenizer; colocated, the gateway admits with it too.
+        self.grammars = grammars
         # One rank of a tensor-parallel group (specsplit.parallel.group sets it when it builds the
         # group): the verifier servicer watches it and reports a dead worker. None: one process.
         self.tensor_parallel = None
+
+    def add(self, seqs: Sequence[SeqAdd]) -> None:
+        """As _EngineBase.add; a sequence with a grammar gets its matcher (compiled, or cached),
+        which takes the tokens a resumed sequence generated before. All or nothing."""
+        states: dict[str, GrammarState] = {}
+        for s in seqs:
+            g = s.params.grammar
+            if g is None:
+                continue
+            if self.grammars is None:
+                raise EngineError(f"sequence {s.seq_id!r} has a grammar, but this verifier has no grammar "
+                                  f"compiler (no tokenizer): structured output is unavailable")
+            try:
+                st = self.grammars.state(g)
+                st.sync(s.prompt_token_ids[len(s.prompt_token_ids) - s.generated:] if s.generated else ())
+            except GrammarError as e:
+                raise EngineError(f"sequence {s.seq_id!r}: {e}") from None
+            states[s.seq_id] = st
+        super().add(seqs)
+        for seq_id, st in states.items():
+            self.seqs[seq_id].grammar = st
+
+    def _constrain(self, reqs: Sequence[VerifyRequest], seqs: Sequence[_Seq]) -> tuple[list[VerifyRequest], dict]:
+        """Drafts cut where a sequence's grammar refuses one (specsplit.sampling.grammar), and each
+        constrained sequence's row masks by index. Greedy / coupled sequences drop the refused draft
+        (the masked target never picks it); sampled ones keep it, surely rejected (p = 0 there), so
+        the token at its position comes from the residual max(0, p - q) as rejection sampling needs."""
+        out, masks = list(reqs), {}
+        for i, (r, s) in enumerate(zip(reqs, seqs)):
+            if s.grammar is None:
+                continue
+            try:
+                s.grammar.sync(s.tokens[s.prompt_len:])
+            except GrammarError as e:
+                raise EngineError(f"sequence {r.seq_id!r}: {e}") from None
+            c, bitmask = s.grammar.masks(r.draft_token_ids)
+            if c < len(r.draft_token_ids):
+                keep = c if s.params.accepts_by_match else c + 1
+                out[i] = replace(r, draft_token_ids=tuple(r.draft_token_ids[:keep]),
+                                 draft_probs=None if r.draft_probs is None else tuple(r.draft_probs[:keep]))
+            masks[i] = bitmask
+        return out, masks
+
+    def _process(self, logits: list[torch.Tensor], reqs: Sequence[VerifyRequest], seqs: Sequence[_Seq],
+                 masks: dict) -> list[torch.Tensor]:
+        """The logits the sampler reads: penalties and logit_bias (specsplit.sampling.penalties),
+        then the grammar's masks, for the sequences that have them; the others' rows as they are.
+        (Log-probabilities are of the raw logits.)"""
+        out = list(logits)
+        for i, (r, s) in enumerate(zip(reqs, seqs)):
+            if not s.params.processed:
+                continue
+            rows = penalize(logits[i], s.params, s.tokens[:s.prompt_len], s.tokens[s.prompt_len:],
+                            r.draft_token_ids) if s.params.penalized else logits[i].float().clone()
+            if i in masks:
+                apply_masks(rows, masks[i])
+            out[i] = rows
+        return out
 
     def verify(self, reqs: Sequence[VerifyRequest]) -> list[VerifyResult]:
         if not reqs:
@@ -309,6 +379,7 @@ class TargetEngine(_EngineBase, VerifierTraits):
                     f"sequence {r.seq_id!r}: {len(s.tokens)} tokens + {len(r.draft_token_ids)} drafts "
                     f"pass max_model_len {self.runner.max_model_len}"
                 )
+        reqs, masks = self._constrain(reqs, seqs)
         items = [
             ForwardItem(r.seq_id, s.num_computed, s.tokens[s.num_computed :] + list(r.draft_token_ids), len(r.draft_token_ids) + 1)
             for r, s in zip(reqs, seqs)
@@ -320,6 +391,7 @@ class TargetEngine(_EngineBase, VerifierTraits):
             s.undo = (len(s.tokens), s.num_computed)
             s.step_features = _features_for(s, layers, feats[i]) if layers else None
 
+        raw, logits = logits, self._process(logits, reqs, seqs, masks)
         results: list[VerifyResult | None] = [None] * len(reqs)
         # Greedy and coupled (seeded, specsplit.sampling.coupled) sequences accept while the draft
         # equals the target's own choice; the others run the rejection sampler.
@@ -331,7 +403,7 @@ class TargetEngine(_EngineBase, VerifierTraits):
             self._verify_sampled(sampled, reqs, seqs, logits, results)
         asked = [i for i, s in enumerate(seqs) if s.logprobs is not None]
         if asked:
-            self._add_logprobs(asked, seqs, logits, results)
+            self._add_logprobs(asked, seqs, raw, results)
         return results  # type: ignore[return-value]
 
     def _add_logprobs(self, idx, seqs, logits, results) -> None:
@@ -486,6 +558,37 @@ class DraftEngine(_EngineBase, DrafterTraits):
     """The draft model: catches up on emitted tokens, rolls back rejected drafts, drafts k more."""
 
     side = "drafter"
+    # The drafter applies a sequence's penalties and logit_bias to its own logits, and with a
+    # compiler (the builders share the verifier's, or give the service its own) its grammar's mask,
+    # so its drafts follow the target's rules and fewer are rejected or cut; q is the distribution
+    # the draft was drawn from (rejection sampling stays exact whatever q is). The mask is best
+    # effort: without a compiler, or where it cannot follow (a grammar that does not compile here,
+    # a chain with tokens outside it), the drafter drafts unmasked and the verifier cuts.
+    grammars: GrammarCompiler | None = None
+
+    def add(self, seqs: Sequence[SeqAdd]) -> None:
+        super().add(seqs)
+        if self.grammars is None:
+            return
+        for a in seqs:
+            if a.params.grammar is not None:
+                try:
+                    self.seqs[a.seq_id].grammar = self.grammars.state(a.params.grammar)
+                except GrammarError as e:
+                    log.info("drafter: sequence %r drafts without its grammar's mask: %s", a.seq_id, e)
+
+    def _process(self, s: _Seq, logits: torch.Tensor) -> torch.Tensor:
+        """logits [1, V] of the next draft of `s`: penalized from its tokens and chain (as the
+        verifier does), then masked by its grammar there."""
+        generated = s.tokens[s.prompt_len:] + s.drafted
+        rows = penalize(logits, s.params, s.tokens[:s.prompt_len], generated)  # a float32 copy
+        if s.grammar is not None:
+            try:
+                s.grammar.sync(generated)
+                apply_masks(rows, s.grammar.masks(())[1])
+            except GrammarError:
+                pass  # a chain the grammar refuses (e.g. a lookup's drafts): unmasked this time
+        return rows
 
     def propose(self, reqs: Sequence[ProposeRequest]) -> list[Proposal]:
         """Per request: ingest new_token_ids, then draft k tokens after them and `pending_drafts` (the drafts
@@ -515,6 +618,8 @@ class DraftEngine(_EngineBase, DrafterTraits):
                 items.append(ForwardItem(reqs[i].seq_id, s.num_computed, context[s.num_computed :], 1))
                 s.num_computed = len(context)
             logits = self._forward(items)  # per seq [1, V]
+            logits = [self._process(seqs[i], x) if seqs[i].params.penalized or seqs[i].grammar is not None else x
+                      for i, x in zip(live, logits)]
             tokens = self._sample([seqs[i] for i in live], logits, q_x, rows, live)
             for i, t in zip(live, tokens):
                 seqs[i].drafted.append(t)

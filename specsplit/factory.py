@@ -32,6 +32,7 @@ from specsplit.suffix_drafter import SuffixDrafter
 from specsplit.kv.profiler import MemoryPlan, MemoryProfiler, ServicePlan
 from specsplit.models.gguf_native import QuantEmbedding
 from specsplit.models.loader import LoadedModel, load_tokenizer
+from specsplit.sampling.grammar import GrammarCompiler
 from specsplit.models.registry import is_eagle3
 from specsplit.spec import SpecDecoder
 
@@ -126,6 +127,14 @@ def _plan_models(target: EngineConfig, draft: EngineConfig | None, spec: SpecCon
     d.after_load = _vocab_check(t.loaded.config.vocab_size)
     d_plan = _plan_budget([d], show_progress, joint=False)
     return MemoryPlan.merge([t_plan, d_plan]), t, d
+
+
+def grammar_compiler(tokenizer, config, timeout_s: float | None = None) -> GrammarCompiler:
+    """The verifier's compiler of structured-output grammars: the target's tokenizer (or a callable
+    that loads it on first use), its logits width and EOS ids (the tokens that end an output);
+    timeout_s: --grammar-timeout (None: the default)."""
+    return GrammarCompiler(tokenizer, config.vocab_size, tuple(config.eos_token_ids),
+                           **({} if timeout_s is None else {"timeout_s": timeout_s}))
 
 
 def plan_memory(target: EngineConfig, draft: EngineConfig | None = None, spec: SpecConfig = SpecConfig(),
@@ -285,9 +294,13 @@ def build_colocated(
     plan.log()
     calibrate = draft is not None and spec.k_policy == "auto" and spec.num_speculative_tokens > 0
     verifier = allocate_engine(t, plan.services[VERIFIER], calibrate)
+    verifier.grammars = grammar_compiler(tokenizer[0], t.loaded.config)
     drafter = None
     if d is not None:
-        drafter = with_lookup(allocate_engine(d, plan.services[DRAFTER], calibrate), hybrid, spec)
+        engine = allocate_engine(d, plan.services[DRAFTER], calibrate)
+        if isinstance(engine, DraftEngine):  # drafts from the grammar's mask too (one compiler, one cache)
+            engine.grammars = verifier.grammars
+        drafter = with_lookup(engine, hybrid, spec)
     elif draft is not None and is_eagle3(draft.model):
         emb = t.loaded.model.embed_tokens
         # a GGUF target's quantized embedding is shared as the module (no dense fp32 copy)
@@ -317,6 +330,8 @@ def _build_colocated_tp(target: EngineConfig, draft: EngineConfig | None, spec: 
     try:
         loaded = group.loaded
         tokenizer = load_tokenizer(loaded.hf_dir)
+        if hasattr(verifier, "grammars"):
+            verifier.grammars = grammar_compiler(tokenizer, loaded.config)
         drafter, d_plan = None, None
         if draft is not None:
             base, _ = without_lookup(draft)

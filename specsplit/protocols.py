@@ -43,6 +43,9 @@ class SeqAdd:
     # Verifier only: the target layers whose outputs (fused, in this order) it returns with each
     # step's result for this sequence, for a feature drafter (specsplit.feature_drafter). () = none.
     feature_layers: tuple[int, ...] = ()
+    # The last `generated` tokens of prompt_token_ids are output already (a resumed sequence after
+    # a preemption): penalties count them as generated, a grammar's matcher takes them.
+    generated: int = 0
 
 
 @dataclass(frozen=True)

@@ -108,8 +108,14 @@ def validate(req: GenerationRequest, limits: Limits | None) -> None:
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
         raise invalid(f"logprobs must be in [0, {MAX_LOGPROBS}] (alternatives per token; unset = no "
                       f"log-probabilities), got {req.logprobs}")
+    if req.params.grammar is not None and req.ignore_eos:
+        raise invalid("ignore_eos cannot be combined with a grammar (response_format): the output ends where "
+                      "the grammar does; unset ignore_eos")
     if limits is None:
         return
+    bias_out = [t for t, _ in req.params.logit_bias if not 0 <= t < limits.vocab_size]
+    if bias_out:
+        raise invalid(f"logit_bias token ids {bias_out[:5]} are outside the vocabulary [0, {limits.vocab_size})")
     bad = [i for i in req.prompt_token_ids if not 0 <= i < limits.vocab_size]
     if bad:
         raise invalid(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {limits.vocab_size})")
@@ -187,7 +193,7 @@ class Request:
     def seq_add(self) -> SeqAdd:
         """The engines' view: on resume after a preemption, the prompt is prompt + output."""
         return SeqAdd(self.seq_id, tuple(self.request.prompt_token_ids) + tuple(self.output), self.request.params,
-                      self.request.logprobs)
+                      self.request.logprobs, generated=len(self.output))
 
     def usage(self) -> dict:
         return {

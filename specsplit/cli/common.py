@@ -134,6 +134,20 @@ def add_request_size_flag(p: argparse.ArgumentParser) -> None:
                    help="largest GenerateRequest accepted; larger ones get RESOURCE_EXHAUSTED (default 4MiB)")
 
 
+def add_grammar_flag(p: argparse.ArgumentParser) -> None:
+    from specsplit.sampling.grammar import DEFAULT_COMPILE_TIMEOUT_S
+
+    p.add_argument("--grammar-timeout", type=float, default=DEFAULT_COMPILE_TIMEOUT_S,
+                   help="seconds a structured-output grammar (JSON schema, regex, EBNF) may take to compile; "
+                        f"slower ones are refused with INVALID_ARGUMENT (default {DEFAULT_COMPILE_TIMEOUT_S:g})")
+
+
+def check_grammar_timeout(args) -> None:
+    t = getattr(args, "grammar_timeout", None)
+    if t is not None and not t > 0:
+        raise ValueError(f"--grammar-timeout must be positive, got {t}")
+
+
 def add_keepalive_flags(p: argparse.ArgumentParser) -> None:
     from specsplit.rpc.security import DEFAULT_KEEPALIVE_TIME_S, DEFAULT_KEEPALIVE_TIMEOUT_S, MIN_PING_INTERVAL_S
 

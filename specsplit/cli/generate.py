@@ -6,7 +6,7 @@ import json
 import sys
 import time
 
-from specsplit.gateway.generate_client import parse_ids
+from specsplit.gateway.generate_client import grammar_from_args, parse_ids
 from specsplit.cli.common import (add_deterministic_flag, add_engine_flags, add_spec_flags, engine_config, nonneg_int,
                                   positive_int, spec_config, validate_engine)
 
@@ -31,6 +31,16 @@ def add_arguments(p, name: str) -> None:
                    help="with --json: each token's log-probability under the target and the N (0..20) most "
                         "likely alternatives at its position")
     p.add_argument("--timeout", type=float, default=None, help="--server: deadline in seconds")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (0 = off)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (0 = off)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="transformers' rule, in [0.01, 10] (1 = off)")
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--json-schema", default=None, metavar="SCHEMA",
+                     help="structured output: the output is JSON matching this schema (JSON text, or @FILE)")
+    fmt.add_argument("--json-object", action="store_true", help="structured output: the output is one JSON object")
+    fmt.add_argument("--regex", default=None, help="structured output: the output matches this regular expression")
+    fmt.add_argument("--ebnf", default=None, metavar="GRAMMAR",
+                     help="structured output: an EBNF grammar with a root rule (text, or @FILE)")
     add_engine_flags(p)
     add_deterministic_flag(p)
     add_spec_flags(p)
@@ -58,10 +68,10 @@ def validate(args) -> None:
             raise ValueError("--prompt-token-ids is empty")
         if any(t < 0 for t in ids):
             raise ValueError(f"--prompt-token-ids has negative ids: {[t for t in ids if t < 0][:5]}")
-    from specsplit.sampling.params import SamplingParams
-
     try:
-        SamplingParams(args.temperature, args.top_p, args.top_k, args.seed).validate()
+        params_from_args(args).validate()
+    except OSError as e:
+        raise ValueError(f"cannot read the grammar file: {e}") from None
     except ValueError as e:
         raise ValueError(f"--{e}".replace("_", "-", 1)) from None
     if args.server is None and args.prompt_token_ids is not None:
@@ -70,6 +80,14 @@ def validate(args) -> None:
             raise ValueError(
                 f"prompt ({n} tokens) + --max-tokens {args.max_tokens} exceeds --max-model-len {args.max_model_len}"
             )
+
+
+def params_from_args(args):
+    from specsplit.sampling.params import SamplingParams
+
+    return SamplingParams(args.temperature, args.top_p, args.top_k, args.seed,
+                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                          repetition_penalty=args.repetition_penalty, grammar=grammar_from_args(args))
 
 
 def _prompt_ids(args, tokenizer) -> list[int]:
@@ -92,8 +110,6 @@ def run_local(args) -> int:
     from specsplit.factory import build_colocated, set_threads
     from specsplit.request import GenerationRequest
     from specsplit.scheduler import Scheduler
-    from specsplit.sampling.params import SamplingParams
-
     set_threads(args.threads)
     # One request: size the profile run and the cache for one sequence, not --max-num-seqs.
     args.max_num_seqs = 1
@@ -104,7 +120,7 @@ def run_local(args) -> int:
     colo = build_colocated(target, draft, spec, show_progress=not args.json)
     load_s = time.perf_counter() - t0
     ids = _prompt_ids(args, colo.tokenizer)
-    params = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
+    params = params_from_args(args)
     request = GenerationRequest("cli", tuple(ids), args.max_tokens, params, args.ignore_eos, logprobs=args.logprobs)
     # The same Scheduler as the gateway's: it validates the request (vocabulary, max_model_len, the
     # KV cache) and runs it.

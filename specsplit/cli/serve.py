@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from specsplit.cli.common import (add_engine_flags, add_http_flags, add_request_size_flag, add_server_flags, add_spec_flags,
-                                  add_deterministic_flag, add_tensor_parallel_flag, validate_engine, validate_http, validate_security)
+                                  add_deterministic_flag, add_grammar_flag, add_tensor_parallel_flag, check_grammar_timeout, validate_engine, validate_http, validate_security)
 
 
 def add_arguments(p, name: str) -> None:
@@ -18,6 +18,7 @@ def add_arguments(p, name: str) -> None:
     add_tensor_parallel_flag(p)  # the target's; the draft stays at 1
     add_deterministic_flag(p)
     add_request_size_flag(p)
+    add_grammar_flag(p)
     add_server_flags(p, 50051)
     add_http_flags(p)
 
@@ -27,6 +28,7 @@ def validate(args) -> None:
 
     args.draft = resolve_draft(args.target, args.draft, getattr(args, "tensor_parallel_size", 1))
     validate_security(args)
+    check_grammar_timeout(args)
     validate_http(args)
     validate_engine(args)
     if args.max_queue < 0:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from specsplit.cli.common import (add_engine_flags, add_http_flags, add_keepalive_flags, add_request_size_flag, add_server_flags, add_spec_flags,
-                                  add_deterministic_flag, add_tensor_parallel_flag, check_address, positive_int, validate_engine, validate_http, validate_security)
+                                  add_deterministic_flag, add_grammar_flag, add_tensor_parallel_flag, check_address, check_grammar_timeout, positive_int, validate_engine, validate_http, validate_security)
 
 DEFAULT_PORTS = {"drafter": 50061, "verifier": 50062, "gateway": 50051}
 
@@ -15,6 +15,7 @@ def add_arguments(p, name: str) -> None:
         if name == "verifier":
             add_tensor_parallel_flag(p)
             add_deterministic_flag(p)
+            add_grammar_flag(p)
     else:
         p.add_argument("--drafter", default=None, metavar="HOST:PORT", help="drafter service (omit for target-only)")
         p.add_argument("--verifier", required=True, metavar="HOST:PORT", help="verifier service")
@@ -29,6 +30,7 @@ def add_arguments(p, name: str) -> None:
                        help="seconds to wait at start-up for the verifier to answer (default 300)")
         add_spec_flags(p)
         add_request_size_flag(p)
+        add_grammar_flag(p)
         add_keepalive_flags(p)
         from specsplit.rpc.security import add_client_security_flags
 
@@ -42,6 +44,7 @@ def add_arguments(p, name: str) -> None:
 
 def validate(args) -> None:
     validate_security(args)
+    check_grammar_timeout(args)
     if args.command in ("drafter", "verifier"):
         validate_engine(args)
     else:

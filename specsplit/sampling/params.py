@@ -6,6 +6,39 @@ from dataclasses import dataclass
 
 MIN_TEMPERATURE = 1e-2  # below it: 0 (greedy) or an error; see SamplingParams.validate
 MAX_TEMPERATURE = 1e4  # above it the distribution is uniform to float32 precision
+# Penalties and biases (specsplit.sampling.penalties), OpenAI's ranges where it has one.
+MAX_PENALTY = 2.0  # presence_penalty, frequency_penalty in [-2, 2]
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 10.0  # 1 = off
+MAX_LOGIT_BIAS = 100.0  # each bias in [-100, 100]
+MAX_LOGIT_BIAS_ENTRIES = 300  # token ids in one logit_bias (OpenAI's limit)
+# Structured output (specsplit.sampling.grammar): the grammar text a request may send.
+GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf")
+MAX_GRAMMAR_CHARS = 64 * 1024
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A request's output grammar: `kind` one of GRAMMAR_KINDS; `text` the JSON schema (json_schema),
+    the regular expression (regex), the EBNF grammar with a `root` rule (ebnf, xgrammar's GBNF
+    dialect), or "" (json_object: any JSON object). Compiled by specsplit.sampling.grammar."""
+
+    kind: str
+    text: str = ""
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.kind, self.text)
+
+    def validate(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise ValueError(f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}, got {self.kind!r}")
+        if len(self.text) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"the {self.kind} grammar is {len(self.text)} characters; at most "
+                             f"{MAX_GRAMMAR_CHARS} are allowed (simplify the schema)")
+        if self.kind == "json_object" and self.text:
+            raise ValueError("a json_object grammar takes no text (send a json_schema to constrain the object)")
+        if self.kind in ("json_schema", "regex", "ebnf") and not self.text.strip():
+            raise ValueError(f"the {self.kind} grammar is empty")
 
 
 @dataclass(frozen=True)
@@ -27,6 +60,27 @@ class SamplingParams:
     # (highest acceptance; reproducible only under the same speculation schedule). Unseeded
     # requests always use rejection sampling.
     coupling: bool | None = None
+    # Applied to the target's logits at every verified position, from the tokens before it
+    # (specsplit.sampling.penalties): OpenAI's presence / frequency penalties over the generated
+    # tokens, the repetition penalty (as transformers: logit / r if > 0 else logit * r) over prompt
+    # and generated tokens, then logit_bias ((token_id, bias), ...) added; 0 / 1 / () = off.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # Structured output: tokens the grammar does not allow next get probability 0 (None: free text).
+    grammar: Grammar | None = None
+
+    @property
+    def penalized(self) -> bool:
+        """Any penalty or bias: the target's logits are changed before sampling."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
+
+    @property
+    def processed(self) -> bool:
+        """The target's logits go through specsplit.sampling.penalties / .grammar before sampling."""
+        return self.penalized or self.grammar is not None
 
     @property
     def greedy(self) -> bool:
@@ -64,3 +118,27 @@ class SamplingParams:
             raise ValueError(f"top_k must be <= the vocabulary size {vocab_size} (0 = off), got {self.top_k}")
         if self.seed is not None and not (0 <= self.seed < 2**64):
             raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not math.isfinite(v) or abs(v) > MAX_PENALTY:
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 = off), got {v:g}")
+        r = self.repetition_penalty
+        if not math.isfinite(r) or not MIN_REPETITION_PENALTY <= r <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
+                             f"{MAX_REPETITION_PENALTY:g}] (1 = off), got {r:g}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES} "
+                             f"token ids are allowed")
+        seen = set()
+        for token, bias in self.logit_bias:
+            if token < 0 or (vocab_size is not None and token >= vocab_size):
+                raise ValueError(f"logit_bias token id {token} is outside the vocabulary "
+                                 f"[0, {vocab_size if vocab_size is not None else 'vocab_size'})")
+            if token in seen:
+                raise ValueError(f"logit_bias names token id {token} twice")
+            seen.add(token)
+            if not math.isfinite(bias) or abs(bias) > MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias of token {token} must be in [-{MAX_LOGIT_BIAS:g}, "
+                                 f"{MAX_LOGIT_BIAS:g}], got {bias:g}")
+        if self.grammar is not None:
+            self.grammar.validate()

@@ -67,6 +67,17 @@ def test_messages_round_trip():
     assert rows[0].seq_id == "a" and torch.equal(rows[0].row, torch.tensor([0.0, 1.0]))
 
 
+def test_penalties_grammar_and_generated_round_trip():
+    from specsplit.sampling.params import Grammar
+
+    adds = [SeqAdd("a", (1, 2, 3), SamplingParams(0.0, presence_penalty=0.5, frequency_penalty=-1.5,
+                                                  repetition_penalty=1.25, logit_bias=((7, -100.0), (9, 2.5)),
+                                                  grammar=Grammar("json_schema", '{"type": "object"}')), generated=2)]
+    adds += [SeqAdd(f"k{kind}", (4,), SamplingParams(grammar=Grammar(kind, "" if kind == "json_object" else "x+")))
+             for kind in ("json_object", "regex", "ebnf")]
+    assert wire.seq_adds_from_pb(wire.seq_adds_to_pb(adds)) == adds
+
+
 def test_error_codes():
     assert wire.status_code_for(EngineError("x")) == grpc.StatusCode.INVALID_ARGUMENT
     assert wire.status_code_for(OutOfBlocks("x")) == grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -25,31 +25,35 @@ _sym_db = _symbol_database.Default()
 from specsplit.v1 import common_pb2 as specsplit_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecsplit/v1/gateway.proto\x12\x0cspecsplit.v1\x1a\x19specsplit/v1/common.proto\">\n\x0bSpeculation\x12\x1e\n\x16num_speculative_tokens\x18\x01 \x01(\r\x12\x0f\n\x07\x64isable\x18\x02 \x01(\x08\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xe4\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x06 \x01(\x05\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x01\x88\x01\x01\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x12\n\nrequest_id\x18\n \x01(\t\x12.\n\x0bspeculation\x18\x0b \x01(\x0b\x32\x19.specsplit.v1.Speculation\x12+\n\x08messages\x18\x0c \x03(\x0b\x32\x19.specsplit.v1.ChatMessage\x12\x15\n\x08logprobs\x18\r \x01(\rH\x02\x88\x01\x01\x42\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobs\"\x96\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1d\n\x15proposed_draft_tokens\x18\x03 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x04 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x05 \x03(\r\"\xda\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.specsplit.v1.Usage\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.specsplit.v1.TokenLogprob\x12\x1d\n\x15proposed_draft_tokens\x18\x06 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x07 \x01(\r\"\x16\n\x14GetServerInfoRequest\"V\n\x08KvBlocks\x12\r\n\x05paged\x18\x01 \x01(\x08\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\"\xe8\x01\n\rServiceStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\treachable\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x15\n\rmax_model_len\x18\x08 \x01(\r\x12\x13\n\x0bnum_running\x18\t \x01(\r\x12\"\n\x02kv\x18\n \x01(\x0b\x32\x16.specsplit.v1.KvBlocks\x12\x18\n\x10memory_plan_json\x18\x0b \x01(\t\"\x8b\x04\n\nServerInfo\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x14\n\x0ctarget_model\x18\x02 \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x03 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x04 \x01(\r\x12\x1d\n\x15\x64isable_by_batch_size\x18\x05 \x01(\r\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x07 \x01(\r\x12\x11\n\tmax_queue\x18\x08 \x01(\r\x12\x12\n\nvocab_size\x18\t \x01(\r\x12\x15\n\reos_token_ids\x18\n \x03(\x05\x12\x12\n\ndrafter_up\x18\x0b \x01(\x08\x12\x13\n\x0bnum_running\x18\x0c \x01(\r\x12\x13\n\x0bnum_waiting\x18\r \x01(\r\x12-\n\x08services\x18\x0e \x03(\x0b\x32\x1b.specsplit.v1.ServiceStatus\x12,\n\x0cverify_costs\x18\x0f \x03(\x0b\x32\x16.specsplit.v1.StepCost\x12+\n\x0b\x64raft_costs\x18\x10 \x03(\x0b\x32\x16.specsplit.v1.StepCost\x12\x11\n\tnetwork_s\x18\x11 \x01(\x01\x12\x13\n\x0b\x61sync_draft\x18\x12 \x01(\x08\x12\x13\n\x0b\x62ranch_hits\x18\x13 \x01(\x04\x12\x15\n\rbranch_misses\x18\x14 \x01(\x04\x32\xa5\x01\n\x07Gateway\x12K\n\x08Generate\x12\x1d.specsplit.v1.GenerateRequest\x1a\x1e.specsplit.v1.GenerateResponse0\x01\x12M\n\rGetServerInfo\x12\".specsplit.v1.GetServerInfoRequest\x1a\x18.specsplit.v1.ServerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecsplit/v1/gateway.proto\x12\x0cspecsplit.v1\x1a\x19specsplit/v1/common.proto\">\n\x0bSpeculation\x12\x1e\n\x16num_speculative_tokens\x18\x01 \x01(\r\x12\x0f\n\x07\x64isable\x18\x02 \x01(\x08\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xed\x04\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x06 \x01(\x05\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x01\x88\x01\x01\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x12\n\nrequest_id\x18\n \x01(\t\x12.\n\x0bspeculation\x18\x0b \x01(\x0b\x32\x19.specsplit.v1.Speculation\x12+\n\x08messages\x18\x0c \x03(\x0b\x32\x19.specsplit.v1.ChatMessage\x12\x15\n\x08logprobs\x18\r \x01(\rH\x02\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0e \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0f \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x10 \x01(\x02H\x03\x88\x01\x01\x12@\n\nlogit_bias\x18\x11 \x03(\x0b\x32,.specsplit.v1.GenerateRequest.LogitBiasEntry\x12&\n\x07grammar\x18\x12 \x01(\x0b\x32\x15.specsplit.v1.Grammar\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penalty\"\x96\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1d\n\x15proposed_draft_tokens\x18\x03 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x04 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x05 \x03(\r\"\xda\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.specsplit.v1.Usage\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.specsplit.v1.TokenLogprob\x12\x1d\n\x15proposed_draft_tokens\x18\x06 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x07 \x01(\r\"\x16\n\x14GetServerInfoRequest\"V\n\x08KvBlocks\x12\r\n\x05paged\x18\x01 \x01(\x08\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\"\xe8\x01\n\rServiceStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\treachable\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x15\n\rmax_model_len\x18\x08 \x01(\r\x12\x13\n\x0bnum_running\x18\t \x01(\r\x12\"\n\x02kv\x18\n \x01(\x0b\x32\x16.specsplit.v1.KvBlocks\x12\x18\n\x10memory_plan_json\x18\x0b \x01(\t\"\x8b\x04\n\nServerInfo\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x14\n\x0ctarget_model\x18\x02 \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x03 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x04 \x01(\r\x12\x1d\n\x15\x64isable_by_batch_size\x18\x05 \x01(\r\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x07 \x01(\r\x12\x11\n\tmax_queue\x18\x08 \x01(\r\x12\x12\n\nvocab_size\x18\t \x01(\r\x12\x15\n\reos_token_ids\x18\n \x03(\x05\x12\x12\n\ndrafter_up\x18\x0b \x01(\x08\x12\x13\n\x0bnum_running\x18\x0c \x01(\r\x12\x13\n\x0bnum_waiting\x18\r \x01(\r\x12-\n\x08services\x18\x0e \x03(\x0b\x32\x1b.specsplit.v1.ServiceStatus\x12,\n\x0cverify_costs\x18\x0f \x03(\x0b\x32\x16.specsplit.v1.StepCost\x12+\n\x0b\x64raft_costs\x18\x10 \x03(\x0b\x32\x16.specsplit.v1.StepCost\x12\x11\n\tnetwork_s\x18\x11 \x01(\x01\x12\x13\n\x0b\x61sync_draft\x18\x12 \x01(\x08\x12\x13\n\x0b\x62ranch_hits\x18\x13 \x01(\x04\x12\x15\n\rbranch_misses\x18\x14 \x01(\x04\x32\xa5\x01\n\x07Gateway\x12K\n\x08Generate\x12\x1d.specsplit.v1.GenerateRequest\x1a\x1e.specsplit.v1.GenerateResponse0\x01\x12M\n\rGetServerInfo\x12\".specsplit.v1.GetServerInfoRequest\x1a\x18.specsplit.v1.ServerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specsplit.v1.gateway_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SPECULATION']._serialized_start=71
   _globals['_SPECULATION']._serialized_end=133
   _globals['_CHATMESSAGE']._serialized_start=135
   _globals['_CHATMESSAGE']._serialized_end=179
   _globals['_GENERATEREQUEST']._serialized_start=182
-  _globals['_GENERATEREQUEST']._serialized_end=538
-  _globals['_USAGE']._serialized_start=541
-  _globals['_USAGE']._serialized_end=691
-  _globals['_GENERATERESPONSE']._serialized_start=694
-  _globals['_GENERATERESPONSE']._serialized_end=912
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=914
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=936
-  _globals['_KVBLOCKS']._serialized_start=938
-  _globals['_KVBLOCKS']._serialized_end=1024
-  _globals['_SERVICESTATUS']._serialized_start=1027
-  _globals['_SERVICESTATUS']._serialized_end=1259
-  _globals['_SERVERINFO']._serialized_start=1262
-  _globals['_SERVERINFO']._serialized_end=1785
-  _globals['_GATEWAY']._serialized_start=1788
-  _globals['_GATEWAY']._serialized_end=1953
+  _globals['_GENERATEREQUEST']._serialized_end=803
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=700
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=748
+  _globals['_USAGE']._serialized_start=806
+  _globals['_USAGE']._serialized_end=956
+  _globals['_GENERATERESPONSE']._serialized_start=959
+  _globals['_GENERATERESPONSE']._serialized_end=1177
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=1179
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=1201
+  _globals['_KVBLOCKS']._serialized_start=1203
+  _globals['_KVBLOCKS']._serialized_end=1289
+  _globals['_SERVICESTATUS']._serialized_start=1292
+  _globals['_SERVICESTATUS']._serialized_end=1524
+  _globals['_SERVERINFO']._serialized_start=1527
+  _globals['_SERVERINFO']._serialized_end=2050
+  _globals['_GATEWAY']._serialized_start=2053
+  _globals['_GATEWAY']._serialized_end=2218
 # @@protoc_insertion_point(module_scope)

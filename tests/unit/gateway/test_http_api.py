@@ -79,6 +79,9 @@ class _Servicer:
             return [int(w[1:]) for w in msg.prompt.split()]
         return [t for m in msg.messages for t in [2, *(int(w[1:]) for w in m.content.split())]] + [3]
 
+    async def admit(self, req):  # no tokenizer here: grammars are compiled by the real servicer
+        self.admitted = req
+
 
 @pytest.fixture(scope="module")
 def server():
@@ -226,3 +229,48 @@ def test_a_body_over_max_request_bytes_is_413(server):
         assert _client(http).completions.create(model=MODEL, prompt="w1", max_tokens=2).choices[0].text
     finally:
         backend.max_request_bytes = None
+
+
+def test_penalties_logit_bias_and_response_format_become_the_request(server):
+    servicer, http = server
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    _client(http).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "w4"}], presence_penalty=0.5, frequency_penalty=-1.5,
+        logit_bias={"7": -100, "12": 3.5}, extra_body={"repetition_penalty": 1.2},
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+    p = servicer.scheduler.requests[-1].params
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -1.5, 1.2)
+    assert p.logit_bias == ((7, -100.0), (12, 3.5))
+    assert p.grammar.kind == "json_schema" and json.loads(p.grammar.text) == schema
+    _client(http).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w4"}],
+                                          response_format={"type": "json_object"})
+    assert servicer.scheduler.requests[-1].params.grammar.kind == "json_object"
+    _client(http).completions.create(model=MODEL, prompt="w1", extra_body={"response_format": {"type": "regex", "regex": "w5+"}})
+    assert servicer.scheduler.requests[-1].params.grammar.text == "w5+"
+    _client(http).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w4"}],
+                                          response_format={"type": "text"})
+    assert servicer.scheduler.requests[-1].params.grammar is None
+
+
+@pytest.mark.parametrize("fields, needle", [
+    ({"presence_penalty": 2.5}, "presence_penalty must be in [-2, 2]"),
+    ({"frequency_penalty": -3}, "frequency_penalty must be in [-2, 2]"),
+    ({"repetition_penalty": 0}, "repetition_penalty must be in [0.01, 10]"),
+    ({"logit_bias": {"5": 101}}, "logit_bias of token 5 must be in [-100, 100]"),
+    ({"logit_bias": {"999": 1}}, "outside the vocabulary"),
+    ({"logit_bias": {"w5": 1}}, "logit_bias keys must be token ids"),
+    ({"logit_bias": {str(i): 1 for i in range(301)}}, "at most 300 token ids"),
+    ({"response_format": {"type": "xml"}}, "response_format.type must be one of"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "the schema as a JSON object"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"d": "x" * 70000}}}},
+     "at most 65536 are allowed"),
+    ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos cannot be combined with a grammar"),
+])
+def test_bad_penalties_and_formats_are_400_with_the_rule(server, fields, needle):
+    servicer, http = server
+    before = len(servicer.scheduler.requests)
+    with pytest.raises(openai.BadRequestError) as err:
+        _client(http).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w4"}],
+                                              extra_body=fields)
+    assert err.value.status_code == 400 and needle in err.value.body["message"], err.value.body
+    assert len(servicer.scheduler.requests) == before  # refused before the scheduler

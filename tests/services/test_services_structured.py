@@ -1,0 +1,84 @@
+"""A grammar and penalties over real gRPC: split (the verifier process compiles the grammar from its
+own tokenizer and holds the matcher) and colocated both give the target-only tokens with the same
+grammar and penalties; bad values are INVALID_ARGUMENT with the rule in the message."""
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from specsplit.sampling.params import Grammar, SamplingParams
+from specsplit.v1 import common_pb2
+from tests.helpers.greedy import assert_greedy_equal_or_tie
+from tests.helpers.structured import constrained_next_logits
+from tests.services.procs import generate, request
+
+MAX_TOKENS = 16
+REGEX = "((w1|w2|w3|w4|w5|w6|w7|w8|w9)(w100|w101|w102|w103|w104|w105|w106|w107|w108|w109))+"
+PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.25)
+BIAS = {12: 3.0, 13: -100.0}
+
+
+@pytest.fixture(scope="module")
+def constrained_reference(tiny_llama):
+    """Target-only greedy tokens with the grammar and penalties, and the compiler (in-process)."""
+    from specsplit.config import EngineConfig, SpecConfig
+    from specsplit.factory import build_colocated
+    from specsplit.request import GenerationRequest
+    from specsplit.scheduler import Scheduler
+
+    colo = build_colocated(EngineConfig(model=str(tiny_llama), max_model_len=256, max_prefill_tokens=128, max_num_seqs=1),
+                           None, SpecConfig(num_speculative_tokens=0), show_progress=False)
+
+    def run(ids, params):
+        (state,) = Scheduler(colo.decoder, colo.eos_token_ids, 1).run([GenerationRequest("ref", tuple(ids), MAX_TOKENS,
+                                                                                        params=params)])
+        return state.output
+
+    yield run, colo.target.grammars
+    colo.close()
+
+
+def _params() -> SamplingParams:
+    return SamplingParams(grammar=Grammar("regex", REGEX), logit_bias=tuple(sorted(BIAS.items())), **PENALTIES)
+
+
+def _request(ids):
+    req = request(ids, max_tokens=MAX_TOKENS, grammar=common_pb2.Grammar(regex=REGEX), **PENALTIES)
+    for t, b in BIAS.items():
+        req.logit_bias[t] = b
+    return req
+
+
+def test_grammar_and_penalties_split_and_colocated_equal_target_only(split_stack, colocated_stack, prompts,
+                                                                     constrained_reference, target_logits):
+    run, compiler = constrained_reference
+    params = _params()
+    for ids in prompts[:4]:
+        expected = run(ids, params)
+        for stack in (split_stack, colocated_stack):
+            out = generate(stack.gateway, _request(ids))
+            f = constrained_next_logits(target_logits, params, len(ids), compiler)
+            assert_greedy_equal_or_tie(expected, f, out["token_ids"], prompt=ids)
+            compiler.state(params.grammar).sync(out["token_ids"])  # in the grammar, token by token
+            assert 13 not in out["token_ids"]
+
+
+@pytest.mark.parametrize("fields, needle", [
+    (dict(presence_penalty=2.5), "presence_penalty must be in [-2, 2]"),
+    (dict(repetition_penalty=11.0), "repetition_penalty must be in [0.01, 10]"),
+    (dict(grammar=common_pb2.Grammar(regex="(w1")), "does not compile"),
+    (dict(grammar=common_pb2.Grammar(ebnf="root ::= " + " | ".join(['"w1"'] * 20000))), "at most 65536"),
+    (dict(grammar=common_pb2.Grammar(json_object=True), ignore_eos=True), "ignore_eos cannot be combined"),
+])
+def test_bad_values_are_invalid_argument(split_stack, fields, needle):
+    with pytest.raises(grpc.RpcError) as err:
+        generate(split_stack.gateway, request([5, 6, 7], max_tokens=4, **fields))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in err.value.details(), err.value.details()
+
+
+def test_logit_bias_outside_the_vocabulary_is_invalid_argument(split_stack):
+    req = request([5, 6, 7], max_tokens=4)
+    req.logit_bias[100000] = 1.0
+    with pytest.raises(grpc.RpcError) as err:
+        generate(split_stack.gateway, req)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "outside the vocabulary" in err.value.details()

@@ -1,0 +1,130 @@
+"""Structured output and penalties stay lossless under speculation (greedy, fp32, tiny pairs):
+speculative output == target-only output with the same grammar / penalties / logit_bias, token for
+token, for a close model draft (its drafts often leave the grammar: cut) and the n-gram proposer;
+a difference only at a certified near-tie of the *constrained* target (tests/helpers/greedy.py with
+the penalties and the grammar's mask applied to the reference's logits)."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from specsplit.config import EngineConfig, SpecConfig
+from specsplit.factory import build_colocated
+from specsplit.protocols import SeqAdd, VerifyRequest
+from specsplit.request import GenerationRequest
+from specsplit.sampling.params import Grammar, SamplingParams
+from specsplit.scheduler import Scheduler
+from tests.helpers.greedy import assert_greedy_equal_or_tie
+from tests.helpers.structured import constrained_next_logits
+
+MAX_LEN = 128
+# The tiny tokenizer's words are w0 .. w252 (ids 3 .. 255); the output must alternate a small and a
+# large word: a regex the random target would never follow on its own. (A small word then "w23",
+# which only begins a large one, is a dead end: the output stops there, with the target alone too.)
+WORDS_A = [f"w{i}" for i in range(0, 40)]
+WORDS_B = [f"w{i}" for i in range(200, 240)]
+REGEX = f"(({'|'.join(WORDS_A)}) ({'|'.join(WORDS_B)}) )*"
+GRAMMAR = Grammar("regex", REGEX.replace(" ", ""))
+PENALTIES = dict(presence_penalty=0.7, frequency_penalty=0.4, repetition_penalty=1.3, logit_bias=((40, 4.0), (41, -100.0)))
+
+CASES = {
+    "grammar": SamplingParams(grammar=GRAMMAR),
+    "penalties": SamplingParams(**PENALTIES),
+    "both": SamplingParams(grammar=GRAMMAR, **PENALTIES),
+}
+
+
+def _requests(params: SamplingParams, n: int = 4, max_tokens: int = 20) -> list[GenerationRequest]:
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for i in range(n):
+        base = torch.randint(3, 256, (4 + i,), generator=g).tolist()
+        prompt = (base * 3)[: 6 + 3 * i]  # repetitive: the n-gram proposer finds something
+        out.append(GenerationRequest(f"r{i}", tuple(prompt), max_tokens, params=params))
+    return out
+
+
+def _run(target, draft, k, requests):
+    tc = EngineConfig(model=str(target), max_model_len=MAX_LEN, max_num_seqs=8)
+    dc = None if draft is None or draft == "ngram" else EngineConfig(model=str(draft), max_model_len=MAX_LEN, max_num_seqs=8)
+    colo = build_colocated(tc, dc if draft != "ngram" else EngineConfig(model="ngram", max_model_len=MAX_LEN),
+                           SpecConfig(num_speculative_tokens=k), show_progress=False)
+    states = Scheduler(colo.decoder, colo.eos_token_ids, 8).run(requests)
+    bm = colo.target.block_manager
+    assert bm.num_free_blocks == bm.num_blocks, "target KV blocks leaked"
+    return [s.output for s in states], sum(s.proposed for s in states), sum(s.accepted for s in states), colo
+
+
+@pytest.fixture(scope="module")
+def references(tiny_llama):
+    out = {}
+    for name, params in CASES.items():
+        tokens, _, _, colo = _run(tiny_llama, None, 0, _requests(params))
+        out[name] = tokens
+        out["compiler"] = colo.target.grammars
+        out["tokenizer"] = colo.tokenizer
+    return out
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("draft, k", [("close", 4), ("ngram", 3)])
+def test_speculative_equals_target_only(tiny_llama, tiny_draft_close, tiny_llama_logits, references, case, draft, k):
+    params = CASES[case]
+    reqs = _requests(params)
+    out, proposed, accepted, _ = _run(tiny_llama, tiny_draft_close if draft == "close" else "ngram", k, reqs)
+    assert proposed > 0, "the drafter never proposed: nothing was tested"
+    if draft == "close" and case != "both":  # the model drafter applies the same rules: most drafts agree
+        assert accepted / proposed > 0.4, (accepted, proposed)
+    for req, o, r in zip(reqs, out, references[case]):
+        f = constrained_next_logits(tiny_llama_logits, params, len(req.prompt_token_ids), references["compiler"])
+        assert_greedy_equal_or_tie(r, f, o, prompt=req.prompt_token_ids)
+    if params.grammar is not None:  # and the output follows the grammar: a fresh matcher takes it all
+        for o in out:
+            references["compiler"].state(params.grammar).sync(o)  # GrammarError on a token outside it
+        words = " ".join(references["tokenizer"].decode([t]) for t in out[0] if t != 2)
+        assert re.fullmatch(r"(w\d+ ?)+", words)
+    if "logit_bias" in PENALTIES and params.logit_bias:
+        assert all(41 not in o for o in out), "a token biased by -100 was emitted"
+
+
+def test_grammar_cuts_drafts_on_the_verifier(tiny_llama):
+    """A draft the grammar refuses is cut where it leaves the grammar: greedy drops it (the masked
+    target's own token is emitted there), a sampled sequence keeps it as a surely rejected draft."""
+    colo = build_colocated(EngineConfig(model=str(tiny_llama), max_model_len=MAX_LEN, max_num_seqs=2), None,
+                           SpecConfig(num_speculative_tokens=0), show_progress=False)
+    eng = colo.target
+    a, b = 3 + 5, 3 + 210  # w5 (small), w210 (large)
+    eng.add([SeqAdd("g", (5, 6, 7), SamplingParams(grammar=GRAMMAR))])
+    (res,) = eng.verify([VerifyRequest("g", (a, b, b, a))])  # the third draft leaves the grammar
+    assert res.num_accepted <= 2 and len(res.token_ids) == res.num_accepted + 1
+    st = eng.seqs["g"].grammar
+    st.sync(res.token_ids)  # every emitted token is in the grammar
+    eng.add([SeqAdd("s", (5, 6, 7), SamplingParams(temperature=1.0, grammar=GRAMMAR))])
+    cut, _ = eng._constrain([VerifyRequest("s", (a, b, b, a), (0.5, 0.5, 0.5, 0.5))], [eng.seqs["s"]])
+    assert cut[0].draft_token_ids == (a, b, b) and cut[0].draft_probs == (0.5, 0.5, 0.5)
+    cut, masks = eng._constrain([VerifyRequest("g", (0, a))], [eng.seqs["g"]])  # <unk> is never in it
+    assert cut[0].draft_token_ids == () and masks[0].shape[0] == 1
+    colo.close()
+
+
+def test_resumed_sequence_matcher_takes_its_generated_tokens(tiny_llama):
+    """A preempted sequence comes back with prompt + output (SeqAdd.generated): its matcher and its
+    penalties count the output as generated, so it continues exactly as if never preempted."""
+    colo = build_colocated(EngineConfig(model=str(tiny_llama), max_model_len=MAX_LEN, max_num_seqs=2), None,
+                           SpecConfig(num_speculative_tokens=0), show_progress=False)
+    eng = colo.target
+    params = SamplingParams(grammar=GRAMMAR, **PENALTIES)
+    eng.add([SeqAdd("x", (5, 6, 7), params)])
+    emitted = []
+    for _ in range(5):
+        (res,) = eng.verify([VerifyRequest("x")])
+        emitted += res.token_ids
+    eng.add([SeqAdd("y", (5, 6, 7) + tuple(emitted[:3]), params, generated=3)])
+    resumed = list(emitted[:3])
+    for _ in range(2):
+        (res,) = eng.verify([VerifyRequest("y")])
+        resumed += res.token_ids
+    assert resumed == emitted
+    colo.close()
