@@ -327,12 +327,16 @@ def draft_vocabulary(counts: np.ndarray, size: int) -> torch.Tensor:
     return torch.as_tensor(np.sort(np.argsort(-counts, kind="stable")[:size]))
 
 
-def export(head: Eagle3Head, counts: np.ndarray, vocab: int, out_dir: Path, summary: dict) -> None:
-    """The public EAGLE-3 layout (bf16, tied head over the draft vocabulary), with how it was made."""
+def export(head: Eagle3Head, counts: np.ndarray, vocab: int, out_dir: Path, summary: dict,
+           base_model: str | None = None) -> None:
+    """The public EAGLE-3 layout (bf16, tied head over the draft vocabulary), with how it was made
+    (and, given base_model, the target model argument a split drafter loads the embedding from)."""
     ev = (summary.get("eval") or {}).get(str(vocab))
-    save_eagle3(head, out_dir, draft_vocabulary(counts, vocab), extra_json={"specsplit_training": {
-        "steps": summary.get("steps_total"), "train_tokens": summary.get("train_tokens"),
-        "device": summary.get("device"), "eval_heldout": ev}})
+    extra = {"specsplit_training": {"steps": summary.get("steps_total"), "train_tokens": summary.get("train_tokens"),
+                                    "device": summary.get("device"), "eval_heldout": ev}}
+    if base_model:
+        extra["specsplit_base_model"] = base_model
+    save_eagle3(head, out_dir, draft_vocabulary(counts, vocab), extra_json=extra)
 
 
 def cmd_export(args) -> int:
@@ -342,7 +346,7 @@ def cmd_export(args) -> int:
     head = Eagle3Head(cfg)
     head.load_hf_state_dict(load_sharded(run, "ckpt_weights", "cpu"))
     summary = json.loads((run / "summary.json").read_text())
-    export(head, np.load(run / "token_counts.npy"), args.vocab, Path(args.out), summary)
+    export(head, np.load(run / "token_counts.npy"), args.vocab, Path(args.out), summary, args.base_model)
     print(f"wrote {args.out} (draft vocabulary {args.vocab})")
     return 0
 
@@ -526,6 +530,8 @@ def main(argv=None) -> int:
     e.add_argument("--run", required=True, help="a `run --out` directory")
     e.add_argument("--out", required=True)
     e.add_argument("--vocab", type=int, default=16384)
+    e.add_argument("--base-model", default=None,
+                   help="the target's model argument, written as specsplit_base_model (e.g. smollm2-135m)")
     e.set_defaults(func=cmd_export)
     args = ap.parse_args(argv)
     return args.func(args)
