@@ -10,7 +10,7 @@ validation and admission); the scheduler's Events stream back as OpenAI objects 
   POST /v1/completions               prompt: a string, a list of one string, or token ids
   POST /v1/chat/completions          messages, rendered with the target's chat template
   GET  /health                       200 while serving; 503 while the verifier is down or draining
-  GET  /metrics                      Prometheus text, the process's registry (specsplit.rpc.metrics)
+  GET  /metrics                      Prometheus text, the process's registry (specsplit.rpc.metrics); token
 
 Defaults follow OpenAI: temperature 1.0 and top_p 1.0 when unset (the gRPC API's default is
 greedy: send temperature 0 for greedy here); max_tokens 16 for completions and the rest of
@@ -18,8 +18,10 @@ max_model_len for chat. Extensions: top_k, ignore_eos. One choice per request (n
 
 Errors are OpenAI's JSON, {"error": {"message", "type", "param", "code"}}, with the HTTP status
 of the RequestError kind (invalid_argument 400, resource_exhausted 429, unavailable 503, other
-500), 401 without the server's bearer token (--auth-token-file, the gRPC API's token; /health and
-/metrics stay open like gRPC health and --metrics-port), 404 for an unknown model or route.
+500), 401 without the server's bearer token (--auth-token-file, the gRPC API's token; only /health
+stays open, like gRPC health; /metrics needs the token, --metrics-port serves it without), 413 for
+a body over --max-request-bytes (counted as it arrives, chunked bodies too), 404 for an unknown
+model or route. The token is checked before any of the body is read (_Guard).
 A client that disconnects has its request aborted: nothing stays allocated.
 """
 from __future__ import annotations
@@ -38,7 +40,7 @@ from typing import Any, Callable
 
 import grpc
 import uvicorn
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
@@ -340,6 +342,92 @@ def _aborting(live: _Live):
         live.close()
 
 
+# ---- before the body: the token, then the body's size -----------------------------------------
+OPEN_PATHS = frozenset({"/health"})  # answered without the token (load balancers, healthchecks)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class _Guard:
+    """ASGI middleware, the one place for both rules that come before any work on a request:
+
+    1. the bearer token, from the headers alone: a request without it is answered 401 before a
+       byte of its body is read (a client without the token never makes the server buffer or
+       parse anything);
+    2. the body size (--max-request-bytes): a Content-Length above it is refused at once, and the
+       body itself (chunked ones too, which have no Content-Length) is read here, counted as it
+       arrives and refused with 413 as soon as it passes the limit. What the app then reads is the
+       counted body, so nothing larger than the limit is ever held."""
+
+    def __init__(self, app, backend: "HttpBackend"):
+        self.app = app
+        self.backend = backend
+        self.expected = f"Bearer {backend.token}".encode() if backend.token else None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.expected is not None and scope["path"] not in OPEN_PATHS:
+            got = headers.get(b"authorization")
+            if got is None:
+                return await _refuse(scope, receive, send, ApiError(
+                    401, "missing bearer token: send the header 'Authorization: Bearer <token>' (the server's "
+                    "--auth-token-file)", code="invalid_api_key"))
+            if not hmac.compare_digest(got, self.expected):
+                return await _refuse(scope, receive, send, ApiError(401, "wrong bearer token", code="invalid_api_key"))
+        limit = self.backend.max_request_bytes
+        if not limit or scope["method"] in ("GET", "HEAD"):
+            return await self.app(scope, receive, send)
+        n = headers.get(b"content-length", b"")
+        if n.isdigit() and int(n) > limit:
+            return await _refuse(scope, receive, send, _too_large(f"is {int(n)} bytes", limit))
+        try:
+            body = await _read_body(receive, limit)
+        except _TooLarge:
+            return await _refuse(scope, receive, send, _too_large("passed the limit", limit))
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: only http.disconnect (a client that goes away)
+
+        return await self.app(scope, replay, send)
+
+
+async def _read_body(receive, limit: int) -> bytes:
+    chunks, size = [], 0
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            break
+        chunk = msg.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise _TooLarge()
+        chunks.append(chunk)
+        if not msg.get("more_body", False):
+            break
+    return b"".join(chunks)
+
+
+def _too_large(what: str, limit: int) -> ApiError:
+    return ApiError(413, f"the request body {what}; at most {limit} bytes are allowed (--max-request-bytes)",
+                    code="request_too_large")
+
+
+async def _refuse(scope, receive, send, e: ApiError) -> None:
+    """Answer without reading the rest of the body; the server closes the connection after it."""
+    response = e.response()
+    response.headers["connection"] = "close"
+    await response(scope, receive, send)
+
+
 # ---- the app --------------------------------------------------------------------------------
 @dataclasses.dataclass
 class HttpBackend:
@@ -358,7 +446,6 @@ def create_app(backend: HttpBackend) -> FastAPI:
     scheduler, limits = servicer.scheduler, servicer.limits
     tok = _Tokens(servicer.tokenizer.decode)
     created = int(time.time())
-    expected = f"Bearer {backend.token}".encode() if backend.token else None
 
     app = FastAPI(title="specsplit", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.backend = backend
@@ -383,23 +470,7 @@ def create_app(backend: HttpBackend) -> FastAPI:
                    else str(e.detail))
         return ApiError(e.status_code, message, code="not_found" if e.status_code == 404 else None).response()
 
-    @app.middleware("http")
-    async def _limit_size(request: Request, call_next):
-        n = request.headers.get("content-length")
-        if backend.max_request_bytes and n and n.isdigit() and int(n) > backend.max_request_bytes:
-            return ApiError(413, f"the request body is {n} bytes; at most {backend.max_request_bytes} are allowed "
-                            "(--max-request-bytes)").response()
-        return await call_next(request)
-
-    async def authorized(request: Request) -> None:
-        if expected is None:
-            return
-        got = request.headers.get("authorization")
-        if got is None:
-            raise ApiError(401, "missing bearer token: send the header 'Authorization: Bearer <token>' "
-                           "(the server's --auth-token-file)", code="invalid_api_key")
-        if not hmac.compare_digest(got.encode(), expected):
-            raise ApiError(401, "wrong bearer token", code="invalid_api_key")
+    app.add_middleware(_Guard, backend=backend)
 
     def check_model(model: str) -> None:
         if model != backend.model:
@@ -422,11 +493,11 @@ def create_app(backend: HttpBackend) -> FastAPI:
     async def prometheus():
         return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model:path}", dependencies=[Depends(authorized)])
+    @app.get("/v1/models/{model:path}")
     async def model(model: str):
         check_model(model)
         return model_card()
@@ -533,7 +604,7 @@ def create_app(backend: HttpBackend) -> FastAPI:
             return out, out[-1]
 
     # ---- /v1/completions ---------------------------------------------------------------
-    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    @app.post("/v1/completions")
     async def completions(body: CompletionBody, http_request: Request):
         rid = f"cmpl-{uuid.uuid4().hex}"
         if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
@@ -587,7 +658,7 @@ def create_app(backend: HttpBackend) -> FastAPI:
                         _usage(last.usage))
 
     # ---- /v1/chat/completions ----------------------------------------------------------
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, http_request: Request):
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         logprobs = None
