@@ -156,9 +156,11 @@ async def run(gw: Gateway, args) -> int:
 
 
 # ---- split mode ------------------------------------------------------------------------------
-def _status_from_info(name: str, address: str, info) -> gateway_pb2.ServiceStatus:
+def _status_from_info(name: str, info) -> gateway_pb2.ServiceStatus:
+    """A peer's status for the public GetServerInfo: never its address (the engines must not be
+    reachable from outside, and a client has no use for where they are)."""
     return gateway_pb2.ServiceStatus(
-        name=name, address=address, reachable=True, model=info.model, device=info.device, dtype=info.dtype,
+        name=name, reachable=True, model=info.model, device=info.device, dtype=info.dtype,
         max_model_len=info.max_model_len, num_running=info.num_running, kv=_kv_pb(info.kv),
         memory_plan_json=info.memory_plan_json,
     )
@@ -168,10 +170,12 @@ async def _peer_status(client, name: str) -> gateway_pb2.ServiceStatus:
     loop = asyncio.get_running_loop()
     try:
         info = await loop.run_in_executor(None, lambda: client.info(timeout=2.0))
-    except Exception as e:
-        detail = e.details() if hasattr(e, "details") else str(e)
-        return gateway_pb2.ServiceStatus(name=name, address=client.address, reachable=False, error=str(detail))
-    return _status_from_info(name, client.address, info)
+    except Exception as e:  # the detail names the peer's address: logged, not handed to clients
+        code = e.code() if hasattr(e, "code") and callable(e.code) else None
+        log.debug("gateway: %s GetInfo failed: %s", name, e.details() if hasattr(e, "details") else e)
+        why = f"{code.name}: the {name} does not answer" if code is not None else f"the {name} does not answer"
+        return gateway_pb2.ServiceStatus(name=name, reachable=False, error=why)
+    return _status_from_info(name, info)
 
 
 def _wait_for_verifier(verifier: GrpcVerifier, timeout: float):

@@ -50,7 +50,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specsplit.gateway.scheduler_thread import status_of
 from specsplit.gateway.service import GatewayServicer, build_request, check_before_tokenizing
 from specsplit.v1 import gateway_pb2
-from specsplit.rpc.security import ServerSecurity, read_token
+from specsplit.rpc.security import ServerSecurity
 from specsplit.rpc.wire import ServiceError
 from specsplit.request import MAX_LOGPROBS, Event, TokenLogprob
 
@@ -771,7 +771,7 @@ class HttpServer:
                 exc = self.task.exception() if not self.task.cancelled() else None
                 raise RuntimeError(f"http: the server on {self.host}:{self.port} did not start: {exc!r}")
             await asyncio.sleep(0.01)
-        auth = "bearer token" if sec.auth_token_file else "no token"
+        auth = "bearer token" if sec.auth_token_file or sec.auth_token_env else "no token"
         log.info("OpenAI-compatible HTTP API on %s://%s:%d/v1 (%s; /health, /metrics)", self.scheme, self.host,
                  self.port, auth)
         return self.port
@@ -795,7 +795,7 @@ def build_http_server(servicer: GatewayServicer, model: str, args, serving: Call
     if not port:
         return None
     security = ServerSecurity.from_args(args)
-    backend = HttpBackend(servicer, model, read_token(security.auth_token_file), serving,
+    backend = HttpBackend(servicer, model, security.token(), serving,
                           getattr(args, "max_request_bytes", None))
     return HttpServer(create_app(backend), getattr(args, "http_host", None) or args.host, port, security)
 

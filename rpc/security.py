@@ -8,6 +8,8 @@ Server side (`ServerSecurity`, flags from `add_server_security_flags`):
   --auth-token-file        require `authorization: Bearer <token>` on every RPC except
                            grpc.health.v1.Health (left open so load balancers, `docker
                            healthcheck` and `specsplit up` can probe without a secret)
+  --auth-token-env VAR     the same, the token read from the environment variable VAR
+                           (compose passes a secret this way; `up` its per-run internal token)
   --no-reflection          do not serve grpc.reflection
 
 Client side (`ClientSecurity`): a CA to verify the server (TLS), optionally a client certificate
@@ -25,6 +27,7 @@ from __future__ import annotations
 import collections
 import hmac
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,7 +54,15 @@ def read_pem(path: str | None) -> bytes | None:
         raise ValueError(f"cannot read {path}: {e.strerror}") from None
 
 
-def read_token(path: str | None) -> str | None:
+def read_token(path: str | None, env: str | None = None) -> str | None:
+    """The token in the file `path`, or in the environment variable `env` (at most one is set)."""
+    if path and env:
+        raise ValueError("give the token as a file or as an environment variable, not both")
+    if env:
+        token = os.environ.get(env, "").strip()
+        if not token:
+            raise ValueError(f"the environment variable {env} (the bearer token) is unset or empty")
+        return token
     if not path:
         return None
     try:
@@ -71,11 +82,16 @@ class ServerSecurity:
     tls_ca: str | None = None
     auth_token_file: str | None = None
     reflection: bool = True
+    auth_token_env: str | None = None
 
     @classmethod
     def from_args(cls, args) -> "ServerSecurity":
         return cls(getattr(args, "tls_cert", None), getattr(args, "tls_key", None), getattr(args, "tls_ca", None),
-                   getattr(args, "auth_token_file", None), not getattr(args, "no_reflection", False))
+                   getattr(args, "auth_token_file", None), not getattr(args, "no_reflection", False),
+                   getattr(args, "auth_token_env", None))
+
+    def token(self) -> str | None:
+        return read_token(self.auth_token_file, self.auth_token_env)
 
     def validate(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -84,7 +100,7 @@ class ServerSecurity:
             raise ValueError("--tls-ca (mTLS: require client certificates) needs --tls-cert and --tls-key")
         for p in (self.tls_cert, self.tls_key, self.tls_ca):
             read_pem(p)
-        read_token(self.auth_token_file)
+        self.token()
 
     def credentials(self) -> grpc.ServerCredentials | None:
         if not self.tls_cert:
@@ -95,7 +111,7 @@ class ServerSecurity:
 
     def describe(self) -> str:
         tls = "mTLS" if self.tls_ca else ("TLS" if self.tls_cert else "plaintext")
-        auth = "bearer token" if self.auth_token_file else "no token"
+        auth = "bearer token" if self.auth_token_file or self.auth_token_env else "no token"
         return f"{tls}, {auth}, reflection {'on' if self.reflection else 'off'}"
 
 
@@ -152,7 +168,7 @@ def server_options(max_receive_bytes: int) -> list[tuple[str, int]]:
 
 
 def make_server(security: ServerSecurity, max_receive_bytes: int) -> grpc.aio.Server:
-    token = read_token(security.auth_token_file)
+    token = security.token()
     interceptors = [TokenAuthInterceptor(token)] if token else []
     return grpc.aio.server(options=server_options(max_receive_bytes), interceptors=interceptors)
 
@@ -170,13 +186,18 @@ class ClientSecurity:
     tls_key: str | None = None
     auth_token_file: str | None = None
     server_name: str | None = None  # override the name checked against the server certificate
+    auth_token_env: str | None = None  # or the token in this environment variable
 
     @classmethod
     def from_args(cls, args, prefix: str = "") -> "ClientSecurity":
         def get(name):
             return getattr(args, prefix + name, None)
 
-        return cls(get("tls_ca"), get("tls_cert"), get("tls_key"), get("auth_token_file"), get("tls_server_name"))
+        return cls(get("tls_ca"), get("tls_cert"), get("tls_key"), get("auth_token_file"), get("tls_server_name"),
+                   get("auth_token_env"))
+
+    def token(self) -> str | None:
+        return read_token(self.auth_token_file, self.auth_token_env)
 
     def validate(self, flag_prefix: str = "--") -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -185,7 +206,7 @@ class ClientSecurity:
             raise ValueError(f"{flag_prefix}tls-cert (a client certificate) needs {flag_prefix}tls-ca")
         for p in (self.tls_ca, self.tls_cert, self.tls_key):
             read_pem(p)
-        read_token(self.auth_token_file)
+        self.token()
 
 
 def keepalive_options(time_s: float = DEFAULT_KEEPALIVE_TIME_S, timeout_s: float = DEFAULT_KEEPALIVE_TIMEOUT_S):
@@ -240,7 +261,7 @@ def channel(address: str, security: ClientSecurity | None = None, options=()) ->
         ch = grpc.secure_channel(address, creds, options=options)
     else:
         ch = grpc.insecure_channel(address, options=options)
-    token = read_token(security.auth_token_file)
+    token = security.token()
     return grpc.intercept_channel(ch, _TokenClientInterceptor(token)) if token else ch
 
 
@@ -253,6 +274,8 @@ def add_server_security_flags(p) -> None:
                    help="require client certificates signed by this CA (mTLS); needs --tls-cert")
     g.add_argument("--auth-token-file", default=None, metavar="PATH",
                    help="require 'authorization: Bearer <token>' (the file's content) on every RPC but health")
+    g.add_argument("--auth-token-env", default=None, metavar="VAR",
+                   help="the same, with the token in the environment variable VAR (not with --auth-token-file)")
     g.add_argument("--no-reflection", action="store_true", help="do not serve gRPC server reflection")
 
 
@@ -265,3 +288,5 @@ def add_client_security_flags(p, prefix: str = "", what: str = "the server") -> 
     g.add_argument(f"{dash}tls-server-name", default=None, metavar="NAME",
                    help="name to check the server certificate against (default: the host in the address)")
     g.add_argument(f"{dash}auth-token-file", default=None, metavar="PATH", help=f"send this bearer token to {what}")
+    g.add_argument(f"{dash}auth-token-env", default=None, metavar="VAR",
+                   help=f"send the bearer token in the environment variable VAR to {what}")
