@@ -432,12 +432,12 @@ async def _refuse(scope, receive, send, e: ApiError) -> None:
 @dataclasses.dataclass
 class HttpBackend:
     """What the HTTP API needs from the gateway: its gRPC servicer (scheduler, tokenizer, limits,
-    draining), the served model's name, the bearer token, and whether the verifier answers."""
+    draining), the served model's name, the bearer token, and why it cannot serve (None: it can)."""
 
     servicer: GatewayServicer
     model: str
     token: str | None = None
-    serving: Callable[[], bool] = lambda: True
+    unhealthy: Callable[[], str | None] = lambda: None
     max_request_bytes: int | None = None
 
 
@@ -483,10 +483,9 @@ def create_app(backend: HttpBackend) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if servicer.draining:
-            return JSONResponse({"status": "draining"}, status_code=503)
-        if not backend.serving():
-            return JSONResponse({"status": "verifier unreachable"}, status_code=503)
+        why = "draining" if servicer.draining else backend.unhealthy()
+        if why:
+            return JSONResponse({"status": why}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -788,14 +787,15 @@ class HttpServer:
         log.info("http: stopped")
 
 
-def build_http_server(servicer: GatewayServicer, model: str, args, serving: Callable[[], bool]) -> HttpServer | None:
+def build_http_server(servicer: GatewayServicer, model: str, args,
+                      unhealthy: Callable[[], str | None]) -> HttpServer | None:
     """The HTTP API the flags ask for (--http-port; 0 or unset = none), with the gRPC API's bearer
     token and TLS certificate."""
     port = getattr(args, "http_port", None)
     if not port:
         return None
     security = ServerSecurity.from_args(args)
-    backend = HttpBackend(servicer, model, security.token(), serving,
+    backend = HttpBackend(servicer, model, security.token(), unhealthy,
                           getattr(args, "max_request_bytes", None))
     return HttpServer(create_app(backend), getattr(args, "http_host", None) or args.host, port, security)
 

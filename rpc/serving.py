@@ -18,6 +18,7 @@ from specsplit.rpc.metrics import start_metrics_server
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = sec.MAX_INTERNAL_MESSAGE_BYTES  # a batch of dense q rows can be large
+FATAL_GRACE_S = 2.0  # after a fatal failure: NOT_SERVING this long before the process exits
 
 
 class Server:
@@ -57,14 +58,35 @@ class Server:
         log.info("%s listening on %s:%d (%s; health: SERVING)", self.name, self.host, bound, self.security.describe())
         return bound
 
-    async def run_until_signal(self, drain: Callable[[], Awaitable[None]]) -> int:
-        """Wait for SIGTERM / SIGINT, then drain: NOT_SERVING, `drain()` (live work finishes), stop."""
+    async def run_until_signal(self, drain: Callable[[], Awaitable[None]],
+                               fatal: Awaitable[str | None] | None = None) -> int:
+        """Wait for SIGTERM / SIGINT, then drain: NOT_SERVING, `drain()` (live work finishes), stop; 0.
+        `fatal`: completes with a reason when the service can never serve again (a dead
+        tensor-parallel worker): then NOT_SERVING, FATAL_GRACE_S for open streams to end with their
+        errors and for health checkers to see it, stop, and 1, so a supervisor restarts the process."""
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         signals = (signal.SIGTERM, signal.SIGINT)
         for sig in signals:
             loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+        waiting = {asyncio.ensure_future(stop.wait())}
+        fatal_task = asyncio.ensure_future(fatal) if fatal is not None else None
+        if fatal_task is not None:
+            waiting.add(fatal_task)
+        done, pending = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        for t in pending:
+            t.cancel()
+        reason = fatal_task.result() if fatal_task is not None and fatal_task in done else None
+        if reason:
+            log.error("%s cannot serve any more (%s): NOT_SERVING, stopping in %.0fs, exit code 1", self.name, reason,
+                      FATAL_GRACE_S)
+            self.draining = True
+            await self.health.enter_graceful_shutdown()
+            await asyncio.sleep(FATAL_GRACE_S)
+            await self.server.stop(grace=1.0)
+            for sig in signals:
+                loop.remove_signal_handler(sig)
+            return 1
         log.info("%s: signal received; draining (health NOT_SERVING, new streams refused)", self.name)
         self.draining = True
         await self.health.enter_graceful_shutdown()

@@ -134,6 +134,15 @@ def add_request_size_flag(p: argparse.ArgumentParser) -> None:
                    help="largest GenerateRequest accepted; larger ones get RESOURCE_EXHAUSTED (default 4MiB)")
 
 
+DEFAULT_STALL_TIMEOUT_S = 300.0  # gateway/app.py's default too
+
+
+def add_stall_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT_S, metavar="S",
+                   help="health turns NOT_SERVING while one scheduler step has run longer than S seconds (a stuck "
+                        "engine or peer call; default %(default)g)")
+
+
 def add_keepalive_flags(p: argparse.ArgumentParser) -> None:
     from specsplit.rpc.security import DEFAULT_KEEPALIVE_TIME_S, DEFAULT_KEEPALIVE_TIMEOUT_S, MIN_PING_INTERVAL_S
 
