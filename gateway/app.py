@@ -123,9 +123,10 @@ async def run(gw: Gateway, args) -> int:
             branch_misses=gw.decoder.branch_misses,
         )
 
-    servicer = GatewayServicer(scheduler, gw.tokenizer, gw.limits, server_info)
+    servicer = GatewayServicer(scheduler, gw.tokenizer, gw.limits, server_info, capacity=gw.max_num_seqs + gw.max_queue)
     server = Server("gateway", args.host, args.port, [SERVICE_NAME], ServerSecurity.from_args(args),
-                    max_receive_bytes=getattr(args, "max_request_bytes", MAX_REQUEST_BYTES))
+                    max_receive_bytes=getattr(args, "max_request_bytes", MAX_REQUEST_BYTES),
+                    max_concurrent_rpcs=getattr(args, "max_concurrent_rpcs", None))
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server.server)
     scheduler.start()
     unhealthy: list[str | None] = [None]
@@ -152,8 +153,8 @@ async def run(gw: Gateway, args) -> int:
     watcher = asyncio.ensure_future(_watch_health(gw, server, scheduler, stall_timeout, on_change))
 
     async def drain():
-        servicer.draining = True
-        if not await wait_until(lambda: scheduler.inflight == 0, args.drain_timeout):
+        servicer.draining = True  # requests still being tokenized end UNAVAILABLE (GatewayServicer.submit)
+        if not await wait_until(lambda: not servicer.busy, args.drain_timeout):
             n = scheduler.abort_all(RequestError(
                 RequestError.UNAVAILABLE,
                 f"the server shut down before this request finished (drain timeout {args.drain_timeout:.0f}s); retry it"))

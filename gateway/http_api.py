@@ -48,7 +48,7 @@ from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specsplit.gateway.scheduler_thread import status_of
-from specsplit.gateway.service import GatewayServicer, build_request, check_before_tokenizing
+from specsplit.gateway.service import GatewayServicer
 from specsplit.v1 import gateway_pb2
 from specsplit.rpc.security import ServerSecurity
 from specsplit.rpc.wire import ServiceError
@@ -167,6 +167,15 @@ def _check_unsupported(body: _Body) -> None:
         fmt = (body.model_extra or {}).get("response_format")
         if isinstance(fmt, dict) and fmt.get("type", "text") != "text":
             raise _invalid("response_format other than text is not supported", "response_format")
+
+
+def _utf8(text: str, where: str, param: str) -> str:
+    """Text that protobuf can carry: JSON may hold lone surrogates (\\ud800), which are no UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise _invalid(f"{where} is not valid UTF-8 text: {e.reason} at character {e.start}", param) from None
+    return text
 
 
 def _content(m: ChatMessageBody, i: int) -> str:
@@ -506,25 +515,17 @@ def create_app(backend: HttpBackend) -> FastAPI:
         """The gRPC servicer's steps: checks, tokenization, build_request, the scheduler."""
         check_model(body.model)
         _check_unsupported(body)
-        if servicer.draining:
-            raise ApiError(503, "the server is shutting down; send the request to another one", "server_error",
-                           code="service_unavailable")
-        try:
-            check_before_tokenizing(msg, limits)
-            try:
-                ids = await servicer.prompt_ids(msg)
-            except ServiceError:
-                raise
-            except Exception as e:  # e.g. a chat template that refuses these roles
-                raise _invalid(f"cannot tokenize the prompt: {e}", "messages" if msg.messages else "prompt") from None
+        if logprobs is not None:
+            msg.logprobs = logprobs
+
+        def prepare(msg: gateway_pb2.GenerateRequest, ids: list[int]) -> None:
             if default_max:  # chat without max_tokens: the rest of the context
                 msg.max_tokens = max(1, limits.max_model_len - len(ids))
-            if logprobs is not None:
-                msg.logprobs = logprobs
-            req = build_request(msg, ids)
-            live = _Live(scheduler, http_request)
-            live.ignore_eos = req.ignore_eos
-            live.request = scheduler.submit(req, live.sink)
+
+        live = _Live(scheduler, http_request)
+        live.ignore_eos = msg.ignore_eos
+        try:
+            live.request = await servicer.submit(msg, live.sink, prepare)
         except ServiceError as e:
             raise api_error(e) from None
         return live
@@ -614,7 +615,7 @@ def create_app(backend: HttpBackend) -> FastAPI:
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
             p = p[0]
         if isinstance(p, str):
-            msg.prompt = p
+            msg.prompt = _utf8(p, "prompt", "prompt")
         elif isinstance(p, list) and all(isinstance(t, int) for t in p):
             try:
                 msg.prompt_token_ids.extend(p)
@@ -673,7 +674,8 @@ def create_app(backend: HttpBackend) -> FastAPI:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         msg = _generate_request(body, rid, 1 if max_tokens is None else max_tokens)
         for i, m in enumerate(body.messages):
-            msg.messages.append(gateway_pb2.ChatMessage(role=m.role, content=_content(m, i)))
+            msg.messages.append(gateway_pb2.ChatMessage(role=_utf8(m.role, f"messages[{i}].role", "messages"),
+                                                        content=_utf8(_content(m, i), f"messages[{i}].content", "messages")))
         live = await submit(body, msg, logprobs, max_tokens is None, http_request)
         first = await first_event(live)
 
@@ -731,8 +733,10 @@ class _Uvicorn(uvicorn.Server):
 
 
 class HttpServer:
-    def __init__(self, app: FastAPI, host: str, port: int, security: ServerSecurity | None = None):
+    def __init__(self, app: FastAPI, host: str, port: int, security: ServerSecurity | None = None,
+                 limit_concurrency: int | None = None):
         self.app, self.host, self.port = app, host, port
+        self.limit_concurrency = limit_concurrency  # uvicorn: connections + requests open at once, then 503
         self.security = security or ServerSecurity()
         self.server: _Uvicorn | None = None
         self.task: asyncio.Task | None = None
@@ -760,7 +764,8 @@ class HttpServer:
             if sec.tls_ca:
                 kw.update(ssl_ca_certs=sec.tls_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
         config = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=SHUTDOWN_GRACE_S, **kw)
+                                timeout_graceful_shutdown=SHUTDOWN_GRACE_S, limit_concurrency=self.limit_concurrency,
+                                **kw)
         if not log.isEnabledFor(logging.DEBUG):
             logging.getLogger("uvicorn.error").setLevel(logging.WARNING)  # its start/stop lines: ours say it
         self.server = _Uvicorn(config)
@@ -797,7 +802,8 @@ def build_http_server(servicer: GatewayServicer, model: str, args,
     security = ServerSecurity.from_args(args)
     backend = HttpBackend(servicer, model, security.token(), unhealthy,
                           getattr(args, "max_request_bytes", None))
-    return HttpServer(create_app(backend), getattr(args, "http_host", None) or args.host, port, security)
+    return HttpServer(create_app(backend), getattr(args, "http_host", None) or args.host, port, security,
+                      getattr(args, "http_limit_concurrency", None))
 
 
 __all__ = ["ApiError", "HttpBackend", "HttpServer", "build_http_server", "create_app"]

@@ -154,6 +154,60 @@ def _denying(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHand
     return grpc.stream_stream_rpc_method_handler(deny, **kw)
 
 
+class _Undecodable:
+    """What a request that could not be decoded deserializes to (the handler then refuses it)."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+class UndecodableRequestInterceptor(grpc.aio.ServerInterceptor):
+    """INVALID_ARGUMENT, with a message, for a unary request to a specsplit service that does not
+    decode (most often a string field holding invalid UTF-8), where gRPC itself would answer
+    INTERNAL "Exception deserializing request!". Streamed requests (the engines' internal
+    sessions) are left as they are."""
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if (handler is None or handler.request_deserializer is None or not details.method.startswith("/specsplit.")
+                or not (handler.unary_unary or handler.unary_stream)):
+            return handler
+        return _decoding(handler, details.method)
+
+
+def _decoding(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    deserialize = handler.request_deserializer
+
+    def safe(data: bytes):
+        try:
+            return deserialize(data)
+        except Exception as e:  # protobuf's DecodeError, whatever its module
+            return _Undecodable(e)
+
+    async def refuse(request: _Undecodable, context) -> None:
+        name = method.rpartition("/")[2]
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"the {name} request could not be decoded ({request.error}); every string field "
+                            "(prompt, messages, stop, request_id) must be valid UTF-8")
+
+    kw = dict(request_deserializer=safe, response_serializer=handler.response_serializer)
+    if handler.unary_unary:
+        async def unary_unary(request, context):
+            if isinstance(request, _Undecodable):
+                await refuse(request, context)
+            return await handler.unary_unary(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(unary_unary, **kw)
+
+    async def unary_stream(request, context):
+        if isinstance(request, _Undecodable):
+            await refuse(request, context)
+        async for response in handler.unary_stream(request, context):
+            yield response
+
+    return grpc.unary_stream_rpc_method_handler(unary_stream, **kw)
+
+
 def server_options(max_receive_bytes: int) -> list[tuple[str, int]]:
     return [
         ("grpc.max_send_message_length", MAX_INTERNAL_MESSAGE_BYTES),
@@ -167,10 +221,14 @@ def server_options(max_receive_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
-def make_server(security: ServerSecurity, max_receive_bytes: int) -> grpc.aio.Server:
+def make_server(security: ServerSecurity, max_receive_bytes: int, max_concurrent_rpcs: int | None = None) -> grpc.aio.Server:
+    """max_concurrent_rpcs: RPCs open at once (health included); past it gRPC answers
+    RESOURCE_EXHAUSTED ("Concurrent RPC limit exceeded!") before any handler runs."""
     token = security.token()
     interceptors = [TokenAuthInterceptor(token)] if token else []
-    return grpc.aio.server(options=server_options(max_receive_bytes), interceptors=interceptors)
+    interceptors.append(UndecodableRequestInterceptor())
+    return grpc.aio.server(options=server_options(max_receive_bytes), interceptors=interceptors,
+                           maximum_concurrent_rpcs=max_concurrent_rpcs)
 
 
 def add_port(server: grpc.aio.Server, address: str, security: ServerSecurity) -> int:

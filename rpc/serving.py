@@ -26,13 +26,14 @@ class Server:
     proto names); TLS, mTLS, the bearer token and keepalive as specsplit.rpc.security builds them."""
 
     def __init__(self, name: str, host: str, port: int, service_names: Iterable[str],
-                 security: sec.ServerSecurity | None = None, max_receive_bytes: int = MAX_MESSAGE_BYTES):
+                 security: sec.ServerSecurity | None = None, max_receive_bytes: int = MAX_MESSAGE_BYTES,
+                 max_concurrent_rpcs: int | None = None):
         self.name = name
         self.host = host
         self.port = port
         self.service_names = list(service_names)
         self.security = security or sec.ServerSecurity()
-        self.server = sec.make_server(self.security, max_receive_bytes)
+        self.server = sec.make_server(self.security, max_receive_bytes, max_concurrent_rpcs)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if self.security.reflection:

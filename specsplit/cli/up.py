@@ -20,7 +20,7 @@ import time
 
 from specsplit.rpc.health import free_port  # noqa: F401  (re-exported)
 from specsplit.cli.common import (add_deterministic_flag, add_engine_flags, add_http_flags, add_keepalive_flags,
-                                  add_request_size_flag, add_stall_flag, add_server_flags, add_spec_flags, add_tensor_parallel_flag, port,
+                                  add_request_size_flag, add_gateway_limit_flags, add_server_flags, add_spec_flags, add_tensor_parallel_flag, port,
                                   spec_config, validate_engine, validate_http, validate_security)
 
 
@@ -50,7 +50,7 @@ def add_arguments(p, name: str) -> None:
     add_tensor_parallel_flag(p)  # the verifier's; the drafter stays at 1
     add_deterministic_flag(p)
     add_request_size_flag(p)
-    add_stall_flag(p)
+    add_gateway_limit_flags(p)
     add_keepalive_flags(p)
     add_server_flags(p, 50051)  # with --tls-*, --auth-token-file, --no-reflection: passed to all three
     add_http_flags(p)  # the gateway's
@@ -168,9 +168,11 @@ def commands(args, drafter_port: int, verifier_port: int) -> dict[str, list[str]
                 for f in internal]
     gateway_only = ["--keepalive-time", str(args.keepalive_time), "--keepalive-timeout", str(args.keepalive_timeout),
                     "--max-request-bytes", str(args.max_request_bytes), "--stall-timeout", str(args.stall_timeout),
+                    "--max-concurrent-rpcs", str(args.max_concurrent_rpcs),
                     *internal]
     if getattr(args, "http_port", None):
-        gateway_only += ["--http-port", str(args.http_port), *(["--http-host", args.http_host] if args.http_host else [])]
+        gateway_only += ["--http-port", str(args.http_port), "--http-limit-concurrency", str(args.http_limit_concurrency),
+                         *(["--http-host", args.http_host] if args.http_host else [])]
 
     def metrics(offset: int) -> list[str]:
         return [] if args.metrics_port is None else ["--metrics-port", str(args.metrics_port + offset)]
