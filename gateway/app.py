@@ -123,7 +123,7 @@ async def run(gw: Gateway, args) -> int:
             branch_misses=gw.decoder.branch_misses,
         )
 
-    servicer = GatewayServicer(scheduler, gw.tokenizer, gw.limits, server_info, capacity=gw.max_num_seqs + gw.max_queue)
+    servicer = GatewayServicer(scheduler, gw.tokenizer, gw.limits, server_info, capacity=(gw.max_num_seqs, gw.max_queue))
     server = Server("gateway", args.host, args.port, [SERVICE_NAME], ServerSecurity.from_args(args),
                     max_receive_bytes=getattr(args, "max_request_bytes", MAX_REQUEST_BYTES),
                     max_concurrent_rpcs=getattr(args, "max_concurrent_rpcs", None))

@@ -171,9 +171,10 @@ DRAINING_MESSAGE = "the server is shutting down; send the request to another one
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, scheduler: SchedulerThread, tokenizer: Tokenizer, limits: Limits,
-                 server_info: Callable[[], Awaitable[gateway_pb2.ServerInfo]], capacity: int | None = None):
-        """capacity: requests running, queued and being tokenized at once (max_num_seqs + max_queue;
-        None: unbounded); past it a request is RESOURCE_EXHAUSTED before any work is done on it."""
+                 server_info: Callable[[], Awaitable[gateway_pb2.ServerInfo]],
+                 capacity: tuple[int, int] | None = None):
+        """capacity: (max_num_seqs, max_queue): requests running, queued and being tokenized at once
+        (None: unbounded); past their sum a request is RESOURCE_EXHAUSTED before any work on it."""
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.limits = limits
@@ -192,11 +193,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def _admission(self):
         """A place for one request, counted from before it is tokenized until the scheduler has it."""
         live = self.scheduler.inflight + self.admitting
-        if self.capacity is not None and live >= self.capacity:
+        if self.capacity is not None and live >= sum(self.capacity):
+            max_num_seqs, max_queue = self.capacity
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"the server is full: {live} requests running, queued or being tokenized (capacity "
-                               f"{self.capacity} = --max-num-seqs + --max-queue); retry later or send it to another "
-                               "server")
+                               f"the server is full: {live} requests running, queued or being tokenized (max_num_seqs "
+                               f"{max_num_seqs} + max_queue {max_queue}); retry later or send it to another server")
         self.admitting += 1
         try:
             yield
