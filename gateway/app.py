@@ -349,7 +349,9 @@ def build_colocated_gateway(args) -> Gateway:
         return f"the tensor-parallel group failed: {tp.failed}" if tp is not None and tp.failed else None
 
     async def fatal() -> str | None:  # a dead TP group is permanent: exit non-zero, be restarted
-        while tp is None or not tp.failed:
+        if tp is None:
+            return None
+        while not tp.failed:
             await asyncio.sleep(0.1)
         return engine_health()
 

@@ -70,14 +70,16 @@ class Server:
         signals = (signal.SIGTERM, signal.SIGINT)
         for sig in signals:
             loop.add_signal_handler(sig, stop.set)
-        waiting = {asyncio.ensure_future(stop.wait())}
+        signalled = asyncio.ensure_future(stop.wait())
         fatal_task = asyncio.ensure_future(fatal) if fatal is not None else None
-        if fatal_task is not None:
-            waiting.add(fatal_task)
-        done, pending = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-        for t in pending:
+        waiting = {signalled} | ({fatal_task} if fatal_task is not None else set())
+        reason = None
+        while not signalled.done() and not reason:
+            done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if fatal_task in done:
+                reason = fatal_task.result()  # None: nothing to watch
+        for t in waiting:
             t.cancel()
-        reason = fatal_task.result() if fatal_task is not None and fatal_task in done else None
         if reason:
             log.error("%s cannot serve any more (%s): NOT_SERVING, stopping in %.0fs, exit code 1", self.name, reason,
                       FATAL_GRACE_S)

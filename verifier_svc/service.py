@@ -48,8 +48,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     async def watch(self) -> str | None:
         """Tensor parallel: returns why, as soon as a worker dies (the group is broken for good; the
         server then turns NOT_SERVING and the process exits non-zero, see rpc.serving). Open streams
-        end UNAVAILABLE on their next step (see _handle). Without TP: never returns."""
-        while self.tp is None or not self.tp.failed:
+        end UNAVAILABLE on their next step (see _handle). Without TP: None at once (nothing to watch)."""
+        if self.tp is None:
+            return None
+        while not self.tp.failed:
             await asyncio.sleep(0.1)
         return f"the tensor-parallel group failed: {self.tp.failed}"
 
