@@ -1,8 +1,8 @@
 """Gateway health tells the truth (gRPC health and HTTP /health): NOT_SERVING while its step
-thread is stuck; and the drain ends a request that is still being tokenized with UNAVAILABLE.
-Real `specsplit serve` processes with a fault from tests/helpers/faulty_gateway.py (the
-verifier's NOT_SERVING and a dead tensor-parallel worker: test_services_tensor_parallel.py; the
-drain's health: test_services_verifier_down.py)."""
+thread is stuck, and while its verifier reports NOT_SERVING; and the drain ends a request that is
+still being tokenized with UNAVAILABLE. Real processes, some with a fault from
+tests/helpers/faulty_gateway.py (a dead tensor-parallel worker: test_services_tensor_parallel.py;
+the drain's health: test_services_verifier_down.py)."""
 from __future__ import annotations
 
 import json
@@ -97,3 +97,50 @@ def test_the_drain_ends_a_request_still_being_tokenized_unavailable(tmp_path, ti
         assert "shutting down" in result[0][1]
     finally:
         proc.stop()
+
+
+def test_the_gateway_follows_a_verifier_that_reports_not_serving(tmp_path, tiny_llama):
+    """A verifier that drains (SIGTERM while a long stream runs) still answers GetInfo, with
+    serving false: the gateway turns NOT_SERVING while the verifier is still up (it stayed SERVING
+    as long as the verifier answered at all)."""
+    import signal
+
+    from tests.services.procs import Stack
+
+    long_engine = [*TINY_ENGINE, "--max-model-len", "512", "--max-num-seqs", "4"]  # the tiny model's 512 positions
+    vport, gport = free_port(), free_port()
+    stack = Stack()
+    stack.procs["verifier"] = ServiceProcess("verifier", ["verifier", "--model", str(tiny_llama), "--port", str(vport),
+                                                          "--drain-timeout", "60", *long_engine], tmp_path, vport)
+    stack.procs["gateway"] = ServiceProcess("gateway", ["gateway", "--verifier", f"{HOST}:{vport}", "--port", str(gport),
+                                                        "--max-num-seqs", "4", "--drain-timeout", "5"], tmp_path, gport)
+    try:
+        stack.ready()
+        started, codes = [threading.Event() for _ in range(4)], []
+
+        def stream(i):  # four long streams: the verifier's drain lasts as long as they run
+            with grpc.insecure_channel(stack.gateway) as ch:
+                try:
+                    for _ in gateway_pb2_grpc.GatewayStub(ch).Generate(request([5 + i, 6, 7], max_tokens=500,
+                                                                               ignore_eos=True), timeout=300):
+                        started[i].set()
+                    codes.append(grpc.StatusCode.OK)
+                except grpc.RpcError as e:
+                    codes.append(e.code())
+                started[i].set()
+
+        threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(4)]
+        for t in threads:
+            t.start()
+        assert all(e.wait(60) for e in started) and not codes  # all four run before the drain begins
+        verifier = stack["verifier"]
+        verifier.proc.send_signal(signal.SIGTERM)  # drains: its running sequence goes on
+        # NOT_SERVING while the verifier still runs the streams (not only once it stops answering)
+        seen = wait_for(lambda: not codes and verifier.alive() and health(stack.gateway) == "NOT_SERVING", 20, poll=0.1)
+        assert seen is not None, stack.logs()
+        assert "the verifier reports NOT_SERVING" in stack["gateway"].log_tail()
+        for t in threads:
+            t.join(300)
+        assert codes == [grpc.StatusCode.OK] * 4  # the drain let the live streams finish
+    finally:
+        stack.stop()
