@@ -192,3 +192,23 @@ def test_up_passes_the_size_to_the_verifier_only():
     assert v[v.index("--tensor-parallel-size") + 1] == "2"
     assert "--tensor-parallel-size" not in cmds["drafter"] and "--tensor-parallel-size" not in cmds["gateway"]
     assert "--tensor-parallel-size" not in commands(build_parser().parse_args(["up", "--target", "t", "--draft", "ngram"]), 1, 2)["verifier"]
+
+
+def test_serve_tp2_exits_non_zero_when_a_worker_dies(tmp_path, tiny_llama):
+    """Colocated, too: a dead worker is permanent, so `serve` reports NOT_SERVING and exits with
+    code 1 (a supervisor restarts it) instead of serving errors for ever."""
+    port = free_port()
+    serve = ServiceProcess("serve-tp-kill", ["serve", "--target", str(tiny_llama), "--draft", "none", "--port", str(port),
+                                             "--tensor-parallel-size", "2", *TINY_ENGINE], tmp_path, port)
+    try:
+        serve.wait_serving(180)
+        workers = tp_workers(serve.proc.pid)
+        assert len(workers) == 1
+        killed_at = time.monotonic()
+        os.kill(workers[0], signal.SIGKILL)
+        assert wait_for(lambda: health(serve.address) != "SERVING", ENDS_WITHIN_S, poll=0.1) is not None, serve.log_tail()
+        assert serve.proc.wait(30) == 1, serve.log_tail()
+        assert time.monotonic() - killed_at < 30
+        assert "cannot serve any more" in serve.log_tail()
+    finally:
+        serve.stop()
