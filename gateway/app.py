@@ -47,31 +47,43 @@ class Gateway:
     services: Callable[[], Awaitable[list[gateway_pb2.ServiceStatus]]]
     timing_sources: list = field(default_factory=list)
     kv: list[KvBudget] | None = None  # None: read from the in-process engines
-    # Whether the verifier answers (blocking; run off the event loop); None: always (colocated).
-    verifier_reachable: Callable[[], bool] | None = None
     grammars: GrammarCompiler | None = None  # structured output's compiler (admission)
+    # Why the target cannot serve now (blocking; run off the event loop), or None: the split
+    # verifier does not answer or reports NOT_SERVING; a colocated tensor-parallel group failed.
+    engine_health: Callable[[], str | None] | None = None
+    # Completes with a reason once the target can never serve again (colocated: a dead
+    # tensor-parallel worker): the process then exits non-zero (rpc.serving.run_until_signal).
+    fatal: Callable[[], Awaitable[str | None]] | None = None
 
 
 HEALTH_PROBE_S = 1.0
+DEFAULT_STALL_TIMEOUT_S = 300.0  # --stall-timeout (specsplit/cli/common.py)
 
 
-async def _watch_verifier(gw: Gateway, server: Server, on_change: Callable[[bool], None] = lambda up: None) -> None:
-    """Health follows the verifier: NOT_SERVING while it does not answer (until the drain, which
-    sets NOT_SERVING for good). on_change(up): the HTTP API's /health follows it too."""
+def _unhealthy(gw: Gateway, scheduler: SchedulerThread, stall_timeout: float) -> str | None:
+    """Why the gateway cannot serve now, or None (blocking: the verifier is asked)."""
+    return scheduler.stalled(stall_timeout) or (gw.engine_health() if gw.engine_health is not None else None)
+
+
+async def _watch_health(gw: Gateway, server: Server, scheduler: SchedulerThread, stall_timeout: float,
+                        on_change: Callable[[str | None], None] = lambda why: None) -> None:
+    """gRPC health (and, through on_change, HTTP /health) follow what the gateway can do: NOT_SERVING
+    while the verifier does not answer or reports NOT_SERVING, or the step thread is stuck or dead;
+    SERVING again when that passes. The drain sets NOT_SERVING for good (and ends this watch)."""
     loop = asyncio.get_running_loop()
-    serving = True
+    current: str | None = None
     while not server.draining:
-        up = await loop.run_in_executor(None, gw.verifier_reachable)
+        why = await loop.run_in_executor(None, _unhealthy, gw, scheduler, stall_timeout)
         if server.draining:
             return
-        if up != serving:
-            serving = up
-            on_change(up)
-            status = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
-            for name in ("", SERVICE_NAME):
-                await server.health.set(name, status)
-            log.warning("gateway: the verifier %s; health %s", "answers again" if up else "does not answer",
-                        "SERVING" if up else "NOT_SERVING")
+        if why != current:
+            if (why is None) != (current is None):
+                status = health_pb2.HealthCheckResponse.SERVING if why is None else health_pb2.HealthCheckResponse.NOT_SERVING
+                for name in ("", SERVICE_NAME):
+                    await server.health.set(name, status)
+                log.warning("gateway: health %s%s", "SERVING" if why is None else "NOT_SERVING: ", why or "")
+            current = why
+            on_change(why)
         await asyncio.sleep(HEALTH_PROBE_S)
 
 
@@ -113,17 +125,20 @@ async def run(gw: Gateway, args) -> int:
             branch_misses=gw.decoder.branch_misses,
         )
 
-    servicer = GatewayServicer(scheduler, gw.tokenizer, gw.limits, server_info, grammars=gw.grammars)
+    servicer = GatewayServicer(scheduler, gw.tokenizer, gw.limits, server_info, grammars=gw.grammars,
+                               capacity=(gw.max_num_seqs, gw.max_queue))
     server = Server("gateway", args.host, args.port, [SERVICE_NAME], ServerSecurity.from_args(args),
-                    max_receive_bytes=getattr(args, "max_request_bytes", MAX_REQUEST_BYTES))
+                    max_receive_bytes=getattr(args, "max_request_bytes", MAX_REQUEST_BYTES),
+                    max_concurrent_rpcs=getattr(args, "max_concurrent_rpcs", None))
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server.server)
     scheduler.start()
-    verifier_up = [True]
+    unhealthy: list[str | None] = [None]
     http = None
     if getattr(args, "http_port", None):  # bound before gRPC reports SERVING: ready means both are
         from specsplit.gateway.http_api import build_http_server
 
-        http = build_http_server(servicer, gw.target_model, args, lambda: verifier_up[0] and not server.draining)
+        http = build_http_server(servicer, gw.target_model, args,
+                                 lambda: "draining" if server.draining else unhealthy[0])
         await http.start()
     await server.start(metrics_port=args.metrics_port)
     log.info("gateway (%s): target %s, draft %s, K=%d, disable_by_batch_size=%d, max_num_seqs %d, max_queue %d, "
@@ -134,23 +149,23 @@ async def run(gw: Gateway, args) -> int:
         log.info("gateway: KV-aware admission over the %s's cache: %d blocks x %d tokens", b.name, b.num_blocks,
                  b.block_size)
 
-    def on_change(up: bool) -> None:
-        verifier_up[0] = up
+    def on_change(why: str | None) -> None:
+        unhealthy[0] = why
 
-    watcher = asyncio.ensure_future(_watch_verifier(gw, server, on_change)) if gw.verifier_reachable else None
+    stall_timeout = getattr(args, "stall_timeout", DEFAULT_STALL_TIMEOUT_S)
+    watcher = asyncio.ensure_future(_watch_health(gw, server, scheduler, stall_timeout, on_change))
 
     async def drain():
-        servicer.draining = True
-        if not await wait_until(lambda: scheduler.inflight == 0, args.drain_timeout):
+        servicer.draining = True  # requests still being tokenized end UNAVAILABLE (GatewayServicer.submit)
+        if not await wait_until(lambda: not servicer.busy, args.drain_timeout):
             n = scheduler.abort_all(RequestError(
                 RequestError.UNAVAILABLE,
                 f"the server shut down before this request finished (drain timeout {args.drain_timeout:.0f}s); retry it"))
             log.warning("gateway: %d requests still live after %.0fs; ended them with UNAVAILABLE", n, args.drain_timeout)
             await wait_until(lambda: scheduler.inflight == 0, 2.0)
 
-    rc = await server.run_until_signal(drain)
-    if watcher is not None:
-        watcher.cancel()
+    rc = await server.run_until_signal(drain, fatal=gw.fatal() if gw.fatal is not None else None)
+    watcher.cancel()
     if http is not None:
         await http.stop()
     scheduler.stop()
@@ -158,9 +173,11 @@ async def run(gw: Gateway, args) -> int:
 
 
 # ---- split mode ------------------------------------------------------------------------------
-def _status_from_info(name: str, address: str, info) -> gateway_pb2.ServiceStatus:
+def _status_from_info(name: str, info) -> gateway_pb2.ServiceStatus:
+    """A peer's status for the public GetServerInfo: never its address (the engines must not be
+    reachable from outside, and a client has no use for where they are)."""
     return gateway_pb2.ServiceStatus(
-        name=name, address=address, reachable=True, model=info.model, device=info.device, dtype=info.dtype,
+        name=name, reachable=True, model=info.model, device=info.device, dtype=info.dtype,
         max_model_len=info.max_model_len, num_running=info.num_running, kv=_kv_pb(info.kv),
         memory_plan_json=info.memory_plan_json,
     )
@@ -170,10 +187,12 @@ async def _peer_status(client, name: str) -> gateway_pb2.ServiceStatus:
     loop = asyncio.get_running_loop()
     try:
         info = await loop.run_in_executor(None, lambda: client.info(timeout=2.0))
-    except Exception as e:
-        detail = e.details() if hasattr(e, "details") else str(e)
-        return gateway_pb2.ServiceStatus(name=name, address=client.address, reachable=False, error=str(detail))
-    return _status_from_info(name, client.address, info)
+    except Exception as e:  # the detail names the peer's address: logged, not handed to clients
+        code = e.code() if hasattr(e, "code") and callable(e.code) else None
+        log.debug("gateway: %s GetInfo failed: %s", name, e.details() if hasattr(e, "details") else e)
+        why = f"{code.name}: the {name} does not answer" if code is not None else f"the {name} does not answer"
+        return gateway_pb2.ServiceStatus(name=name, reachable=False, error=why)
+    return _status_from_info(name, info)
 
 
 def _wait_for_verifier(verifier: GrpcVerifier, timeout: float):
@@ -238,12 +257,12 @@ def build_split(args) -> Gateway:
                     max_num_seqs, vinfo.max_num_seqs, vinfo.max_num_seqs)
         max_num_seqs = vinfo.max_num_seqs
 
-    def verifier_reachable() -> bool:
+    def engine_health() -> str | None:
         try:
-            verifier.info(timeout=HEALTH_PROBE_S)
-            return True
+            info = verifier.info(timeout=HEALTH_PROBE_S)
         except Exception:
-            return False
+            return "the verifier does not answer"
+        return None if info.serving else "the verifier reports NOT_SERVING"
 
     async def services():
         out = [await _peer_status(verifier, "verifier")]
@@ -256,7 +275,7 @@ def build_split(args) -> Gateway:
         limits=Limits(vinfo.vocab_size, vinfo.max_model_len), max_num_seqs=max_num_seqs, max_queue=args.max_queue,
         mode="split", target_model=vinfo.model, draft_model=draft_model or (UNKNOWN if args.drafter else ""),
         services=services, timing_sources=[c for c in (verifier, drafter) if c is not None],
-        kv=kv, verifier_reachable=verifier_reachable,
+        kv=kv, engine_health=engine_health,
         # Admission compiles with the gateway's tokenizer (a bad grammar is refused here); the
         # verifier compiles the same text again for its matchers, in its own cache.
         grammars=GrammarCompiler(tokenizer.tokenizer, vinfo.vocab_size, tuple(vinfo.eos_token_ids),
@@ -331,11 +350,23 @@ def build_colocated_gateway(args) -> Gateway:
             ))
         return out
 
+    tp = getattr(colo.target, "tensor_parallel", None)  # specsplit.parallel.group.TPGroup, or None
+
+    def engine_health() -> str | None:
+        return f"the tensor-parallel group failed: {tp.failed}" if tp is not None and tp.failed else None
+
+    async def fatal() -> str | None:  # a dead TP group is permanent: exit non-zero, be restarted
+        if tp is None:
+            return None
+        while not tp.failed:
+            await asyncio.sleep(0.1)
+        return engine_health()
+
     return Gateway(
         decoder=colo.decoder, tokenizer=Tokenizer(colo.tokenizer), eos_token_ids=tuple(colo.eos_token_ids),
         limits=Limits(cfg.vocab_size, args.max_model_len), max_num_seqs=args.max_num_seqs, max_queue=args.max_queue,
         mode="colocated", target_model=args.target, draft_model=args.draft or "", services=services,
-        grammars=_colocated_grammars(colo, args),
+        grammars=_colocated_grammars(colo, args), engine_health=engine_health, fatal=fatal,
     )
 
 

@@ -57,7 +57,7 @@ def _generate(address: str, args) -> int:
                   f"K={info.num_speculative_tokens}, max_model_len {info.max_model_len}]")
             for s in info.services:
                 kv = f"{s.kv.free_blocks}/{s.kv.num_blocks} KV blocks free" if s.kv.paged else "no KV cache"
-                print(f"  {s.name:8s} {s.address:21s} {s.model} on {s.device or '-'}: {kv}")
+                print(f"  {s.name:8s} {s.model} on {s.device or '-'}: {kv}")
             # one short request first: the services' first-call costs stay out of both timings
             for _ in stub.Generate(gateway_pb2.GenerateRequest(prompt=args.prompt, max_tokens=4), timeout=600):
                 pass

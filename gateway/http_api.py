@@ -10,7 +10,7 @@ validation and admission); the scheduler's Events stream back as OpenAI objects 
   POST /v1/completions               prompt: a string, a list of one string, or token ids
   POST /v1/chat/completions          messages, rendered with the target's chat template
   GET  /health                       200 while serving; 503 while the verifier is down or draining
-  GET  /metrics                      Prometheus text, the process's registry (specsplit.rpc.metrics)
+  GET  /metrics                      Prometheus text, the process's registry (specsplit.rpc.metrics); token
 
 Defaults follow OpenAI: temperature 1.0 and top_p 1.0 when unset (the gRPC API's default is
 greedy: send temperature 0 for greedy here); max_tokens 16 for completions and the rest of
@@ -18,8 +18,10 @@ max_model_len for chat. Extensions: top_k, ignore_eos. One choice per request (n
 
 Errors are OpenAI's JSON, {"error": {"message", "type", "param", "code"}}, with the HTTP status
 of the RequestError kind (invalid_argument 400, resource_exhausted 429, unavailable 503, other
-500), 401 without the server's bearer token (--auth-token-file, the gRPC API's token; /health and
-/metrics stay open like gRPC health and --metrics-port), 404 for an unknown model or route.
+500), 401 without the server's bearer token (--auth-token-file, the gRPC API's token; only /health
+stays open, like gRPC health; /metrics needs the token, --metrics-port serves it without), 413 for
+a body over --max-request-bytes (counted as it arrives, chunked bodies too), 404 for an unknown
+model or route. The token is checked before any of the body is read (_Guard).
 A client that disconnects has its request aborted: nothing stays allocated.
 """
 from __future__ import annotations
@@ -38,7 +40,7 @@ from typing import Any, Callable
 
 import grpc
 import uvicorn
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
@@ -46,11 +48,11 @@ from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specsplit.gateway.scheduler_thread import status_of
-from specsplit.gateway.service import GatewayServicer, build_request, check_before_tokenizing
+from specsplit.gateway.service import GatewayServicer
 from specsplit.v1 import common_pb2, gateway_pb2
-from specsplit.rpc.security import ServerSecurity, read_token
+from specsplit.rpc.security import ServerSecurity
 from specsplit.rpc.wire import ServiceError
-from specsplit.request import MAX_LOGPROBS, Event, RequestError, TokenLogprob, validate
+from specsplit.request import MAX_LOGPROBS, Event, TokenLogprob
 from specsplit.sampling.params import MAX_LOGIT_BIAS_ENTRIES
 
 log = logging.getLogger(__name__)
@@ -207,6 +209,15 @@ def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
             raise _invalid(f"logit_bias token id {token} is outside the vocabulary", "logit_bias")
         out[token] = value
     return out
+
+
+def _utf8(text: str, where: str, param: str) -> str:
+    """Text that protobuf can carry: JSON may hold lone surrogates (\\ud800), which are no UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise _invalid(f"{where} is not valid UTF-8 text: {e.reason} at character {e.start}", param) from None
+    return text
 
 
 def _content(m: ChatMessageBody, i: int) -> str:
@@ -391,16 +402,102 @@ def _aborting(live: _Live):
         live.close()
 
 
+# ---- before the body: the token, then the body's size -----------------------------------------
+OPEN_PATHS = frozenset({"/health"})  # answered without the token (load balancers, healthchecks)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class _Guard:
+    """ASGI middleware, the one place for both rules that come before any work on a request:
+
+    1. the bearer token, from the headers alone: a request without it is answered 401 before a
+       byte of its body is read (a client without the token never makes the server buffer or
+       parse anything);
+    2. the body size (--max-request-bytes): a Content-Length above it is refused at once, and the
+       body itself (chunked ones too, which have no Content-Length) is read here, counted as it
+       arrives and refused with 413 as soon as it passes the limit. What the app then reads is the
+       counted body, so nothing larger than the limit is ever held."""
+
+    def __init__(self, app, backend: "HttpBackend"):
+        self.app = app
+        self.backend = backend
+        self.expected = f"Bearer {backend.token}".encode() if backend.token else None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.expected is not None and scope["path"] not in OPEN_PATHS:
+            got = headers.get(b"authorization")
+            if got is None:
+                return await _refuse(scope, receive, send, ApiError(
+                    401, "missing bearer token: send the header 'Authorization: Bearer <token>' (the server's "
+                    "--auth-token-file)", code="invalid_api_key"))
+            if not hmac.compare_digest(got, self.expected):
+                return await _refuse(scope, receive, send, ApiError(401, "wrong bearer token", code="invalid_api_key"))
+        limit = self.backend.max_request_bytes
+        if not limit or scope["method"] in ("GET", "HEAD"):
+            return await self.app(scope, receive, send)
+        n = headers.get(b"content-length", b"")
+        if n.isdigit() and int(n) > limit:
+            return await _refuse(scope, receive, send, _too_large(f"is {int(n)} bytes", limit))
+        try:
+            body = await _read_body(receive, limit)
+        except _TooLarge:
+            return await _refuse(scope, receive, send, _too_large("passed the limit", limit))
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: only http.disconnect (a client that goes away)
+
+        return await self.app(scope, replay, send)
+
+
+async def _read_body(receive, limit: int) -> bytes:
+    chunks, size = [], 0
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            break
+        chunk = msg.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise _TooLarge()
+        chunks.append(chunk)
+        if not msg.get("more_body", False):
+            break
+    return b"".join(chunks)
+
+
+def _too_large(what: str, limit: int) -> ApiError:
+    return ApiError(413, f"the request body {what}; at most {limit} bytes are allowed (--max-request-bytes)",
+                    code="request_too_large")
+
+
+async def _refuse(scope, receive, send, e: ApiError) -> None:
+    """Answer without reading the rest of the body; the server closes the connection after it."""
+    response = e.response()
+    response.headers["connection"] = "close"
+    await response(scope, receive, send)
+
+
 # ---- the app --------------------------------------------------------------------------------
 @dataclasses.dataclass
 class HttpBackend:
     """What the HTTP API needs from the gateway: its gRPC servicer (scheduler, tokenizer, limits,
-    draining), the served model's name, the bearer token, and whether the verifier answers."""
+    draining), the served model's name, the bearer token, and why it cannot serve (None: it can)."""
 
     servicer: GatewayServicer
     model: str
     token: str | None = None
-    serving: Callable[[], bool] = lambda: True
+    unhealthy: Callable[[], str | None] = lambda: None
     max_request_bytes: int | None = None
 
 
@@ -409,7 +506,6 @@ def create_app(backend: HttpBackend) -> FastAPI:
     scheduler, limits = servicer.scheduler, servicer.limits
     tok = _Tokens(servicer.tokenizer.decode)
     created = int(time.time())
-    expected = f"Bearer {backend.token}".encode() if backend.token else None
 
     app = FastAPI(title="specsplit", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.backend = backend
@@ -434,23 +530,7 @@ def create_app(backend: HttpBackend) -> FastAPI:
                    else str(e.detail))
         return ApiError(e.status_code, message, code="not_found" if e.status_code == 404 else None).response()
 
-    @app.middleware("http")
-    async def _limit_size(request: Request, call_next):
-        n = request.headers.get("content-length")
-        if backend.max_request_bytes and n and n.isdigit() and int(n) > backend.max_request_bytes:
-            return ApiError(413, f"the request body is {n} bytes; at most {backend.max_request_bytes} are allowed "
-                            "(--max-request-bytes)").response()
-        return await call_next(request)
-
-    async def authorized(request: Request) -> None:
-        if expected is None:
-            return
-        got = request.headers.get("authorization")
-        if got is None:
-            raise ApiError(401, "missing bearer token: send the header 'Authorization: Bearer <token>' "
-                           "(the server's --auth-token-file)", code="invalid_api_key")
-        if not hmac.compare_digest(got.encode(), expected):
-            raise ApiError(401, "wrong bearer token", code="invalid_api_key")
+    app.add_middleware(_Guard, backend=backend)
 
     def check_model(model: str) -> None:
         if model != backend.model:
@@ -463,21 +543,20 @@ def create_app(backend: HttpBackend) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if servicer.draining:
-            return JSONResponse({"status": "draining"}, status_code=503)
-        if not backend.serving():
-            return JSONResponse({"status": "verifier unreachable"}, status_code=503)
+        why = "draining" if servicer.draining else backend.unhealthy()
+        if why:
+            return JSONResponse({"status": why}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
     async def prometheus():
         return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model:path}", dependencies=[Depends(authorized)])
+    @app.get("/v1/models/{model:path}")
     async def model(model: str):
         check_model(model)
         return model_card()
@@ -487,30 +566,17 @@ def create_app(backend: HttpBackend) -> FastAPI:
         """The gRPC servicer's steps: checks, tokenization, build_request, the scheduler."""
         check_model(body.model)
         _check_unsupported(body)
-        if servicer.draining:
-            raise ApiError(503, "the server is shutting down; send the request to another one", "server_error",
-                           code="service_unavailable")
-        try:
-            check_before_tokenizing(msg, limits)
-            try:
-                ids = await servicer.prompt_ids(msg)
-            except ServiceError:
-                raise
-            except Exception as e:  # e.g. a chat template that refuses these roles
-                raise _invalid(f"cannot tokenize the prompt: {e}", "messages" if msg.messages else "prompt") from None
+        if logprobs is not None:
+            msg.logprobs = logprobs
+
+        def prepare(msg: gateway_pb2.GenerateRequest, ids: list[int]) -> None:
             if default_max:  # chat without max_tokens: the rest of the context
                 msg.max_tokens = max(1, limits.max_model_len - len(ids))
-            if logprobs is not None:
-                msg.logprobs = logprobs
-            req = build_request(msg, ids)
-            try:
-                validate(req, limits)  # the bounds before compiling a grammar
-            except RequestError as e:
-                raise status_of(e) from None
-            await servicer.admit(req)
-            live = _Live(scheduler, http_request)
-            live.ignore_eos = req.ignore_eos
-            live.request = scheduler.submit(req, live.sink)
+
+        live = _Live(scheduler, http_request)
+        live.ignore_eos = msg.ignore_eos
+        try:
+            live.request = await servicer.submit(msg, live.sink, prepare)
         except ServiceError as e:
             raise api_error(e) from None
         return live
@@ -589,7 +655,7 @@ def create_app(backend: HttpBackend) -> FastAPI:
             return out, out[-1]
 
     # ---- /v1/completions ---------------------------------------------------------------
-    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    @app.post("/v1/completions")
     async def completions(body: CompletionBody, http_request: Request):
         rid = f"cmpl-{uuid.uuid4().hex}"
         if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
@@ -600,7 +666,7 @@ def create_app(backend: HttpBackend) -> FastAPI:
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
             p = p[0]
         if isinstance(p, str):
-            msg.prompt = p
+            msg.prompt = _utf8(p, "prompt", "prompt")
         elif isinstance(p, list) and all(isinstance(t, int) for t in p):
             try:
                 msg.prompt_token_ids.extend(p)
@@ -643,7 +709,7 @@ def create_app(backend: HttpBackend) -> FastAPI:
                         _usage(last.usage))
 
     # ---- /v1/chat/completions ----------------------------------------------------------
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, http_request: Request):
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         logprobs = None
@@ -659,7 +725,8 @@ def create_app(backend: HttpBackend) -> FastAPI:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         msg = _generate_request(body, rid, 1 if max_tokens is None else max_tokens)
         for i, m in enumerate(body.messages):
-            msg.messages.append(gateway_pb2.ChatMessage(role=m.role, content=_content(m, i)))
+            msg.messages.append(gateway_pb2.ChatMessage(role=_utf8(m.role, f"messages[{i}].role", "messages"),
+                                                        content=_utf8(_content(m, i), f"messages[{i}].content", "messages")))
         live = await submit(body, msg, logprobs, max_tokens is None, http_request)
         first = await first_event(live)
 
@@ -717,8 +784,10 @@ class _Uvicorn(uvicorn.Server):
 
 
 class HttpServer:
-    def __init__(self, app: FastAPI, host: str, port: int, security: ServerSecurity | None = None):
+    def __init__(self, app: FastAPI, host: str, port: int, security: ServerSecurity | None = None,
+                 limit_concurrency: int | None = None):
         self.app, self.host, self.port = app, host, port
+        self.limit_concurrency = limit_concurrency  # uvicorn: connections + requests open at once, then 503
         self.security = security or ServerSecurity()
         self.server: _Uvicorn | None = None
         self.task: asyncio.Task | None = None
@@ -746,7 +815,8 @@ class HttpServer:
             if sec.tls_ca:
                 kw.update(ssl_ca_certs=sec.tls_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
         config = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=SHUTDOWN_GRACE_S, **kw)
+                                timeout_graceful_shutdown=SHUTDOWN_GRACE_S, limit_concurrency=self.limit_concurrency,
+                                **kw)
         if not log.isEnabledFor(logging.DEBUG):
             logging.getLogger("uvicorn.error").setLevel(logging.WARNING)  # its start/stop lines: ours say it
         self.server = _Uvicorn(config)
@@ -756,7 +826,7 @@ class HttpServer:
                 exc = self.task.exception() if not self.task.cancelled() else None
                 raise RuntimeError(f"http: the server on {self.host}:{self.port} did not start: {exc!r}")
             await asyncio.sleep(0.01)
-        auth = "bearer token" if sec.auth_token_file else "no token"
+        auth = "bearer token" if sec.auth_token_file or sec.auth_token_env else "no token"
         log.info("OpenAI-compatible HTTP API on %s://%s:%d/v1 (%s; /health, /metrics)", self.scheme, self.host,
                  self.port, auth)
         return self.port
@@ -773,16 +843,18 @@ class HttpServer:
         log.info("http: stopped")
 
 
-def build_http_server(servicer: GatewayServicer, model: str, args, serving: Callable[[], bool]) -> HttpServer | None:
+def build_http_server(servicer: GatewayServicer, model: str, args,
+                      unhealthy: Callable[[], str | None]) -> HttpServer | None:
     """The HTTP API the flags ask for (--http-port; 0 or unset = none), with the gRPC API's bearer
     token and TLS certificate."""
     port = getattr(args, "http_port", None)
     if not port:
         return None
     security = ServerSecurity.from_args(args)
-    backend = HttpBackend(servicer, model, read_token(security.auth_token_file), serving,
+    backend = HttpBackend(servicer, model, security.token(), unhealthy,
                           getattr(args, "max_request_bytes", None))
-    return HttpServer(create_app(backend), getattr(args, "http_host", None) or args.host, port, security)
+    return HttpServer(create_app(backend), getattr(args, "http_host", None) or args.host, port, security,
+                      getattr(args, "http_limit_concurrency", None))
 
 
 __all__ = ["ApiError", "HttpBackend", "HttpServer", "build_http_server", "create_app"]

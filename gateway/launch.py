@@ -78,7 +78,8 @@ def specsplit_up(target: str, draft: str, *, dtype: str | None = None, max_model
     from specsplit.rpc.health import free_port, wait_serving
 
     port = port or free_port(host)
-    dport, vport = free_port(host), free_port(host)
+    engine_host = "127.0.0.1"  # `up` binds the engines on loopback (--engine-host), whatever --host is
+    dport, vport = free_port(engine_host), free_port(engine_host)
     cmd = up_command(target, draft, port=port, drafter_port=dport, verifier_port=vport, host=host, dtype=dtype,
                      max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                      num_speculative_tokens=num_speculative_tokens, threads=threads, extra=extra, log_level=log_level)
@@ -90,7 +91,7 @@ def specsplit_up(target: str, draft: str, *, dtype: str | None = None, max_model
         if log_file is not None:
             log_file.close()
         raise
-    up = RunningUp(f"{host}:{port}", f"{host}:{dport}", f"{host}:{vport}", proc, Path(log) if log is not None else None)
+    up = RunningUp(f"{host}:{port}", f"{engine_host}:{dport}", f"{engine_host}:{vport}", proc, Path(log) if log is not None else None)
     try:
         def tail() -> str:
             return f"; its log ({up.log_path}) ends:\n{up.log_tail()}" if up.log_path else ""

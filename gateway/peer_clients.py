@@ -219,11 +219,13 @@ class GrpcDrafter(_PeerClient, DrafterTraits):
         # start-up, and in each probe before a re-sync, so a drafter that was unreachable at start-up
         # gets its features for the requests that come after it answers).
         self.feature_layers: tuple[int, ...] = ()
+        self.max_model_len: int | None = None  # its --max-model-len, also from GetInfo
         self.deadline_s: float | None = None
 
     def info(self, timeout: float = 5.0, wait_for_ready: bool = False) -> common_pb2.ServiceInfo:
         info = super().info(timeout, wait_for_ready)
         self.feature_layers = tuple(info.feature_layers)
+        self.max_model_len = info.max_model_len or None
         return info
 
     def reachable(self, timeout: float) -> bool:

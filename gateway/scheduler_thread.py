@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Callable, Sequence
 
 
@@ -105,6 +106,7 @@ class SchedulerThread:
         self.decoder = decoder
         self.idle_poll_s = idle_poll_s
         self._stopping = False
+        self._step_since: float | None = None  # when the step in progress began (None: between steps)
         self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
 
     # ---- any thread ----------------------------------------------------------------------
@@ -122,6 +124,15 @@ class SchedulerThread:
 
     def start(self) -> None:
         self._thread.start()
+
+    def stalled(self, limit_s: float) -> str | None:
+        """Why the step thread cannot serve (it died, or one step has run longer than limit_s), or None."""
+        if self._thread.ident is not None and not self._thread.is_alive() and not self._stopping:
+            return "the gateway's scheduler thread died"
+        since = self._step_since
+        if since is not None and time.monotonic() - since > limit_s:
+            return f"a scheduler step has run for {time.monotonic() - since:.0f}s (--stall-timeout {limit_s:g})"
+        return None
 
     def submit(self, request: GenerationRequest, sink: Callable[[Event], None]) -> Request:
         """Queue a request; ServiceError (INVALID_ARGUMENT, RESOURCE_EXHAUSTED) when it cannot be."""
@@ -150,7 +161,11 @@ class SchedulerThread:
                 self.scheduler.wait_for_work(self.idle_poll_s)
                 if self._stopping:
                     break
-                self.scheduler.step()
+                self._step_since = time.monotonic()
+                try:
+                    self.scheduler.step()
+                finally:
+                    self._step_since = None
             except Exception:  # a bug: end what is running rather than hang every stream
                 log.exception("scheduler step failed")
                 self.scheduler.fail_all(RequestError(RequestError.INTERNAL, "internal error in the gateway's scheduler"))

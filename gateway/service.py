@@ -16,6 +16,7 @@ import copy
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Awaitable, Callable
 
 import grpc
@@ -172,10 +173,16 @@ def response_pb(ev: Event) -> gateway_pb2.GenerateResponse:
     return msg
 
 
+DRAINING_MESSAGE = "the server is shutting down; send the request to another one"
+
+
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, scheduler: SchedulerThread, tokenizer: Tokenizer, limits: Limits,
                  server_info: Callable[[], Awaitable[gateway_pb2.ServerInfo]],
-                 grammars: GrammarCompiler | None = None):
+                 grammars: GrammarCompiler | None = None, capacity: tuple[int, int] | None = None):
+        """grammars: compiles structured-output grammars at admission (None: they are refused).
+        capacity: (max_num_seqs, max_queue): requests running, queued and being tokenized at once
+        (None: unbounded); past their sum a request is RESOURCE_EXHAUSTED before any work on it."""
         self.scheduler = scheduler
         # Compiles structured-output grammars at admission (colocated: the verifier's own, so its
         # step thread finds them cached). None: requests with a grammar are refused.
@@ -183,15 +190,69 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.tokenizer = tokenizer
         self.limits = limits
         self.server_info = server_info
+        self.capacity = capacity
         self.draining = False
+        self.admitting = 0  # requests past admission, not yet handed to the scheduler (tokenizing)
         self._tokenize = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
+    @property
+    def busy(self) -> bool:
+        """Requests live anywhere: being tokenized or in the scheduler (the drain waits for none)."""
+        return self.admitting > 0 or self.scheduler.inflight > 0
+
+    @contextmanager
+    def _admission(self):
+        """A place for one request, counted from before it is tokenized until the scheduler has it."""
+        live = self.scheduler.inflight + self.admitting
+        if self.capacity is not None and live >= sum(self.capacity):
+            max_num_seqs, max_queue = self.capacity
+            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"the server is full: {live} requests running, queued or being tokenized (max_num_seqs "
+                               f"{max_num_seqs} + max_queue {max_queue}); retry later or send it to another server")
+        self.admitting += 1
+        try:
+            yield
+        finally:
+            self.admitting -= 1
+
     async def prompt_ids(self, msg) -> list[int]:
-        """The prompt's ids, tokenized on the worker thread (the gRPC and the HTTP API both come here)."""
+        """The prompt's ids, tokenized on the worker thread; INVALID_ARGUMENT when the tokenizer refuses."""
         if msg.prompt_token_ids:
             return list(msg.prompt_token_ids)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tokenize, self.tokenizer.encode_request, msg)
+        try:
+            return await loop.run_in_executor(self._tokenize, self.tokenizer.encode_request, msg)
+        except ServiceError:
+            raise
+        except Exception as e:  # e.g. a chat template that refuses these roles
+            raise _invalid(f"cannot tokenize the {'messages' if msg.messages else 'prompt'}: {e}") from None
+
+    async def submit(self, msg: gateway_pb2.GenerateRequest, sink: Callable[[Event], None],
+                     prepare: Callable[[gateway_pb2.GenerateRequest, list[int]], None] | None = None):
+        """The one path from a GenerateRequest to the scheduler, for the gRPC and the HTTP API alike:
+        draining, the cheap checks, admission (before tokenizing: a full server does no work on a
+        request), tokenization on the worker thread, `prepare(msg, ids)` (the HTTP API's defaults
+        that depend on the prompt's length), build_request and its bounds, the grammar's compile
+        (`admit`), the Scheduler. Returns its Request; ServiceError otherwise (UNAVAILABLE when the
+        drain began while it was being tokenized or compiled)."""
+        if self.draining:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, DRAINING_MESSAGE)
+        check_before_tokenizing(msg, self.limits)
+        with self._admission():
+            ids = await self.prompt_ids(msg)
+            if self.draining:
+                raise ServiceError(grpc.StatusCode.UNAVAILABLE, DRAINING_MESSAGE)
+            if prepare is not None:
+                prepare(msg, ids)
+            req = build_request(msg, ids)
+            try:
+                validate(req, self.limits)  # before compiling: a cheap refusal comes first
+            except RequestError as e:
+                raise status_of(e) from None
+            await self.admit(req)
+            if self.draining:
+                raise ServiceError(grpc.StatusCode.UNAVAILABLE, DRAINING_MESSAGE)
+            return self.scheduler.submit(req, sink)
 
     async def admit(self, req: GenerationRequest) -> None:
         """Admission work before the scheduler: compile the request's grammar (cached by its text,
@@ -208,8 +269,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise _invalid(str(e)) from None
 
     async def Generate(self, request, context):
-        if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; send the request to another one")
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
 
@@ -220,15 +279,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 pass
 
         try:
-            check_before_tokenizing(request, self.limits)
-            ids = await self.prompt_ids(request)
-            req = build_request(request, ids)
-            try:
-                validate(req, self.limits)  # before compiling: a cheap refusal comes first
-            except RequestError as e:
-                raise status_of(e) from None
-            await self.admit(req)
-            live = self.scheduler.submit(req, sink)
+            live = await self.submit(request, sink)
         except ServiceError as e:
             await context.abort(e.code, e.message)
         finished = False

@@ -1,6 +1,6 @@
 """What the drafter and verifier services share: their GetInfo answer, the start-up log line,
 and serving one engine until SIGTERM (drain: refuse new sessions and sequences, wait until the
-running ones are released, stop)."""
+running ones are released, stop) or until the engine fails for good (exit code 1)."""
 from __future__ import annotations
 
 import asyncio
@@ -57,8 +57,10 @@ async def serve(role: str, servicer, add_to_server, service_name: str, args) -> 
     metrics.watch_kv(role, servicer.built.engine)
     await server.start(metrics_port=args.metrics_port)
     host = servicer.host
-    watch = getattr(servicer, "watch", None)  # e.g. the verifier's tensor-parallel workers
-    watcher = asyncio.ensure_future(watch(server)) if watch is not None else None
+    # e.g. the verifier's tensor-parallel workers: returns a reason once the engine can never serve
+    # again; the process then exits non-zero (a dead TP group is permanent: only a restart helps)
+    watch = getattr(servicer, "watch", None)
+    watcher = asyncio.ensure_future(watch()) if watch is not None else None
 
     async def drain():
         host.draining = True
@@ -66,8 +68,6 @@ async def serve(role: str, servicer, add_to_server, service_name: str, args) -> 
             log.warning("%s: %d sequences still running after %.0fs; stopping anyway", role, host.num_running,
                         args.drain_timeout)
 
-    rc = await server.run_until_signal(drain)
-    if watcher is not None:
-        watcher.cancel()
+    rc = await server.run_until_signal(drain, fatal=watcher)
     host.shutdown()
     return rc

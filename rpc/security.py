@@ -8,6 +8,8 @@ Server side (`ServerSecurity`, flags from `add_server_security_flags`):
   --auth-token-file        require `authorization: Bearer <token>` on every RPC except
                            grpc.health.v1.Health (left open so load balancers, `docker
                            healthcheck` and `specsplit up` can probe without a secret)
+  --auth-token-env VAR     the same, the token read from the environment variable VAR
+                           (compose passes a secret this way; `up` its per-run internal token)
   --no-reflection          do not serve grpc.reflection
 
 Client side (`ClientSecurity`): a CA to verify the server (TLS), optionally a client certificate
@@ -25,6 +27,7 @@ from __future__ import annotations
 import collections
 import hmac
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,7 +54,15 @@ def read_pem(path: str | None) -> bytes | None:
         raise ValueError(f"cannot read {path}: {e.strerror}") from None
 
 
-def read_token(path: str | None) -> str | None:
+def read_token(path: str | None, env: str | None = None) -> str | None:
+    """The token in the file `path`, or in the environment variable `env` (at most one is set)."""
+    if path and env:
+        raise ValueError("give the token as a file or as an environment variable, not both")
+    if env:
+        token = os.environ.get(env, "").strip()
+        if not token:
+            raise ValueError(f"the environment variable {env} (the bearer token) is unset or empty")
+        return token
     if not path:
         return None
     try:
@@ -71,11 +82,16 @@ class ServerSecurity:
     tls_ca: str | None = None
     auth_token_file: str | None = None
     reflection: bool = True
+    auth_token_env: str | None = None
 
     @classmethod
     def from_args(cls, args) -> "ServerSecurity":
         return cls(getattr(args, "tls_cert", None), getattr(args, "tls_key", None), getattr(args, "tls_ca", None),
-                   getattr(args, "auth_token_file", None), not getattr(args, "no_reflection", False))
+                   getattr(args, "auth_token_file", None), not getattr(args, "no_reflection", False),
+                   getattr(args, "auth_token_env", None))
+
+    def token(self) -> str | None:
+        return read_token(self.auth_token_file, self.auth_token_env)
 
     def validate(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -84,7 +100,7 @@ class ServerSecurity:
             raise ValueError("--tls-ca (mTLS: require client certificates) needs --tls-cert and --tls-key")
         for p in (self.tls_cert, self.tls_key, self.tls_ca):
             read_pem(p)
-        read_token(self.auth_token_file)
+        self.token()
 
     def credentials(self) -> grpc.ServerCredentials | None:
         if not self.tls_cert:
@@ -95,7 +111,7 @@ class ServerSecurity:
 
     def describe(self) -> str:
         tls = "mTLS" if self.tls_ca else ("TLS" if self.tls_cert else "plaintext")
-        auth = "bearer token" if self.auth_token_file else "no token"
+        auth = "bearer token" if self.auth_token_file or self.auth_token_env else "no token"
         return f"{tls}, {auth}, reflection {'on' if self.reflection else 'off'}"
 
 
@@ -138,6 +154,60 @@ def _denying(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHand
     return grpc.stream_stream_rpc_method_handler(deny, **kw)
 
 
+class _Undecodable:
+    """What a request that could not be decoded deserializes to (the handler then refuses it)."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+class UndecodableRequestInterceptor(grpc.aio.ServerInterceptor):
+    """INVALID_ARGUMENT, with a message, for a unary request to a specsplit service that does not
+    decode (most often a string field holding invalid UTF-8), where gRPC itself would answer
+    INTERNAL "Exception deserializing request!". Streamed requests (the engines' internal
+    sessions) are left as they are."""
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if (handler is None or handler.request_deserializer is None or not details.method.startswith("/specsplit.")
+                or not (handler.unary_unary or handler.unary_stream)):
+            return handler
+        return _decoding(handler, details.method)
+
+
+def _decoding(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    deserialize = handler.request_deserializer
+
+    def safe(data: bytes):
+        try:
+            return deserialize(data)
+        except Exception as e:  # protobuf's DecodeError, whatever its module
+            return _Undecodable(e)
+
+    async def refuse(request: _Undecodable, context) -> None:
+        name = method.rpartition("/")[2]
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"the {name} request could not be decoded ({request.error}); every string field "
+                            "(prompt, messages, stop, request_id) must be valid UTF-8")
+
+    kw = dict(request_deserializer=safe, response_serializer=handler.response_serializer)
+    if handler.unary_unary:
+        async def unary_unary(request, context):
+            if isinstance(request, _Undecodable):
+                await refuse(request, context)
+            return await handler.unary_unary(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(unary_unary, **kw)
+
+    async def unary_stream(request, context):
+        if isinstance(request, _Undecodable):
+            await refuse(request, context)
+        async for response in handler.unary_stream(request, context):
+            yield response
+
+    return grpc.unary_stream_rpc_method_handler(unary_stream, **kw)
+
+
 def server_options(max_receive_bytes: int) -> list[tuple[str, int]]:
     return [
         ("grpc.max_send_message_length", MAX_INTERNAL_MESSAGE_BYTES),
@@ -151,10 +221,14 @@ def server_options(max_receive_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
-def make_server(security: ServerSecurity, max_receive_bytes: int) -> grpc.aio.Server:
-    token = read_token(security.auth_token_file)
+def make_server(security: ServerSecurity, max_receive_bytes: int, max_concurrent_rpcs: int | None = None) -> grpc.aio.Server:
+    """max_concurrent_rpcs: RPCs open at once (health included); past it gRPC answers
+    RESOURCE_EXHAUSTED ("Concurrent RPC limit exceeded!") before any handler runs."""
+    token = security.token()
     interceptors = [TokenAuthInterceptor(token)] if token else []
-    return grpc.aio.server(options=server_options(max_receive_bytes), interceptors=interceptors)
+    interceptors.append(UndecodableRequestInterceptor())
+    return grpc.aio.server(options=server_options(max_receive_bytes), interceptors=interceptors,
+                           maximum_concurrent_rpcs=max_concurrent_rpcs)
 
 
 def add_port(server: grpc.aio.Server, address: str, security: ServerSecurity) -> int:
@@ -170,13 +244,18 @@ class ClientSecurity:
     tls_key: str | None = None
     auth_token_file: str | None = None
     server_name: str | None = None  # override the name checked against the server certificate
+    auth_token_env: str | None = None  # or the token in this environment variable
 
     @classmethod
     def from_args(cls, args, prefix: str = "") -> "ClientSecurity":
         def get(name):
             return getattr(args, prefix + name, None)
 
-        return cls(get("tls_ca"), get("tls_cert"), get("tls_key"), get("auth_token_file"), get("tls_server_name"))
+        return cls(get("tls_ca"), get("tls_cert"), get("tls_key"), get("auth_token_file"), get("tls_server_name"),
+                   get("auth_token_env"))
+
+    def token(self) -> str | None:
+        return read_token(self.auth_token_file, self.auth_token_env)
 
     def validate(self, flag_prefix: str = "--") -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -185,7 +264,7 @@ class ClientSecurity:
             raise ValueError(f"{flag_prefix}tls-cert (a client certificate) needs {flag_prefix}tls-ca")
         for p in (self.tls_ca, self.tls_cert, self.tls_key):
             read_pem(p)
-        read_token(self.auth_token_file)
+        self.token()
 
 
 def keepalive_options(time_s: float = DEFAULT_KEEPALIVE_TIME_S, timeout_s: float = DEFAULT_KEEPALIVE_TIMEOUT_S):
@@ -240,7 +319,7 @@ def channel(address: str, security: ClientSecurity | None = None, options=()) ->
         ch = grpc.secure_channel(address, creds, options=options)
     else:
         ch = grpc.insecure_channel(address, options=options)
-    token = read_token(security.auth_token_file)
+    token = security.token()
     return grpc.intercept_channel(ch, _TokenClientInterceptor(token)) if token else ch
 
 
@@ -253,6 +332,8 @@ def add_server_security_flags(p) -> None:
                    help="require client certificates signed by this CA (mTLS); needs --tls-cert")
     g.add_argument("--auth-token-file", default=None, metavar="PATH",
                    help="require 'authorization: Bearer <token>' (the file's content) on every RPC but health")
+    g.add_argument("--auth-token-env", default=None, metavar="VAR",
+                   help="the same, with the token in the environment variable VAR (not with --auth-token-file)")
     g.add_argument("--no-reflection", action="store_true", help="do not serve gRPC server reflection")
 
 
@@ -265,3 +346,5 @@ def add_client_security_flags(p, prefix: str = "", what: str = "the server") -> 
     g.add_argument(f"{dash}tls-server-name", default=None, metavar="NAME",
                    help="name to check the server certificate against (default: the host in the address)")
     g.add_argument(f"{dash}auth-token-file", default=None, metavar="PATH", help=f"send this bearer token to {what}")
+    g.add_argument(f"{dash}auth-token-env", default=None, metavar="VAR",
+                   help=f"send the bearer token in the environment variable VAR to {what}")

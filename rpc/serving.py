@@ -18,6 +18,7 @@ from specsplit.rpc.metrics import start_metrics_server
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = sec.MAX_INTERNAL_MESSAGE_BYTES  # a batch of dense q rows can be large
+FATAL_GRACE_S = 2.0  # after a fatal failure: NOT_SERVING this long before the process exits
 
 
 class Server:
@@ -25,13 +26,14 @@ class Server:
     proto names); TLS, mTLS, the bearer token and keepalive as specsplit.rpc.security builds them."""
 
     def __init__(self, name: str, host: str, port: int, service_names: Iterable[str],
-                 security: sec.ServerSecurity | None = None, max_receive_bytes: int = MAX_MESSAGE_BYTES):
+                 security: sec.ServerSecurity | None = None, max_receive_bytes: int = MAX_MESSAGE_BYTES,
+                 max_concurrent_rpcs: int | None = None):
         self.name = name
         self.host = host
         self.port = port
         self.service_names = list(service_names)
         self.security = security or sec.ServerSecurity()
-        self.server = sec.make_server(self.security, max_receive_bytes)
+        self.server = sec.make_server(self.security, max_receive_bytes, max_concurrent_rpcs)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if self.security.reflection:
@@ -57,14 +59,37 @@ class Server:
         log.info("%s listening on %s:%d (%s; health: SERVING)", self.name, self.host, bound, self.security.describe())
         return bound
 
-    async def run_until_signal(self, drain: Callable[[], Awaitable[None]]) -> int:
-        """Wait for SIGTERM / SIGINT, then drain: NOT_SERVING, `drain()` (live work finishes), stop."""
+    async def run_until_signal(self, drain: Callable[[], Awaitable[None]],
+                               fatal: Awaitable[str | None] | None = None) -> int:
+        """Wait for SIGTERM / SIGINT, then drain: NOT_SERVING, `drain()` (live work finishes), stop; 0.
+        `fatal`: completes with a reason when the service can never serve again (a dead
+        tensor-parallel worker): then NOT_SERVING, FATAL_GRACE_S for open streams to end with their
+        errors and for health checkers to see it, stop, and 1, so a supervisor restarts the process."""
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         signals = (signal.SIGTERM, signal.SIGINT)
         for sig in signals:
             loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+        signalled = asyncio.ensure_future(stop.wait())
+        fatal_task = asyncio.ensure_future(fatal) if fatal is not None else None
+        waiting = {signalled} | ({fatal_task} if fatal_task is not None else set())
+        reason = None
+        while not signalled.done() and not reason:
+            done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if fatal_task in done:
+                reason = fatal_task.result()  # None: nothing to watch
+        for t in waiting:
+            t.cancel()
+        if reason:
+            log.error("%s cannot serve any more (%s): NOT_SERVING, stopping in %.0fs, exit code 1", self.name, reason,
+                      FATAL_GRACE_S)
+            self.draining = True
+            await self.health.enter_graceful_shutdown()
+            await asyncio.sleep(FATAL_GRACE_S)
+            await self.server.stop(grace=1.0)
+            for sig in signals:
+                loop.remove_signal_handler(sig)
+            return 1
         log.info("%s: signal received; draining (health NOT_SERVING, new streams refused)", self.name)
         self.draining = True
         await self.health.enter_graceful_shutdown()

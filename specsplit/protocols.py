@@ -123,6 +123,9 @@ class DrafterTraits:
     block_manager: "BlockManager | None" = None
     # The suffix lookups it drafts with (`suffix`, MODEL+suffix; metrics read them); None = none.
     suffix: "SuffixDrafter | None" = None
+    # The most tokens a sequence may hold on it (prompt + drafts); None = no limit of its own. A
+    # sequence past it decodes target-only, alone (spec/decoder.py); the others still speculate.
+    max_model_len: int | None = None
     # A remote drafter's deadline (seconds) for the next propose / fetch_rows, set by the step from
     # how long verifying takes (spec/decoder.py); None = the client's own timeout. In-process
     # drafters ignore it.

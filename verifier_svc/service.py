@@ -45,17 +45,15 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 raise self._tp_unavailable() from e
             raise
 
-    async def watch(self, server) -> None:
-        """Tensor parallel: NOT_SERVING as soon as a worker dies (the streams end UNAVAILABLE on their
-        next step, see _handle)."""
+    async def watch(self) -> str | None:
+        """Tensor parallel: returns why, as soon as a worker dies (the group is broken for good; the
+        server then turns NOT_SERVING and the process exits non-zero, see rpc.serving). Open streams
+        end UNAVAILABLE on their next step (see _handle). Without TP: None at once (nothing to watch)."""
         if self.tp is None:
-            return
-        from grpc_health.v1 import health_pb2
-
+            return None
         while not self.tp.failed:
             await asyncio.sleep(0.1)
-        for name in ["", *server.service_names]:
-            await server.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        return f"the tensor-parallel group failed: {self.tp.failed}"
 
     def _handle_one(self, session: PeerSession, req: verifier_pb2.VerifierRequest) -> verifier_pb2.VerifierResponse:
         engine, kind = self.built.engine, req.WhichOneof("kind")

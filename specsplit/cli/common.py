@@ -120,6 +120,9 @@ def add_http_flags(p: argparse.ArgumentParser) -> None:
                         "/v1/models, /health, /metrics) on this port, with the same bearer token and TLS "
                         "certificate as the gRPC API (0 or unset = off)")
     g.add_argument("--http-host", default=None, help="address the HTTP API binds (default: --host)")
+    g.add_argument("--http-limit-concurrency", type=positive_int, default=DEFAULT_HTTP_LIMIT_CONCURRENCY, metavar="N",
+                   help="most HTTP connections and requests open at once; past it uvicorn answers 503 "
+                        "(default %(default)s)")
 
 
 def validate_http(args) -> None:
@@ -146,6 +149,19 @@ def check_grammar_timeout(args) -> None:
     t = getattr(args, "grammar_timeout", None)
     if t is not None and not t > 0:
         raise ValueError(f"--grammar-timeout must be positive, got {t}")
+DEFAULT_STALL_TIMEOUT_S = 300.0  # gateway/app.py's default too
+DEFAULT_MAX_CONCURRENT_RPCS = 256  # the gateway's gRPC API: RPCs open at once
+DEFAULT_HTTP_LIMIT_CONCURRENCY = 256  # the HTTP API: connections and requests open at once
+
+
+def add_gateway_limit_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-concurrent-rpcs", type=positive_int, default=DEFAULT_MAX_CONCURRENT_RPCS, metavar="N",
+                   help="most gRPC calls open at once on the public API (streams, health and info included); past "
+                        "it a call is RESOURCE_EXHAUSTED before any work (default %(default)s; running + queued "
+                        "requests are bounded by --max-num-seqs + --max-queue first)")
+    p.add_argument("--stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT_S, metavar="S",
+                   help="health turns NOT_SERVING while one scheduler step has run longer than S seconds (a stuck "
+                        "engine or peer call; default %(default)g)")
 
 
 def add_keepalive_flags(p: argparse.ArgumentParser) -> None:

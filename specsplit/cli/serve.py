@@ -1,7 +1,7 @@
 """`specsplit serve`: the colocated server (gateway + engines in one process, one memory budget)."""
 from __future__ import annotations
 
-from specsplit.cli.common import (add_engine_flags, add_http_flags, add_request_size_flag, add_server_flags, add_spec_flags,
+from specsplit.cli.common import (add_engine_flags, add_http_flags, add_request_size_flag, add_server_flags, add_spec_flags, add_gateway_limit_flags,
                                   add_deterministic_flag, add_grammar_flag, add_tensor_parallel_flag, check_grammar_timeout, validate_engine, validate_http, validate_security)
 
 
@@ -19,6 +19,7 @@ def add_arguments(p, name: str) -> None:
     add_deterministic_flag(p)
     add_request_size_flag(p)
     add_grammar_flag(p)
+    add_gateway_limit_flags(p)
     add_server_flags(p, 50051)
     add_http_flags(p)
 

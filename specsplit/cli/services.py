@@ -1,7 +1,7 @@
 """`specsplit drafter | verifier | gateway`: one gRPC service per process."""
 from __future__ import annotations
 
-from specsplit.cli.common import (add_engine_flags, add_http_flags, add_keepalive_flags, add_request_size_flag, add_server_flags, add_spec_flags,
+from specsplit.cli.common import (add_engine_flags, add_http_flags, add_keepalive_flags, add_request_size_flag, add_server_flags, add_spec_flags, add_gateway_limit_flags,
                                   add_deterministic_flag, add_grammar_flag, add_tensor_parallel_flag, check_address, check_grammar_timeout, positive_int, validate_engine, validate_http, validate_security)
 
 DEFAULT_PORTS = {"drafter": 50061, "verifier": 50062, "gateway": 50051}
@@ -31,6 +31,7 @@ def add_arguments(p, name: str) -> None:
         add_spec_flags(p)
         add_request_size_flag(p)
         add_grammar_flag(p)
+        add_gateway_limit_flags(p)
         add_keepalive_flags(p)
         from specsplit.rpc.security import add_client_security_flags
 

@@ -3,10 +3,16 @@
 Starts `python -m specsplit.cli verifier|drafter|gateway ...`, waits until each reports SERVING
 over gRPC health, then waits. Ctrl-C / SIGTERM stops the gateway first (it drains its live
 streams), then the drafter and the verifier; a child that exits on its own stops the rest.
+
+Exposure: only the gateway binds --host. The engines bind --engine-host (default 127.0.0.1) and
+require an internal token of their own, never the public one: --internal-auth-token-file / -env,
+else $SPECSPLIT_INTERNAL_TOKEN, else a random one made for this run (handed to the children in
+their environment, never written to disk).
 """
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -14,8 +20,12 @@ import time
 
 from specsplit.rpc.health import free_port  # noqa: F401  (re-exported)
 from specsplit.cli.common import (add_deterministic_flag, add_engine_flags, add_http_flags, add_keepalive_flags,
-                                  add_request_size_flag, add_server_flags, add_spec_flags, add_tensor_parallel_flag, port,
+                                  add_request_size_flag, add_gateway_limit_flags, add_server_flags, add_spec_flags, add_tensor_parallel_flag, port,
                                   spec_config, validate_engine, validate_http, validate_security)
+
+
+DEFAULT_ENGINE_HOST = "127.0.0.1"
+INTERNAL_TOKEN_ENV = "SPECSPLIT_INTERNAL_TOKEN"  # the engines' token, in the children's environment
 
 
 def add_arguments(p, name: str) -> None:
@@ -25,6 +35,9 @@ def add_arguments(p, name: str) -> None:
     p.add_argument("--draft-device", default=None)
     p.add_argument("--drafter-port", type=port, default=0, help="drafter port (0 = a free one)")
     p.add_argument("--verifier-port", type=port, default=0, help="verifier port (0 = a free one)")
+    p.add_argument("--engine-host", default=DEFAULT_ENGINE_HOST,
+                   help="address the drafter and the verifier bind (default %(default)s: only this host reaches "
+                        "them, whatever --host the gateway binds; they trust whoever holds the internal token)")
     p.add_argument("--max-queue", type=int, default=64)
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for all three to be SERVING")
     p.add_argument("--drain-timeout", type=float, default=30.0)
@@ -37,13 +50,14 @@ def add_arguments(p, name: str) -> None:
     add_tensor_parallel_flag(p)  # the verifier's; the drafter stays at 1
     add_deterministic_flag(p)
     add_request_size_flag(p)
+    add_gateway_limit_flags(p)
     add_keepalive_flags(p)
     add_server_flags(p, 50051)  # with --tls-*, --auth-token-file, --no-reflection: passed to all three
     add_http_flags(p)  # the gateway's
     from specsplit.rpc.security import add_client_security_flags
 
     # How the gateway (and `up`'s own health checks) reach the drafter and the verifier; the
-    # token defaults to --auth-token-file.
+    # internal token is never the public one (see internal_token).
     add_client_security_flags(p, "internal_", "the drafter and the verifier")
 
 
@@ -111,45 +125,70 @@ def _flag_values(args, names: list[str], prefix: str = "") -> list[str]:
     return out
 
 
+def internal_token(args, environ=os.environ) -> tuple[list[str], dict[str, str]]:
+    """The internal token: (the engines' server flags for it, variables to add to the children's
+    environment). --internal-auth-token-file / --internal-auth-token-env when given; else
+    $SPECSPLIT_INTERNAL_TOKEN; else a random token for this run. Never the public token."""
+    if args.internal_auth_token_file:
+        return ["--auth-token-file", args.internal_auth_token_file], {}
+    if args.internal_auth_token_env:
+        return ["--auth-token-env", args.internal_auth_token_env], {}
+    token = environ.get(INTERNAL_TOKEN_ENV, "").strip() or secrets.token_hex(32)
+    return ["--auth-token-env", INTERNAL_TOKEN_ENV], {INTERNAL_TOKEN_ENV: token}
+
+
 def internal_security(args):
+    """How `up` and its gateway reach the engines: the --internal-* TLS flags and the internal token."""
     from specsplit.rpc.security import ClientSecurity
 
     sec = ClientSecurity.from_args(args, "internal_")
-    if not sec.auth_token_file and args.auth_token_file:
-        sec = ClientSecurity(sec.tls_ca, sec.tls_cert, sec.tls_key, args.auth_token_file, sec.server_name)
+    if not sec.auth_token_file and not sec.auth_token_env:
+        sec = ClientSecurity(sec.tls_ca, sec.tls_cert, sec.tls_key, None, sec.server_name, INTERNAL_TOKEN_ENV)
     return sec
+
+
+def engine_address(args, port_: int) -> str:
+    """Where the gateway and `up` reach an engine bound on --engine-host."""
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(args.engine_host, args.engine_host)
+    return f"[{host}]:{port_}" if ":" in host else f"{host}:{port_}"
 
 
 def commands(args, drafter_port: int, verifier_port: int) -> dict[str, list[str]]:
     base = [sys.executable, "-m", "specsplit.cli", "--log-level", args.log_level]
-    host = args.host
-    common = ["--host", host, "--drain-timeout", str(args.drain_timeout),
-              *_flag_values(args, ["tls_cert", "tls_key", "tls_ca", "auth_token_file"])]
+    tls = _flag_values(args, ["tls_cert", "tls_key", "tls_ca"])
+    common = ["--drain-timeout", str(args.drain_timeout), *tls]
     if args.no_reflection:
         common.append("--no-reflection")
+    engine_token, _ = internal_token(args, environ={INTERNAL_TOKEN_ENV: "-"})  # the flags only
+    engine = ["--host", args.engine_host, *common, *engine_token]
+    public = ["--host", args.host, *common, *_flag_values(args, ["auth_token_file", "auth_token_env"])]
     isec = internal_security(args)
-    internal = _flag_values(isec, ["tls_ca", "tls_cert", "tls_key", "auth_token_file", "server_name"])
+    internal = _flag_values(isec, ["tls_ca", "tls_cert", "tls_key", "auth_token_file", "auth_token_env", "server_name"])
     internal = [f.replace("--", "--internal-", 1).replace("server-name", "tls-server-name") if f.startswith("--") else f
                 for f in internal]
     gateway_only = ["--keepalive-time", str(args.keepalive_time), "--keepalive-timeout", str(args.keepalive_timeout),
-                    "--max-request-bytes", str(args.max_request_bytes), *internal]
+                    "--max-request-bytes", str(args.max_request_bytes), "--stall-timeout", str(args.stall_timeout),
+                    "--max-concurrent-rpcs", str(args.max_concurrent_rpcs),
+                    *internal]
     if getattr(args, "http_port", None):
-        gateway_only += ["--http-port", str(args.http_port), *(["--http-host", args.http_host] if args.http_host else [])]
+        gateway_only += ["--http-port", str(args.http_port), "--http-limit-concurrency", str(args.http_limit_concurrency),
+                         *(["--http-host", args.http_host] if args.http_host else [])]
 
     def metrics(offset: int) -> list[str]:
         return [] if args.metrics_port is None else ["--metrics-port", str(args.metrics_port + offset)]
 
     return {
-        "verifier": base + ["verifier", "--model", args.target, "--port", str(verifier_port), *common,
+        "verifier": base + ["verifier", "--model", args.target, "--port", str(verifier_port), *engine,
                             *_engine_flags(args, args.device), *_spec_flags(args), *metrics(1),
                             *(["--tensor-parallel-size", str(args.tensor_parallel_size)]
                               if getattr(args, "tensor_parallel_size", 1) > 1 else []),
                             *(["--deterministic"] if getattr(args, "deterministic", False) else [])],
-        "drafter": base + ["drafter", "--model", args.draft, "--port", str(drafter_port), *common,
+        "drafter": base + ["drafter", "--model", args.draft, "--port", str(drafter_port), *engine,
                            *_engine_flags(args, args.draft_device or args.device), *_spec_flags(args), *metrics(2)],
-        "gateway": base + ["gateway", "--verifier", f"{host}:{verifier_port}", "--drafter", f"{host}:{drafter_port}",
+        "gateway": base + ["gateway", "--verifier", engine_address(args, verifier_port),
+                           "--drafter", engine_address(args, drafter_port),
                            "--port", str(args.port), "--max-num-seqs", str(args.max_num_seqs),
-                           "--max-queue", str(args.max_queue), *common, *gateway_only, *_spec_flags(args), *metrics(0)],
+                           "--max-queue", str(args.max_queue), *public, *gateway_only, *_spec_flags(args), *metrics(0)],
     }
 
 
@@ -167,14 +206,20 @@ def stop_all(procs: dict[str, subprocess.Popen], timeout: float) -> None:
 
 def run(args) -> int:
     from specsplit.rpc.health import wait_serving
+    from specsplit.rpc.security import ClientSecurity
 
-    drafter_port = args.drafter_port or free_port(args.host)
-    verifier_port = args.verifier_port or free_port(args.host)
+    engine_host = engine_address(args, 0).rpartition(":")[0].strip("[]")
+    drafter_port = args.drafter_port or free_port(engine_host)
+    verifier_port = args.verifier_port or free_port(engine_host)
     cmds = commands(args, drafter_port, verifier_port)
-    addresses = {"verifier": f"{args.host}:{verifier_port}", "drafter": f"{args.host}:{drafter_port}",
+    _, token_env = internal_token(args)
+    env = {**os.environ, **token_env}
+    addresses = {"verifier": engine_address(args, verifier_port), "drafter": engine_address(args, drafter_port),
                  "gateway": f"{args.host}:{args.port}"}
     stop_requested = []
-    isec = internal_security(args)
+    # up's own checks are health checks (open without a token): the TLS part of the internal flags only
+    i = internal_security(args)
+    isec = ClientSecurity(i.tls_ca, i.tls_cert, i.tls_key, None, i.server_name)
 
     def on_signal(signum, frame):
         stop_requested.append(signum)
@@ -192,7 +237,7 @@ def run(args) -> int:
                 break
             # Children ignore the terminal's Ctrl-C (own process group): this process forwards it.
             cpus = cpu_list(getattr(args, f"{name}_cpus", None))
-            procs[name] = subprocess.Popen(cmds[name], start_new_session=True, env=os.environ.copy(),
+            procs[name] = subprocess.Popen(cmds[name], start_new_session=True, env=env,
                                            preexec_fn=None if cpus is None else (lambda c=cpus: os.sched_setaffinity(0, c)))
             print(f"specsplit up: started {name} (pid {procs[name].pid}) on {addresses[name]}"
                   + ("" if cpus is None else f", CPUs {sorted(cpus)}"), file=sys.stderr)

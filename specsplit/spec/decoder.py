@@ -152,6 +152,10 @@ class SpecDecoder:
         if seq.seq_id in self.tracks:
             raise ValueError(f"sequence {seq.seq_id!r} is already running")
         k = 0 if disable else self.request_k(num_speculative_tokens)
+        if k > 0 and self.drafter is not None and len(seq.prompt_token_ids) >= self._drafting_len():
+            log.info("sequence %s: its prompt (%d tokens) does not fit the drafter's max_model_len %d; it decodes "
+                     "target-only", seq.seq_id, len(seq.prompt_token_ids), self._drafting_len())
+            k = 0  # this sequence alone: the drafter would refuse it (and a refusal reads as the drafter failing)
         layers = self.feature_layers if k > 0 else ()
         self.verifier.add([replace(seq, feature_layers=layers)] if layers else [seq])
         track = Track(add=seq, k=k, tokens=list(seq.prompt_token_ids))
@@ -228,8 +232,14 @@ class SpecDecoder:
                 or plan.only not in (None, t.seq_id):
             return 0
         budget = plan.budgets.get(t.seq_id)
-        return step_k_cap(min(t.k, plan.k), len(t.tokens) + extra, self.max_model_len,
+        return step_k_cap(min(t.k, plan.k), len(t.tokens) + extra, self._drafting_len(),
                           None if budget is None else budget - extra)
+
+    def _drafting_len(self) -> int:
+        """The longest a sequence may be and still draft: the target's max_model_len, or the
+        drafter's where it is smaller (a remote drafter's is known once it answered GetInfo)."""
+        own = self.drafter.max_model_len if self.drafter is not None else None
+        return min(self.max_model_len, own) if own else self.max_model_len
 
     # ---- phase 2: drafts -------------------------------------------------------------------
     def _drafts(self, ids: list[str], plan: _Plan, stats: StepStats) -> dict[str, Proposal]:

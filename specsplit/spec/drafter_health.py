@@ -48,7 +48,9 @@ class DrafterHealth:
         if not self.drafter.reachable(PROBE_S):  # still down (or hung): no re-sync at its full timeout
             self._next_try = self._clock() + self.retry_s
             return
-        want = [t for t in tracks.values() if t.k > 0]
+        limit = self.drafter.max_model_len
+        # Not the sequences it would refuse (longer than its max_model_len): they go on target-only
+        want = [t for t in tracks.values() if t.k > 0 and (not limit or len(t.tokens) < limit)]
         # Release what it may still hold: the sequences to re-add, and those that finished while it
         # was down (their release was never sent).
         stale = sorted(self._stale | {t.seq_id for t in want})

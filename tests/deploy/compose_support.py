@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import re
 import shlex
 from dataclasses import dataclass
@@ -212,10 +213,23 @@ def with_local_token(argv: list[str]) -> list[str]:
     return [a.replace(INTERNAL_TOKEN, local_token_path()) for a in argv]
 
 
+# The public token compose passes to the gateway in this variable (the operator sets it).
+API_TOKEN_ENV = "SPECSPLIT_API_TOKEN"
+
+
 def specsplit_check(argv: list[str]) -> CliResult:
-    """Run a `specsplit ...` argv (argv[0] == 'specsplit') with --check appended."""
+    """Run a `specsplit ...` argv (argv[0] == 'specsplit') with --check appended, with the public
+    token variable set as the operator must."""
     assert argv and argv[0] == "specsplit", f"not a specsplit command line: {argv}"
-    return run_cli(with_local_token(argv[1:]) + ["--check"])
+    saved = os.environ.get(API_TOKEN_ENV)
+    os.environ[API_TOKEN_ENV] = "fedcba9876543210" * 4
+    try:
+        return run_cli(with_local_token(argv[1:]) + ["--check"])
+    finally:
+        if saved is None:
+            del os.environ[API_TOKEN_ENV]
+        else:
+            os.environ[API_TOKEN_ENV] = saved
 
 
 def parse_cli(argv: list[str]):

@@ -109,3 +109,24 @@ def test_verifier_refuses_sessions_without_the_token(tmp_path, tiny_llama):
         if gateway is not None:
             gateway.stop()
         verifier.stop()
+
+
+@pytest.mark.parametrize("name", ["gateway", "colocated"])
+def test_the_published_server_requires_the_public_token_from_the_environment(name):
+    """The gateway and the colocated server publish a port: each requires a bearer token of its
+    own, taken from SPECSPLIT_API_TOKEN (never the internal one), and refuses to start without it."""
+    from specsplit.cli.common import validate_security
+
+    service = _services({cs.API_TOKEN_ENV: "public"})[name]
+    args = _args(service)
+    assert args.auth_token_env == cs.API_TOKEN_ENV and args.auth_token_file is None
+    assert service["environment"][cs.API_TOKEN_ENV] == "public"
+    assert "ports" in service
+    assert _services()[name]["environment"][cs.API_TOKEN_ENV] == ""  # unset: empty, and then...
+    saved = os.environ.pop(cs.API_TOKEN_ENV, None)
+    try:
+        with pytest.raises(ValueError, match=f"{cs.API_TOKEN_ENV} .*unset or empty"):
+            validate_security(args)  # ...the server refuses to start
+    finally:
+        if saved is not None:
+            os.environ[cs.API_TOKEN_ENV] = saved

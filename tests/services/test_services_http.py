@@ -229,17 +229,84 @@ def test_bearer_token_is_required(http_server):
     assert status == 401 and "missing bearer token" in json.loads(body)["error"]["message"]
 
 
-def test_health_and_metrics_are_open(http_server):
+def test_health_is_open_and_metrics_need_the_token(http_server):
     assert _get(http_server, "/health") == (200, '{"status":"ok"}')
-    status, text = _get(http_server, "/metrics")
+    status, body = _get(http_server, "/metrics")
+    assert status == 401 and "missing bearer token" in json.loads(body)["error"]["message"]
+    status, text = _get(http_server, "/metrics", TOKEN)
     assert status == 200 and "specsplit_generation_tokens_total" in text and "specsplit_requests_total" in text
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def _post_chunked(port: int, total: int, token: str | None) -> tuple[bytes, int, float]:
+    """POST /v1/completions with a chunked body of `total` bytes (no Content-Length), sent 64 KiB at
+    a time until the server answers. Returns (the response's first bytes, bytes sent, seconds)."""
+    import select
+    import socket
+    import time
+
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n")
+    if token:
+        head += f"Authorization: Bearer {token}\r\n".encode()
+    chunk = b"a" * 65536
+    frame = b"%x\r\n" % len(chunk) + chunk + b"\r\n"
+    sent, t0 = 0, time.monotonic()
+    with socket.create_connection((HOST, port), timeout=30) as s:
+        s.sendall(head + b"\r\n")
+        try:
+            while sent < total and not select.select([s], [], [], 0)[0]:
+                s.sendall(frame)
+                sent += len(chunk)
+            if sent >= total:
+                s.sendall(b"0\r\n\r\n")
+        except OSError:  # the server answered and closed while we were still sending
+            pass
+        response = s.recv(4096)
+    return response, sent, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("token", [None, TOKEN], ids=["no-token", "token"])
+def test_a_chunked_body_is_refused_before_it_is_buffered(http_server, token):
+    """A 64 MB chunked POST (no Content-Length): without the token it is 401 before its body is
+    read; with it, 413 as soon as it passes --max-request-bytes (4 MiB). Either way the answer
+    comes before the client has sent it all, and the server's memory does not grow with it."""
+    import threading
+
+    pid, total = http_server.proc.pid, 64 * 1024 * 1024
+    before, peak, done = _rss_kib(pid), [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss_kib(pid))
+            done.wait(0.005)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        response, sent, seconds = _post_chunked(http_server.http_port, total, token)
+    finally:
+        done.set()
+        sampler.join(5)
+    status = int(response.split(b" ", 2)[1]) if response.startswith(b"HTTP/1.1 ") else None
+    print(f"chunked 64 MB, token={token is not None}: HTTP {status} after {sent} bytes in {seconds:.3f}s; "
+          f"RSS {before} KiB -> peak {peak[0]} KiB")
+    assert status == (413 if token else 401), response[:300]
+    assert sent < total
+    assert seconds < 10.0  # generous: the goal is well under 2 s
+    assert peak[0] - before < 20 * 1024
+    assert _get(http_server, "/health")[0] == 200
 
 
 CANCELLED = 'specsplit_requests_total{outcome="cancelled"}'
 
 
 def _metric(srv, name: str) -> float:
-    text = _get(srv, "/metrics")[1]
+    text = _get(srv, "/metrics", TOKEN)[1]
     return sum(float(line.rpartition(" ")[2]) for line in text.splitlines() if line.startswith(name))
 
 

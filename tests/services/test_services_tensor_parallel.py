@@ -3,8 +3,9 @@ a gateway with the n-gram drafter:
 
 1. greedy streams equal the target alone (certified near-ties aside), concurrently; the verifier's
    plan lists both ranks; the streams that ask for logprobs get the target's (1e-4);
-2. a worker killed with SIGKILL: the verifier turns NOT_SERVING and every open stream ends with
-   UNAVAILABLE within 5 s; new requests fail UNAVAILABLE; no hang;
+2. a worker killed with SIGKILL: the verifier turns NOT_SERVING, then exits with code 1; every open
+   stream ends with UNAVAILABLE and the gateway's health is NOT_SERVING within 5 s; new requests
+   fail UNAVAILABLE; no hang;
 3. SIGTERM, and SIGKILL of the verifier itself, leave no worker process behind.
 """
 from __future__ import annotations
@@ -121,16 +122,23 @@ def test_worker_death_ends_streams_unavailable_within_5s(tp_stack, prompts):
     os.kill(workers[0], signal.SIGKILL)
     for t in threads:
         t.join(ENDS_WITHIN_S + 5)
-    verifier = stack["verifier"].address
-    assert wait_for(lambda: health(verifier) == "NOT_SERVING", ENDS_WITHIN_S) is not None, stack.logs()
+    verifier = stack["verifier"]
+    # The gateway follows: NOT_SERVING within 5 s of the kill (the verifier reports NOT_SERVING,
+    # then exits), and stays so.
+    assert wait_for(lambda: health(stack.gateway) == "NOT_SERVING", max(0.1, killed_at + ENDS_WITHIN_S - time.monotonic()),
+                    poll=0.1) is not None, stack.logs()
     for code, ended in results:
         assert code == grpc.StatusCode.UNAVAILABLE, (results, stack.logs())
         assert ended - killed_at < ENDS_WITHIN_S, results
+    assert health(verifier.address) != "SERVING"
     with pytest.raises(grpc.RpcError) as err:
         generate(stack.gateway, request(prompts[5], max_tokens=4), timeout=10)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert not service_info(verifier, "verifier").serving
-    assert stack["verifier"].alive()  # it reports the failure; it does not vanish
+    # A broken group is permanent: the verifier exits non-zero, so `restart: unless-stopped` (or any
+    # supervisor) starts a fresh one.
+    assert verifier.proc.wait(30) == 1, verifier.log_tail()
+    assert "cannot serve any more" in verifier.log_tail()
+    assert health(stack.gateway) == "NOT_SERVING"
 
 
 @pytest.mark.parametrize("how", ["sigterm", "sigkill"])
@@ -184,3 +192,23 @@ def test_up_passes_the_size_to_the_verifier_only():
     assert v[v.index("--tensor-parallel-size") + 1] == "2"
     assert "--tensor-parallel-size" not in cmds["drafter"] and "--tensor-parallel-size" not in cmds["gateway"]
     assert "--tensor-parallel-size" not in commands(build_parser().parse_args(["up", "--target", "t", "--draft", "ngram"]), 1, 2)["verifier"]
+
+
+def test_serve_tp2_exits_non_zero_when_a_worker_dies(tmp_path, tiny_llama):
+    """Colocated, too: a dead worker is permanent, so `serve` reports NOT_SERVING and exits with
+    code 1 (a supervisor restarts it) instead of serving errors for ever."""
+    port = free_port()
+    serve = ServiceProcess("serve-tp-kill", ["serve", "--target", str(tiny_llama), "--draft", "none", "--port", str(port),
+                                             "--tensor-parallel-size", "2", *TINY_ENGINE], tmp_path, port)
+    try:
+        serve.wait_serving(180)
+        workers = tp_workers(serve.proc.pid)
+        assert len(workers) == 1
+        killed_at = time.monotonic()
+        os.kill(workers[0], signal.SIGKILL)
+        assert wait_for(lambda: health(serve.address) != "SERVING", ENDS_WITHIN_S, poll=0.1) is not None, serve.log_tail()
+        assert serve.proc.wait(30) == 1, serve.log_tail()
+        assert time.monotonic() - killed_at < 30
+        assert "cannot serve any more" in serve.log_tail()
+    finally:
+        serve.stop()

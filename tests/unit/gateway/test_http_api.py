@@ -13,6 +13,7 @@ import urllib.request
 import pytest
 
 from specsplit.gateway.http_api import HttpBackend, HttpServer, create_app
+from specsplit.gateway.service import GatewayServicer
 from specsplit.request import Event, Limits, RequestError, TokenLogprob
 
 openai = pytest.importorskip("openai")
@@ -32,6 +33,8 @@ class _Scheduler:
     last one, 9, is the end-of-sequence token when `finish` is "stop"."""
 
     OUTPUT = [5, 6, 7, 8, 9]
+
+    inflight = 0
 
     def __init__(self):
         self.requests, self.aborted = [], []
@@ -65,12 +68,12 @@ class _Scheduler:
         self.aborted.append(request)
 
 
-class _Servicer:
+class _Servicer(GatewayServicer):
+    """The real servicer (its submit path: draining, checks, admission, build_request) over the
+    scripted scheduler, with a tokenizer that reads "w<i>" words."""
+
     def __init__(self):
-        self.scheduler = _Scheduler()
-        self.tokenizer = _Tok()
-        self.limits = Limits(vocab_size=256, max_model_len=64)
-        self.draining = False
+        super().__init__(_Scheduler(), _Tok(), Limits(vocab_size=256, max_model_len=64), None)
 
     async def prompt_ids(self, msg):
         if msg.prompt_token_ids:

@@ -1,0 +1,76 @@
+"""A drafter with a smaller --max-model-len than the verifier's: the sequences it cannot hold
+decode target-only, each alone, and every other sequence keeps speculating (the drafter is not
+"down"). Real processes: verifier (max_model_len 256) + drafter (64) + gateway, tiny models."""
+from __future__ import annotations
+
+import random
+import threading
+
+import grpc
+import pytest
+
+from specsplit.gateway.generate_client import collect
+from specsplit.v1 import gateway_pb2_grpc
+from tests.services.procs import HOST, SPECULATE_ALWAYS, TINY_ENGINE, ServiceProcess, Stack, free_port, request, \
+    server_info
+
+DRAFTER_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def short_drafter_stack(tmp_path_factory, tiny_llama, tiny_draft_close):
+    log_dir = tmp_path_factory.mktemp("short-drafter")
+    vport, dport, gport = free_port(), free_port(), free_port()
+    stack = Stack()
+    stack.procs["verifier"] = ServiceProcess("verifier", ["verifier", "--model", str(tiny_llama), "--port", str(vport),
+                                                          "--max-num-seqs", "4", *TINY_ENGINE], log_dir, vport)
+    stack.procs["drafter"] = ServiceProcess(
+        "drafter", ["drafter", "--model", str(tiny_draft_close), "--port", str(dport), "--max-num-seqs", "4",
+                    *TINY_ENGINE, "--max-model-len", str(DRAFTER_LEN)], log_dir, dport)
+    stack.procs["gateway"] = ServiceProcess(
+        "gateway", ["gateway", "--verifier", f"{HOST}:{vport}", "--drafter", f"{HOST}:{dport}", "--port", str(gport),
+                    "--max-num-seqs", "4", "--drafter-timeout", "10", *SPECULATE_ALWAYS, "--num-speculative-tokens", "2"],
+        log_dir, gport)
+    try:
+        yield stack.ready()
+    finally:
+        stack.stop()
+
+
+def test_only_the_sequence_the_drafter_cannot_hold_goes_target_only(short_drafter_stack, expect_greedy):
+    stack = short_drafter_stack
+    rng = random.Random(7)
+    cases = {
+        "long": ([rng.randrange(3, 256) for _ in range(100)], 20),  # prompt past the drafter's 64
+        "grows": ([rng.randrange(3, 256) for _ in range(40)], 40),  # passes 64 while it decodes
+        "short": ([rng.randrange(3, 256) for _ in range(8)], 40),  # always fits
+    }
+    outs: dict = {}
+    long_started = threading.Event()
+
+    def run(name):
+        ids, n = cases[name]
+        with grpc.insecure_channel(stack.gateway) as ch:
+            msgs = []
+            for m in gateway_pb2_grpc.GatewayStub(ch).Generate(request(ids, max_tokens=n, ignore_eos=True), timeout=120):
+                msgs.append(m)
+                long_started.set()
+        outs[name] = collect(msgs)
+
+    threads = [threading.Thread(target=run, args=("long",))]
+    threads[0].start()
+    assert long_started.wait(60)  # the long one runs first: before, its refusal turned the drafter "down"
+    threads += [threading.Thread(target=run, args=(n,)) for n in ("grows", "short")]
+    for t in threads[1:]:
+        t.start()
+    for t in threads:
+        t.join(180)
+    for name, (ids, n) in cases.items():
+        expect_greedy(ids, outs[name]["token_ids"], n, ignore_eos=True)
+    assert outs["long"]["usage"]["proposed_draft_tokens"] == 0
+    assert outs["grows"]["usage"]["proposed_draft_tokens"] > 0
+    assert outs["short"]["usage"]["proposed_draft_tokens"] > 0
+    log = stack["gateway"].log_tail(400)
+    assert "drafter failed" not in log, log
+    assert "does not fit the drafter's max_model_len 64" in log
+    assert server_info(stack.gateway).drafter_up
