@@ -15,7 +15,7 @@ from specsplit.defaults import DEFAULT_K_NGRAM, DEFAULT_K_POLICY, engine_config
 from specsplit.config import EngineConfig, SpecConfig
 from specsplit.factory import build_draft_engine, build_target_engine
 from specsplit.engine import DraftEngine
-from specsplit.factory import grammar_compiler
+from specsplit.factory import grammar_compiler, without_lookup
 from specsplit.models.loader import hf_dir_for, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ def build_engine(args, role: str) -> BuiltEngine:
     tokenizer_dir = str(hf_dir_for(cfg.model, show_progress=False)) if role == "verifier" else ""
     model_drafter = getattr(engine, "model", engine)  # MODEL+ngram: the model part
     if role == "drafter" and isinstance(model_drafter, DraftEngine):  # masks its drafts (best effort)
-        draft_dir = hf_dir_for(cfg.model, show_progress=False)
+        draft_dir = hf_dir_for(without_lookup(cfg)[0].model, show_progress=False)  # the model, not MODEL+ngram
         model_drafter.grammars = grammar_compiler(lambda: load_tokenizer(draft_dir), mcfg,
                                                   getattr(args, "grammar_timeout", None))
     if role == "verifier" and hasattr(engine, "grammars"):  # loads the tokenizer when a grammar first comes
