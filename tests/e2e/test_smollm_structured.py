@@ -12,8 +12,6 @@ the OpenAI HTTP API returns schema-valid JSON.
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 
 import pytest
 
@@ -24,7 +22,7 @@ from specsplit.sampling.params import Grammar, SamplingParams
 from specsplit.scheduler import Scheduler
 from tests.helpers.greedy import assert_greedy_equal_or_tie, native_next_logits
 from tests.helpers.structured import constrained_next_logits
-from tests.services.procs import HOST, ServiceProcess, free_port
+from tests.services.procs import HOST, ServiceProcess, free_port, http_call
 
 pytestmark = [pytest.mark.smollm, pytest.mark.slow]
 
@@ -94,12 +92,7 @@ def http_server(tmp_path_factory):
     proc = ServiceProcess("serve", ["serve", "--target", "smollm2-135m", "--draft", "ngram", "--port", str(port),
                                     "--http-port", str(http_port), "--max-model-len", "256", "--max-num-seqs", "2",
                                     "--threads", "1", "--grammar-timeout", "30"], root, port)
-    try:
-        proc.wait_serving(300)
-    except Exception:
-        print(proc.log_tail(80))
-        proc.stop()
-        raise
+    proc.serving(300)
     proc.http_port = http_port
     try:
         yield proc
@@ -108,13 +101,8 @@ def http_server(tmp_path_factory):
 
 
 def _post(srv, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(f"http://{HOST}:{srv.http_port}/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    status, raw = http_call(srv.http_port, "/v1/chat/completions", body, timeout=120, host=HOST)
+    return status, json.loads(raw)
 
 
 def test_http_response_format_gives_schema_valid_json(http_server):

@@ -5,11 +5,14 @@ SIGTERM, waits, and kills on timeout, so a failing test never leaves a process b
 """
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -90,6 +93,17 @@ class ServiceProcess:
 
         wait_serving({self.name: (self.proc, self.address)}, timeout, security=self.security,
                      describe=lambda: ":\n" + self.log_tail())
+
+    def serving(self, timeout: float = 180.0) -> "ServiceProcess":
+        """wait_serving; where it never serves, the process is stopped and the error (with the end of
+        its log) raised. Returns self (for fixtures)."""
+        try:
+            self.wait_serving(timeout)
+        except Exception:
+            print(self.log_tail(80))
+            self.stop()
+            raise
+        return self
 
     def stop(self, timeout: float = 20.0) -> int | None:
         """SIGTERM, wait, then SIGKILL. Returns the exit code."""
@@ -211,6 +225,19 @@ def service_info(address: str, role: str, timeout: float = 5.0) -> common_pb2.Se
     stub_cls = drafter_pb2_grpc.DrafterStub if role == "drafter" else verifier_pb2_grpc.VerifierStub
     with grpc.insecure_channel(address) as ch:
         return stub_cls(ch).GetInfo(common_pb2.InfoRequest(), timeout=timeout)
+
+
+def http_call(port: int, path: str, body: dict | None = None, timeout: float = 30.0,
+              host: str = "127.0.0.1") -> tuple[int, bytes]:
+    """(status, body bytes) of a GET, or a POST of `body` as JSON, to an HTTP API on host:port; an
+    HTTP error status is returned, not raised."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(f"http://{host}:{port}{path}", data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
 
 
 def wait_for(predicate, timeout: float, poll: float = 0.02) -> float | None:

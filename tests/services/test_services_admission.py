@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from specsplit.v1 import gateway_pb2, gateway_pb2_grpc
-from tests.services.procs import HOST, TINY_ENGINE, ServiceProcess, free_port, request, wait_for
+from tests.services.procs import HOST, TINY_ENGINE, ServiceProcess, free_port, http_call, request, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -36,14 +36,8 @@ def full_server(tmp_path_factory, tiny_llama):
 
 
 def _http(srv, path: str, body: dict | None = None) -> tuple[int, str]:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(f"http://{HOST}:{srv.http_port}{path}", data=data,
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
+    status, raw = http_call(srv.http_port, path, body, host=HOST)
+    return status, raw.decode()
 
 
 def _waiting(srv) -> float:

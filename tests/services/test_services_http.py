@@ -41,12 +41,7 @@ def http_server(tmp_path_factory, tiny_llama, tiny_draft_close):
             "--http-port", str(http_port), "--auth-token-file", str(token_file), "--max-num-seqs", "4",
             *TINY_ENGINE, *SPECULATE_ALWAYS]
     proc = ServiceProcess("http-serve", argv, root, port)
-    try:
-        proc.wait_serving(240)
-    except Exception:
-        print(proc.log_tail(80))
-        proc.stop()
-        raise
+    proc.serving(240)
     proc.http_port = http_port
     proc.model = str(target)
     proc.token_file = token_file

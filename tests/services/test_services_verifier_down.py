@@ -15,19 +15,13 @@ import grpc
 import pytest
 
 from specsplit.v1 import gateway_pb2_grpc
-from tests.services.procs import generate, health, request, wait_for
+from tests.services.procs import generate, health, http_call, request, wait_for
 
 
 def _http(stack, path: str, body: dict | None = None) -> tuple[int, dict]:
     """(status, JSON body) of a GET, or a POST of `body`, to the gateway's HTTP API."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{stack.http_port}{path}", data=data,
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    status, raw = http_call(stack.http_port, path, body, timeout=10)
+    return status, json.loads(raw)
 
 
 def _completion(stack, ids, max_tokens: int = 4) -> tuple[int, dict]:
