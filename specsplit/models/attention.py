@@ -63,6 +63,10 @@ class BatchMetadata:
             logits_index.extend(range(offset + q - n_logits, offset + q))
             offset += q
 
+        # every sequence's block table, zero-padded to the longest: [B, max_blocks]
+        all_tables = torch.zeros((len(q_lens), max((len(t) for t in block_tables), default=0)), dtype=torch.int64)
+        for b, table in enumerate(block_tables):
+            all_tables[b, : len(table)] = torch.tensor(table, dtype=torch.int64)
         by_q: dict[int, list[int]] = {}
         for b, q in enumerate(q_lens):
             by_q.setdefault(q, []).append(b)
@@ -70,9 +74,7 @@ class BatchMetadata:
         single = len(by_q) == 1
         for q, members in by_q.items():
             max_blocks = max(len(block_tables[b]) for b in members)
-            tables = torch.zeros((len(members), max_blocks), dtype=torch.int64)
-            for i, b in enumerate(members):
-                tables[i, : len(block_tables[b])] = torch.tensor(block_tables[b], dtype=torch.int64)
+            tables = all_tables[members, :max_blocks]  # [G, max_blocks], the group's rows
             token_index = torch.tensor([starts[b] + j for b in members for j in range(q)], dtype=torch.int64)
             kv = torch.tensor([kv_lens[b] for b in members], dtype=torch.int64)  # [G]
             span = max_blocks * block_size
@@ -90,9 +92,6 @@ class BatchMetadata:
                     covers_all=single,  # one group holds every sequence, in batch order
                 )
             )
-        all_tables = torch.zeros((len(q_lens), max(len(t) for t in block_tables) if block_tables else 0), dtype=torch.int64)
-        for b, table in enumerate(block_tables):
-            all_tables[b, : len(table)] = torch.tensor(table, dtype=torch.int64)
         return cls(
             block_tables=all_tables.to(device),
             q_lens_t=torch.tensor(q_lens, dtype=torch.int64, device=device),
