@@ -154,7 +154,11 @@ def request_from_pb(msg: gateway_pb2.GenerateRequest, encode: Callable[[gateway_
     the cheap checks, tokenization (`encode`: e.g. Tokenizer.encode_request), conversion,
     validation. ServiceError(INVALID_ARGUMENT)."""
     check_before_tokenizing(msg, limits)
-    ids = encode(msg)
+    return checked_request(msg, encode(msg), limits)
+
+
+def checked_request(msg: gateway_pb2.GenerateRequest, ids: list[int], limits: Limits) -> GenerationRequest:
+    """build_request, then the request's bounds (specsplit.request.validate) as a ServiceError."""
     req = build_request(msg, ids)
     try:
         validate(req, limits)
@@ -184,9 +188,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         capacity: (max_num_seqs, max_queue): requests running, queued and being tokenized at once
         (None: unbounded); past their sum a request is RESOURCE_EXHAUSTED before any work on it."""
         self.scheduler = scheduler
-        # Compiles structured-output grammars at admission (colocated: the verifier's own, so its
-        # step thread finds them cached). None: requests with a grammar are refused.
-        self.grammars = grammars
+        self.grammars = grammars  # colocated: the verifier's own, so its step thread finds them cached
         self.tokenizer = tokenizer
         self.limits = limits
         self.server_info = server_info
@@ -244,11 +246,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 raise ServiceError(grpc.StatusCode.UNAVAILABLE, DRAINING_MESSAGE)
             if prepare is not None:
                 prepare(msg, ids)
-            req = build_request(msg, ids)
-            try:
-                validate(req, self.limits)  # before compiling: a cheap refusal comes first
-            except RequestError as e:
-                raise status_of(e) from None
+            req = checked_request(msg, ids, self.limits)  # before compiling: a cheap refusal comes first
             await self.admit(req)
             if self.draining:
                 raise ServiceError(grpc.StatusCode.UNAVAILABLE, DRAINING_MESSAGE)
