@@ -35,7 +35,6 @@ import torch
 import torch.nn.functional as F
 
 from specsplit.engine import EngineError, check_propose, check_seq_adds, fetch_q_rows, ingest_chain, sample_drafts
-from specsplit.kernels.quant_linear import QuantWeight
 from specsplit.models.eagle3 import DraftCache, Eagle3Head
 from specsplit.protocols import DrafterTraits, Proposal, ProposeRequest, QRow, RowRequest, SeqAdd
 from specsplit.sampling.params import SamplingParams
@@ -268,9 +267,11 @@ def use_cpu_kernels(head: Eagle3Head) -> None:
     head.fc = fast(head.fc.weight)
     for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
         setattr(layer, name, fast(getattr(layer, name).weight))
-    head.head_linear = quantized_head(head.lm_head) or fast(head.lm_head)
-    if isinstance(head.head_linear.quant, QuantWeight):
-        head.lm_head = None  # the blocks hold it now
+    quant = quantized_head(head.lm_head)
+    if quant is not None:
+        head.head_linear, head.lm_head = quant, None  # the blocks hold it now
+    else:
+        head.head_linear = fast(head.lm_head)
 
 
 def quantized_head(lm_head: torch.Tensor):
