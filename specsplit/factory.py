@@ -175,7 +175,7 @@ def joint_costs(verifier, drafter, network_s: float = 0.0) -> StepCosts:
     """The verifier's and the drafter's calibrated costs as one StepCosts for the K policy."""
     v = verifier.step_costs or StepCosts()
     d = (drafter.step_costs if drafter is not None else None) or StepCosts()
-    return StepCosts(verify=dict(v.verify), draft=dict(d.draft), network_s=network_s)
+    return StepCosts(verify=dict(v.verify), draft=dict(d.draft), network_s=network_s, spread=v.spread)
 
 
 class ServiceBuild(NamedTuple):

@@ -41,6 +41,7 @@ from specsplit.protocols import (
     VerifyRequest,
     VerifyResult,
 )
+from specsplit.recalibration import Recalibration
 from specsplit.spec.drafter_health import DrafterHealth
 from specsplit.spec.peer_checks import checked_proposals, rows_problem
 from specsplit.spec.predraft import PreDrafter
@@ -111,6 +112,8 @@ class SpecDecoder:
             # A hybrid's model drafts at most model_tokens a step (0: all k, as a feature drafter does)
             hybrid = drafter.model_tokens or None if drafter is not None else None
             self.policy = KPolicy(costs, spec.num_speculative_tokens, hybrid, async_draft=self.async_draft)
+        # the policy's verify costs follow the machine's drift, measured on the live verify calls
+        self.recalibration = Recalibration(costs) if self.policy is not None else None
 
     # ---- lifecycle -----------------------------------------------------------------------
     @property
@@ -298,6 +301,8 @@ class SpecDecoder:
         results = self.verifier.verify(reqs)
         verified = time.perf_counter()
         self._time_verify(verified - t0, sum(len(r.draft_token_ids) + 1 for r in reqs))
+        if self.recalibration is not None:
+            self.recalibration.observe(len(reqs), max(len(r.draft_token_ids) + 1 for r in reqs), verified - t0)
         branches = self._join_predraft(started)
         stats.draft_wait_s += time.perf_counter() - verified
         results = self._resolve_pending(results, proposals)
