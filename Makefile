@@ -27,8 +27,9 @@ demo-local: $(STAMP)
 	  "Write a haiku about speculative decoding."
 
 # pytest exits 5 when it collected no tests: that must fail, not pass silently.
+# --durations: every run names its slowest tests (the suite's time budget is about 15 minutes).
 test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS); rc=$$?; \
+	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 test-fast: $(STAMP)
