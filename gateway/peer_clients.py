@@ -49,6 +49,7 @@ class RemoteError(wire.ServiceError):
     def __init__(self, code: grpc.StatusCode, message: str, broken: bool):
         super().__init__(code, message)
         self.broken = broken
+        self.kind = code.name.lower()  # as a RequestError names it (specsplit.spec.drafter_health.refused)
 
 
 class _Ended:

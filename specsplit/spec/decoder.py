@@ -42,7 +42,7 @@ from specsplit.protocols import (
     VerifyResult,
 )
 from specsplit.recalibration import Recalibration
-from specsplit.spec.drafter_health import DrafterHealth
+from specsplit.spec.drafter_health import DrafterHealth, refused, target_only
 from specsplit.spec.peer_checks import checked_proposals, rows_problem
 from specsplit.spec.predraft import PreDrafter
 from specsplit.spec.track import IDLE_FEATURE_ROWS, MAX_FEATURE_ROWS, Track
@@ -168,7 +168,10 @@ class SpecDecoder:
                 self.drafter.add([seq])
                 track.on_drafter = True
             except Exception as e:  # the drafter is optional: never fail a request because of it
-                self._drafter_failed(e)
+                if refused(e):  # this sequence, not the drafter: the others keep speculating
+                    target_only(track, e)
+                else:
+                    self._drafter_failed(e)
 
     def release(self, seq_ids: Sequence[str], finished: bool = False) -> None:
         """finished: the requests ended normally (stop, length; not aborted or preempted)."""

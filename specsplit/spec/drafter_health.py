@@ -1,16 +1,28 @@
 """The drafter as the step sees it: up, or down since a failed call and retried every `retry_s`;
-when it answers again every running sequence is given to it again (re-sync)."""
+when it answers again every running sequence is given to it again (re-sync). A drafter that
+refuses one call's sequences (`refused`) is not down: only those sequences decode target-only."""
 from __future__ import annotations
 
 import logging
 import time
 
 from specsplit.protocols import Drafter, SeqAdd
+from specsplit.request import RequestError, error_from_exception
 from specsplit.spec.track import Track
 
 log = logging.getLogger("specsplit.spec")
 
 PROBE_S = 0.25  # a re-sync first asks the drafter whether it answers, for at most this long
+
+
+def refused(error: BaseException) -> bool:
+    """Whether the drafter refused the sequences of one call and is otherwise well: it answered
+    that they are invalid for it or that it has no room for them (nothing was added), rather than
+    failing, timing out or going away. The one rule for "this sequence, not the drafter"."""
+    if getattr(error, "broken", False):
+        return False
+    kind = getattr(error, "kind", None) or error_from_exception(error).kind  # a peer's status, or ours
+    return kind in (RequestError.INVALID, RequestError.EXHAUSTED)
 
 
 class DrafterHealth:
@@ -57,7 +69,7 @@ class DrafterHealth:
         try:
             self.drafter.release(stale)
             self._stale.clear()
-            self.drafter.add([SeqAdd(t.seq_id, tuple(t.tokens), t.add.params) for t in want])
+            want = self._add_all(want)
         except Exception as e:
             self._next_try = self._clock() + self.retry_s
             log.debug("drafter still unavailable: %s", e)
@@ -69,3 +81,29 @@ class DrafterHealth:
             t.on_drafter = True
             t.unsent = []
             t.fresh = True
+
+    def _add_all(self, tracks: list[Track]) -> list[Track]:
+        """Give the drafter these sequences in one call; if it refuses that call, one by one, and
+        those it refuses alone decode target-only from now on. The tracks it took."""
+        try:
+            self.drafter.add([SeqAdd(t.seq_id, tuple(t.tokens), t.add.params) for t in tracks])
+            return tracks
+        except Exception as e:
+            if not refused(e):
+                raise
+        took = []
+        for t in tracks:
+            try:
+                self.drafter.add([SeqAdd(t.seq_id, tuple(t.tokens), t.add.params)])
+                took.append(t)
+            except Exception as e:
+                if not refused(e):
+                    raise
+                target_only(t, e)
+        return took
+
+
+def target_only(t: Track, why: BaseException) -> None:
+    """The drafter refused this sequence: it decodes target-only from now on (re-syncs skip it)."""
+    log.info("sequence %s decodes target-only: the drafter refused it (%s)", t.seq_id, why)
+    t.k = 0
