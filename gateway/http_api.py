@@ -14,7 +14,9 @@ validation and admission); the scheduler's Events stream back as OpenAI objects 
 
 Defaults follow OpenAI: temperature 1.0 and top_p 1.0 when unset (the gRPC API's default is
 greedy: send temperature 0 for greedy here); max_tokens 16 for completions and the rest of
-max_model_len for chat. Extensions: top_k, ignore_eos. One choice per request (n = 1).
+max_model_len for chat. Extensions: top_k, ignore_eos. One choice per request (n = 1). Completions
+take echo: the prompt's text, and with logprobs its tokens' (the first null), from the verifier's
+prefill (GenerateRequest.prompt_logprobs); max_tokens 0 with echo scores the prompt only.
 
 Errors are OpenAI's JSON, {"error": {"message", "type", "param", "code"}}, with the HTTP status
 of the RequestError kind (invalid_argument 400, resource_exhausted 429, unavailable 503, other
@@ -36,7 +38,7 @@ import ssl
 import time
 import uuid
 from contextlib import contextmanager
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import grpc
 import uvicorn
@@ -153,8 +155,6 @@ def _check_unsupported(body: _Body) -> None:
     if body.n not in (None, 1):
         raise _invalid("n must be 1: this server returns one choice per request", "n")
     if isinstance(body, CompletionBody):
-        if body.echo:
-            raise _invalid("echo is not supported", "echo")
         if body.suffix:
             raise _invalid("suffix is not supported", "suffix")
         if body.best_of not in (None, 1):
@@ -231,11 +231,13 @@ def _content(m: ChatMessageBody, i: int) -> str:
     return "".join(parts)
 
 
-def _generate_request(body: _Body, request_id: str, max_tokens: int) -> gateway_pb2.GenerateRequest:
-    """The sampling and stop fields of a GenerateRequest, as the gRPC API takes them."""
+def _generate_request(body: _Body, request_id: str, max_tokens: int, score_only: bool = False) -> gateway_pb2.GenerateRequest:
+    """The sampling and stop fields of a GenerateRequest, as the gRPC API takes them. score_only:
+    max_tokens 0 is allowed (completions with echo: the prompt alone, scored)."""
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    if max_tokens < 1:
-        raise _invalid(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
+    if max_tokens < (0 if score_only else 1):
+        raise _invalid(f"max_tokens must be >= {0 if score_only else 1}{' (0 only with echo)' if not score_only else ''}, "
+                       f"got {max_tokens}", "max_tokens")
     try:
         msg = gateway_pb2.GenerateRequest(
             request_id=request_id, max_tokens=max_tokens,
@@ -288,6 +290,23 @@ def _completion_logprobs(lps: list[TokenLogprob], tok: _Tokens, offset: int) -> 
         out["top_logprobs"].append({tok(t): v for t, v in lp.top})
         out["text_offset"].append(offset)
         offset += len(s)
+    return out
+
+
+def _echo_logprobs(prompt_ids: Sequence[int], lps: Sequence[TokenLogprob], tok: _Tokens) -> dict:
+    """The prompt's part of an echoed completion's logprobs (OpenAI's legacy format, as vLLM
+    gives it): every prompt token, the first with no logprob (null: nothing comes before it),
+    text_offset from 0 by the tokens' own text."""
+    out = {"tokens": [], "token_logprobs": [None], "top_logprobs": [None], "text_offset": []}
+    offset = 0
+    for t in prompt_ids:
+        s = tok(t)
+        out["tokens"].append(s)
+        out["text_offset"].append(offset)
+        offset += len(s)
+    for lp in lps:
+        out["token_logprobs"].append(lp.logprob)
+        out["top_logprobs"].append({tok(t): v for t, v in lp.top})
     return out
 
 
@@ -661,7 +680,11 @@ def create_app(backend: HttpBackend) -> FastAPI:
         if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
             raise _invalid(f"logprobs must be in [0, {MAX_LOGPROBS}], got {body.logprobs}", "logprobs")
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-        msg = _generate_request(body, rid, max_tokens)
+        echo = bool(body.echo)
+        msg = _generate_request(body, rid, max_tokens, score_only=echo)
+        if echo and (body.logprobs is not None or max_tokens == 0):
+            # The prompt's logprobs come from the verifier's prefill (GenerateRequest.prompt_logprobs)
+            msg.prompt_logprobs = body.logprobs or 0
         p = body.prompt
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
             p = p[0]
@@ -678,14 +701,24 @@ def create_app(backend: HttpBackend) -> FastAPI:
             raise _invalid("the prompt is empty", "prompt")
         live = await submit(body, msg, body.logprobs, False, http_request)
         first = await first_event(live)
-        state = {"offset": 0}
+        prompt_ids = list(live.request.prompt_token_ids)
+        # echo: the prompt's text first (as sent, or its ids decoded), then the completion's
+        echoed = (p if isinstance(p, str) else servicer.tokenizer.decode(prompt_ids)) if echo else ""
+        state = {"offset": len(echoed), "echo": echo}
 
         def choice(ev: Event) -> dict:
             lp = None
             if body.logprobs is not None and ev.logprobs is not None:
                 lp = _completion_logprobs(ev.logprobs, tok, state["offset"])
             state["offset"] += len(ev.text)
-            return {"index": 0, "text": ev.text, "logprobs": lp, "finish_reason": ev.finish_reason}
+            text = ev.text
+            if state["echo"]:  # the first chunk (or the whole answer) starts with the prompt
+                state["echo"] = False
+                text = echoed + text
+                if body.logprobs is not None:
+                    head = _echo_logprobs(prompt_ids, ev.prompt_logprobs or (), tok)
+                    lp = {k: head[k] + (lp[k] if lp else []) for k in head}
+            return {"index": 0, "text": text, "logprobs": lp, "finish_reason": ev.finish_reason}
 
         def envelope(choices: list, usage=None, chunk: bool = False) -> dict:
             out = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": backend.model,
@@ -701,7 +734,7 @@ def create_app(backend: HttpBackend) -> FastAPI:
         evs, last = await collect(live, first)
         merged = [choice(ev) for ev in evs]
         lp = None
-        if body.logprobs is not None and any(ev.logprobs is not None for ev in evs):
+        if body.logprobs is not None and (echo or any(ev.logprobs is not None for ev in evs)):
             lp = {k: [x for c in merged if c["logprobs"] for x in c["logprobs"][k]]
                   for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
         text = "".join(c["text"] for c in merged)
