@@ -208,6 +208,36 @@ def test_max_tokens_0_needs_echo(server):
     assert e.value.body["param"] == "max_tokens" and "0 only with echo" in e.value.body["message"]
 
 
+def test_n_choices_are_requests_of_their_own(server):
+    """n = 3: three requests to the scheduler (seeds seed, seed + 1, seed + 2), three choices with
+    their index, usage counting the prompt once and every choice's tokens; streamed, each chunk
+    names its choice and every choice ends; n outside [1, 16] is a 400."""
+    servicer, http = server
+    before = len(servicer.scheduler.requests)
+    res = _client(http).completions.create(model=MODEL, prompt="w1 w2", max_tokens=3, n=3, seed=41, logprobs=0)
+    reqs = servicer.scheduler.requests[before:]
+    assert [r.params.seed for r in reqs] == [41, 42, 43] and len({r.request_id for r in reqs}) == 3
+    assert [c.index for c in res.choices] == [0, 1, 2] and all(c.text == "w5 w6 w7" for c in res.choices)
+    assert all(c.logprobs.tokens == ["w5", "w6", "w7"] for c in res.choices)
+    assert (res.usage.prompt_tokens, res.usage.completion_tokens) == (2, 9)
+    res = _client(http).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w1"}],
+                                                max_tokens=2, n=2)
+    assert [c.index for c in res.choices] == [0, 1] and all(c.message.content == "w5 w6" for c in res.choices)
+    assert res.usage.completion_tokens == 4
+    chunks = list(_client(http).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w1"}],
+                                                        max_tokens=3, n=2, stream=True,
+                                                        stream_options={"include_usage": True}))
+    for i in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        assert mine[0].delta.role == "assistant" and "".join(x.delta.content or "" for x in mine) == "w5 w6 w7"
+        assert mine[-1].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 6
+    for n in (0, 17):
+        with pytest.raises(openai.BadRequestError) as e:
+            _client(http).completions.create(model=MODEL, prompt="w1", max_tokens=1, n=n)
+        assert e.value.body["param"] == "n" and "n must be in [1, 16]" in e.value.body["message"]
+
+
 def test_chat_logprobs_shape(server):
     _, http = server
     res = _client(http).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w1"}],
