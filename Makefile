@@ -5,7 +5,7 @@ PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.specsplit-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo demo-local test test-fast lint-imports protos bench clean-venv
+.PHONY: demo demo-local test test-fast lint-imports protos bench clean-venv eval
 
 # Create the venv and install everything once; re-running reuses it (re-installs when
 # pyproject.toml changes). torch is pinned to the CPU wheel on this machine's disk.
@@ -39,6 +39,18 @@ test-fast: $(STAMP)
 # tests/test_layers.py).
 lint-imports: $(STAMP)
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/lint-imports
+
+# lm-eval's local-completions against a live `specsplit serve` (SmolLM2-135M), every loglikelihood
+# checked against transformers (docs/evaluation.md). lm-eval is large (~800 MB with its
+# dependencies): it gets a venv of its own, never the project's.
+EVAL_VENV ?= .venv-eval
+$(EVAL_VENV)/.installed:
+	test -x $(EVAL_VENV)/bin/python || python3 -m venv $(EVAL_VENV)
+	$(EVAL_VENV)/bin/pip install --quiet 'lm-eval[api]==0.4.13' 'transformers>=4.51'
+	touch $@
+
+eval: $(STAMP) $(EVAL_VENV)/.installed
+	PYTHONPATH=$(CURDIR) $(PY) tools/lm_eval_compare.py --lm-eval-python $(EVAL_VENV)/bin/python
 
 protos: $(STAMP)
 	$(PY) protos/generate.py

@@ -14,7 +14,10 @@ validation and admission); the scheduler's Events stream back as OpenAI objects 
 
 Defaults follow OpenAI: temperature 1.0 and top_p 1.0 when unset (the gRPC API's default is
 greedy: send temperature 0 for greedy here); max_tokens 16 for completions and the rest of
-max_model_len for chat. Extensions: top_k, ignore_eos. One choice per request (n = 1).
+max_model_len for chat. Extensions: top_k, ignore_eos. n (1..16) choices: independent samples, each a
+request of its own to the scheduler (a seeded request's choice i draws with seed + i). Completions
+take echo: the prompt's text, and with logprobs its tokens' (the first null), from the verifier's
+prefill (GenerateRequest.prompt_logprobs); max_tokens 0 with echo scores the prompt only.
 
 Errors are OpenAI's JSON, {"error": {"message", "type", "param", "code"}}, with the HTTP status
 of the RequestError kind (invalid_argument 400, resource_exhausted 429, unavailable 503, other
@@ -36,7 +39,7 @@ import ssl
 import time
 import uuid
 from contextlib import contextmanager
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import grpc
 import uvicorn
@@ -58,6 +61,7 @@ from specsplit.sampling.params import MAX_LOGIT_BIAS_ENTRIES
 log = logging.getLogger(__name__)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_CHOICES = 16  # n at most: each choice is a request of its own to the scheduler
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default (the gRPC API's is 0, greedy)
 SHUTDOWN_GRACE_S = 5.0
 
@@ -150,11 +154,9 @@ class ChatBody(_Body):
 
 
 def _check_unsupported(body: _Body) -> None:
-    if body.n not in (None, 1):
-        raise _invalid("n must be 1: this server returns one choice per request", "n")
+    if body.n is not None and not 1 <= body.n <= MAX_CHOICES:
+        raise _invalid(f"n must be in [1, {MAX_CHOICES}], got {body.n}", "n")
     if isinstance(body, CompletionBody):
-        if body.echo:
-            raise _invalid("echo is not supported", "echo")
         if body.suffix:
             raise _invalid("suffix is not supported", "suffix")
         if body.best_of not in (None, 1):
@@ -231,11 +233,13 @@ def _content(m: ChatMessageBody, i: int) -> str:
     return "".join(parts)
 
 
-def _generate_request(body: _Body, request_id: str, max_tokens: int) -> gateway_pb2.GenerateRequest:
-    """The sampling and stop fields of a GenerateRequest, as the gRPC API takes them."""
+def _generate_request(body: _Body, request_id: str, max_tokens: int, score_only: bool = False) -> gateway_pb2.GenerateRequest:
+    """The sampling and stop fields of a GenerateRequest, as the gRPC API takes them. score_only:
+    max_tokens 0 is allowed (completions with echo: the prompt alone, scored)."""
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    if max_tokens < 1:
-        raise _invalid(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
+    if max_tokens < (0 if score_only else 1):
+        raise _invalid(f"max_tokens must be >= {0 if score_only else 1}{' (0 only with echo)' if not score_only else ''}, "
+                       f"got {max_tokens}", "max_tokens")
     try:
         msg = gateway_pb2.GenerateRequest(
             request_id=request_id, max_tokens=max_tokens,
@@ -288,6 +292,23 @@ def _completion_logprobs(lps: list[TokenLogprob], tok: _Tokens, offset: int) -> 
         out["top_logprobs"].append({tok(t): v for t, v in lp.top})
         out["text_offset"].append(offset)
         offset += len(s)
+    return out
+
+
+def _echo_logprobs(prompt_ids: Sequence[int], lps: Sequence[TokenLogprob], tok: _Tokens) -> dict:
+    """The prompt's part of an echoed completion's logprobs (OpenAI's legacy format, as vLLM
+    gives it): every prompt token, the first with no logprob (null: nothing comes before it),
+    text_offset from 0 by the tokens' own text."""
+    out = {"tokens": [], "token_logprobs": [None], "top_logprobs": [None], "text_offset": []}
+    offset = 0
+    for t in prompt_ids:
+        s = tok(t)
+        out["tokens"].append(s)
+        out["text_offset"].append(offset)
+        offset += len(s)
+    for lp in lps:
+        out["token_logprobs"].append(lp.logprob)
+        out["top_logprobs"].append({tok(t): v for t, v in lp.top})
     return out
 
 
@@ -383,23 +404,47 @@ class _EventStream(StreamingResponse):
     """An SSE response that aborts its request however it ends, even if the client is gone
     before the body is ever iterated."""
 
-    def __init__(self, live: _Live, content, **kw):
+    def __init__(self, lives: list[_Live], content, **kw):
         super().__init__(content, **kw)
-        self.live = live
+        self.lives = lives
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.live.close()
+            for live in self.lives:
+                live.close()
 
 
 @contextmanager
-def _aborting(live: _Live):
+def _aborting(lives: list[_Live]):
     try:
-        yield live
+        yield lives
     finally:
-        live.close()
+        for live in lives:
+            live.close()
+
+
+def _nth_choice(msg: gateway_pb2.GenerateRequest, i: int, n: int) -> gateway_pb2.GenerateRequest:
+    """Choice i of n: an independent sample of the same request (its own request to the scheduler;
+    a seeded one draws with seed + i, so the n choices of a seed are reproducible and choice 0 is
+    the seed's own stream)."""
+    if n == 1:
+        return msg
+    out = gateway_pb2.GenerateRequest()
+    out.CopyFrom(msg)
+    out.request_id = f"{msg.request_id}-{i}"
+    if msg.HasField("seed"):
+        out.seed = (msg.seed + i) % 2**64
+    return out
+
+
+def _usage_of(usages: list[dict | None]) -> dict | None:
+    """n choices' usage: the prompt once (as OpenAI counts it), the completions' tokens summed."""
+    if any(u is None for u in usages):
+        return None
+    return {"prompt_tokens": usages[0].get("prompt_tokens", 0),
+            "completion_tokens": sum(int(u.get("completion_tokens", 0)) for u in usages)}
 
 
 # ---- before the body: the token, then the body's size -----------------------------------------
@@ -562,13 +607,25 @@ def create_app(backend: HttpBackend) -> FastAPI:
         return model_card()
 
     async def submit(body: _Body, msg: gateway_pb2.GenerateRequest, logprobs: int | None, default_max: bool,
-                     http_request: Request) -> _Live:
-        """The gRPC servicer's steps: checks, tokenization, build_request, the scheduler."""
+                     http_request: Request) -> list[_Live]:
+        """The gRPC servicer's steps for each of the n choices: checks, tokenization, build_request,
+        the scheduler. A choice refused (a full server) closes the ones submitted before it."""
         check_model(body.model)
         _check_unsupported(body)
         if logprobs is not None:
             msg.logprobs = logprobs
+        n = body.n or 1
+        lives: list[_Live] = []
+        try:
+            for i in range(n):
+                lives.append(await submit_one(_nth_choice(msg, i, n), default_max, http_request))
+        except BaseException:
+            for live in lives:
+                live.close()
+            raise
+        return lives
 
+    async def submit_one(msg: gateway_pb2.GenerateRequest, default_max: bool, http_request: Request) -> _Live:
         def prepare(msg: gateway_pb2.GenerateRequest, ids: list[int]) -> None:
             if default_max:  # chat without max_tokens: the rest of the context
                 msg.max_tokens = max(1, limits.max_model_len - len(ids))
@@ -581,17 +638,22 @@ def create_app(backend: HttpBackend) -> FastAPI:
             raise api_error(e) from None
         return live
 
-    async def first_event(live: _Live) -> Event:
-        """Wait for the first event before answering: an error before any token is a status code."""
+    async def first_events(lives: list[_Live]) -> list[Event]:
+        """Wait for each choice's first event before answering: an error before any token is a
+        status code (and the other choices are aborted)."""
+        out = []
         try:
-            ev = await live.next(watch_disconnect=True)
+            for live in lives:
+                ev = await live.next(watch_disconnect=True)
+                live.stop_watching()
+                if ev.error is not None:
+                    raise api_error(status_of(ev.error))
+                out.append(ev)
         except BaseException:
-            live.close()
+            for live in lives:
+                live.close()
             raise
-        if ev.error is not None:
-            live.close()
-            raise api_error(status_of(ev.error))
-        return ev
+        return out
 
     eos_ids = frozenset(scheduler.scheduler.eos_token_ids)
 
@@ -615,44 +677,73 @@ def create_app(backend: HttpBackend) -> FastAPI:
                 return
             ev = await live.next(watch_disconnect=False)  # streamed: Starlette listens, and cancels us
 
-    def stream(live: _Live, first: Event, chunks, include_usage: bool, usage_chunk: Callable[[dict], dict]):
-        live.stop_watching()
+    def stream(lives: list[_Live], firsts: list[Event], chunks, include_usage: bool,
+               usage_chunk: Callable[[dict], dict]):
+        """SSE of the choices' events as they come (chunks(i, ev): choice i's chunks for ev)."""
+        for live in lives:
+            live.stop_watching()
 
         async def body():
-            with _aborting(live):
-                usage = None
+            with _aborting(lives):
+                queue: asyncio.Queue = asyncio.Queue()
+
+                async def pump(i: int) -> None:
+                    try:
+                        async for ev in events(lives[i], firsts[i]):
+                            queue.put_nowait((i, ev, None))
+                    except ApiError as e:
+                        queue.put_nowait((i, None, e))
+                        return
+                    queue.put_nowait((i, None, None))
+
+                tasks = [asyncio.ensure_future(pump(i)) for i in range(len(lives))]
                 try:
-                    async for ev in events(live, first):
-                        for c in chunks(ev):
+                    usages: list[dict | None] = [None] * len(lives)
+                    left = len(lives)
+                    while left:
+                        i, ev, err = await queue.get()
+                        if err is not None:
+                            yield _sse(err.body())
+                            yield SSE_DONE
+                            return
+                        if ev is None:
+                            left -= 1
+                            continue
+                        for c in chunks(i, ev):
                             if include_usage:
                                 c["usage"] = None
                             yield _sse(c)
-                        usage = ev.usage if ev.finish_reason is not None else usage
-                except ApiError as e:
-                    yield _sse(e.body())
+                        if ev.finish_reason is not None:
+                            usages[i] = ev.usage
+                    if include_usage:
+                        yield _sse(usage_chunk(_usage(_usage_of(usages))))
                     yield SSE_DONE
-                    return
-                if include_usage:
-                    yield _sse(usage_chunk(_usage(usage)))
-                yield SSE_DONE
+                finally:
+                    for t in tasks:
+                        t.cancel()
 
-        return _EventStream(live, body(), media_type="text/event-stream",
+        return _EventStream(lives, body(), media_type="text/event-stream",
                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def collect(live: _Live, first: Event) -> tuple[list[Event], Event]:
-        with _aborting(live):
-            out, ev = [first], first
-            while ev.finish_reason is None and ev.error is None:
-                try:
-                    ev = await live.next(watch_disconnect=True)
-                except ClientGone:
-                    log.info("http: %s: the client went away; request aborted", live.request.request_id)
-                    raise
-                out.append(ev)
-            if ev.error is not None:
-                raise api_error(status_of(ev.error))
-            out[-1] = without_eos(ev, live.ignore_eos)
-            return out, out[-1]
+    async def collect(lives: list[_Live], firsts: list[Event]) -> list[list[Event]]:
+        """Each choice's events to its last (one at a time; the others queue meanwhile)."""
+        with _aborting(lives):
+            out = []
+            for live, first in zip(lives, firsts):
+                evs, ev = [first], first
+                while ev.finish_reason is None and ev.error is None:
+                    try:
+                        ev = await live.next(watch_disconnect=True)
+                    except ClientGone:
+                        log.info("http: %s: the client went away; request aborted", live.request.request_id)
+                        raise
+                    evs.append(ev)
+                live.stop_watching()
+                if ev.error is not None:
+                    raise api_error(status_of(ev.error))
+                evs[-1] = without_eos(ev, live.ignore_eos)
+                out.append(evs)
+            return out
 
     # ---- /v1/completions ---------------------------------------------------------------
     @app.post("/v1/completions")
@@ -661,7 +752,11 @@ def create_app(backend: HttpBackend) -> FastAPI:
         if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
             raise _invalid(f"logprobs must be in [0, {MAX_LOGPROBS}], got {body.logprobs}", "logprobs")
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-        msg = _generate_request(body, rid, max_tokens)
+        echo = bool(body.echo)
+        msg = _generate_request(body, rid, max_tokens, score_only=echo)
+        if echo and (body.logprobs is not None or max_tokens == 0):
+            # The prompt's logprobs come from the verifier's prefill (GenerateRequest.prompt_logprobs)
+            msg.prompt_logprobs = body.logprobs or 0
         p = body.prompt
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
             p = p[0]
@@ -676,16 +771,27 @@ def create_app(backend: HttpBackend) -> FastAPI:
             raise _invalid("prompt must be one string or one list of token ids (batches are not supported)", "prompt")
         if not p:
             raise _invalid("the prompt is empty", "prompt")
-        live = await submit(body, msg, body.logprobs, False, http_request)
-        first = await first_event(live)
-        state = {"offset": 0}
+        lives = await submit(body, msg, body.logprobs, False, http_request)
+        firsts = await first_events(lives)
+        prompt_ids = list(lives[0].request.prompt_token_ids)
+        # echo: the prompt's text first (as sent, or its ids decoded), then the completion's
+        echoed = (p if isinstance(p, str) else servicer.tokenizer.decode(prompt_ids)) if echo else ""
+        states = [{"offset": len(echoed), "echo": echo} for _ in lives]
 
-        def choice(ev: Event) -> dict:
+        def choice(i: int, ev: Event) -> dict:
+            state = states[i]
             lp = None
             if body.logprobs is not None and ev.logprobs is not None:
                 lp = _completion_logprobs(ev.logprobs, tok, state["offset"])
             state["offset"] += len(ev.text)
-            return {"index": 0, "text": ev.text, "logprobs": lp, "finish_reason": ev.finish_reason}
+            text = ev.text
+            if state["echo"]:  # the first chunk (or the whole answer) starts with the prompt
+                state["echo"] = False
+                text = echoed + text
+                if body.logprobs is not None:
+                    head = _echo_logprobs(prompt_ids, ev.prompt_logprobs or (), tok)
+                    lp = {k: head[k] + (lp[k] if lp else []) for k in head}
+            return {"index": i, "text": text, "logprobs": lp, "finish_reason": ev.finish_reason}
 
         def envelope(choices: list, usage=None, chunk: bool = False) -> dict:
             out = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": backend.model,
@@ -696,17 +802,18 @@ def create_app(backend: HttpBackend) -> FastAPI:
 
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
-            return stream(live, first, lambda ev: [envelope([choice(ev)], chunk=True)], include_usage,
+            return stream(lives, firsts, lambda i, ev: [envelope([choice(i, ev)], chunk=True)], include_usage,
                           lambda u: envelope([], u, chunk=True))
-        evs, last = await collect(live, first)
-        merged = [choice(ev) for ev in evs]
-        lp = None
-        if body.logprobs is not None and any(ev.logprobs is not None for ev in evs):
-            lp = {k: [x for c in merged if c["logprobs"] for x in c["logprobs"][k]]
-                  for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
-        text = "".join(c["text"] for c in merged)
-        return envelope([{"index": 0, "text": text, "logprobs": lp, "finish_reason": last.finish_reason}],
-                        _usage(last.usage))
+        choices, collected = [], await collect(lives, firsts)
+        for i, evs in enumerate(collected):
+            merged = [choice(i, ev) for ev in evs]
+            lp = None
+            if body.logprobs is not None and (echo or any(ev.logprobs is not None for ev in evs)):
+                lp = {k: [x for c in merged if c["logprobs"] for x in c["logprobs"][k]]
+                      for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+            text = "".join(c["text"] for c in merged)
+            choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": evs[-1].finish_reason})
+        return envelope(choices, _usage(_usage_of([evs[-1].usage for evs in collected])))
 
     # ---- /v1/chat/completions ----------------------------------------------------------
     @app.post("/v1/chat/completions")
@@ -727,8 +834,8 @@ def create_app(backend: HttpBackend) -> FastAPI:
         for i, m in enumerate(body.messages):
             msg.messages.append(gateway_pb2.ChatMessage(role=_utf8(m.role, f"messages[{i}].role", "messages"),
                                                         content=_utf8(_content(m, i), f"messages[{i}].content", "messages")))
-        live = await submit(body, msg, logprobs, max_tokens is None, http_request)
-        first = await first_event(live)
+        lives = await submit(body, msg, logprobs, max_tokens is None, http_request)
+        firsts = await first_events(lives)
 
         def envelope(choices: list, usage=None, chunk: bool = False) -> dict:
             out = {"id": rid, "object": "chat.completion.chunk" if chunk else "chat.completion",
@@ -742,30 +849,31 @@ def create_app(backend: HttpBackend) -> FastAPI:
 
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
-            started = {"role": False}
+            started = [False] * len(lives)
 
-            def chunks(ev: Event) -> list[dict]:
+            def chunks(i: int, ev: Event) -> list[dict]:
                 out = []
-                if not started["role"]:
-                    started["role"] = True
-                    out.append(envelope([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                if not started[i]:
+                    started[i] = True
+                    out.append(envelope([{"index": i, "delta": {"role": "assistant", "content": ""},
                                           "logprobs": None, "finish_reason": None}], chunk=True))
                 if ev.text or ev.token_ids:
-                    out.append(envelope([{"index": 0, "delta": {"content": ev.text}, "logprobs": lp_of(ev),
+                    out.append(envelope([{"index": i, "delta": {"content": ev.text}, "logprobs": lp_of(ev),
                                           "finish_reason": None}], chunk=True))
                 if ev.finish_reason is not None:
-                    out.append(envelope([{"index": 0, "delta": {}, "logprobs": None,
+                    out.append(envelope([{"index": i, "delta": {}, "logprobs": None,
                                           "finish_reason": ev.finish_reason}], chunk=True))
                 return out
 
-            return stream(live, first, chunks, include_usage, lambda u: envelope([], u, chunk=True))
-        evs, last = await collect(live, first)
-        lp = None
-        if logprobs is not None and any(ev.logprobs is not None for ev in evs):
-            lp = {"content": [c for ev in evs if (x := lp_of(ev)) for c in x["content"]], "refusal": None}
-        message = {"role": "assistant", "content": "".join(ev.text for ev in evs), "refusal": None}
-        return envelope([{"index": 0, "message": message, "logprobs": lp, "finish_reason": last.finish_reason}],
-                        _usage(last.usage))
+            return stream(lives, firsts, chunks, include_usage, lambda u: envelope([], u, chunk=True))
+        choices, collected = [], await collect(lives, firsts)
+        for i, evs in enumerate(collected):
+            lp = None
+            if logprobs is not None and any(ev.logprobs is not None for ev in evs):
+                lp = {"content": [c for ev in evs if (x := lp_of(ev)) for c in x["content"]], "refusal": None}
+            message = {"role": "assistant", "content": "".join(ev.text for ev in evs), "refusal": None}
+            choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": evs[-1].finish_reason})
+        return envelope(choices, _usage(_usage_of([evs[-1].usage for evs in collected])))
 
     @app.exception_handler(ClientGone)
     async def _gone(request: Request, e: ClientGone):

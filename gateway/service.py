@@ -101,8 +101,8 @@ def check_before_tokenizing(msg: gateway_pb2.GenerateRequest, limits: Limits) ->
         raise _invalid(f"request_id is {rid} bytes; at most {MAX_REQUEST_ID_BYTES} are allowed")
     if not msg.prompt_token_ids and not msg.prompt and not msg.messages:
         raise _invalid("the prompt is empty: set prompt (text), prompt_token_ids or messages")
-    if msg.max_tokens < 1:
-        raise _invalid("max_tokens must be >= 1")
+    if msg.max_tokens < 1 and not msg.HasField("prompt_logprobs"):
+        raise _invalid("max_tokens must be >= 1 (0 only with prompt_logprobs: score the prompt)")
     if len(msg.messages) > MAX_CHAT_MESSAGES:
         raise _invalid(f"{len(msg.messages)} chat messages; at most {MAX_CHAT_MESSAGES} are allowed")
     for i, m in enumerate(msg.messages):
@@ -145,6 +145,7 @@ def build_request(msg: gateway_pb2.GenerateRequest, ids: list[int]) -> Generatio
         disable_speculation=msg.speculation.disable,
         stop=tuple(msg.stop),
         logprobs=int(msg.logprobs) if msg.HasField("logprobs") else None,
+        prompt_logprobs=int(msg.prompt_logprobs) if msg.HasField("prompt_logprobs") else None,
     )
 
 
@@ -172,6 +173,8 @@ def response_pb(ev: Event) -> gateway_pb2.GenerateResponse:
                                        proposed_draft_tokens=ev.proposed, accepted_draft_tokens=ev.accepted)
     if ev.logprobs:
         msg.logprobs.extend(logprobs_to_pb(ev.logprobs))
+    if ev.prompt_logprobs:
+        msg.prompt_logprobs.extend(logprobs_to_pb(ev.prompt_logprobs))
     if ev.usage is not None:
         msg.usage.CopyFrom(gateway_pb2.Usage(**ev.usage))
     return msg

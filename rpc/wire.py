@@ -113,7 +113,8 @@ def seq_adds_to_pb(seqs: Sequence[SeqAdd]) -> common_pb2.AddSeqs:
     return common_pb2.AddSeqs(seqs=[
         common_pb2.SeqAdd(seq_id=s.seq_id, prompt_token_ids=s.prompt_token_ids, params=params_to_pb(s.params),
                           logprobs=s.logprobs,  # None: the optional field stays unset
-                          feature_layers=s.feature_layers, generated=s.generated)
+                          feature_layers=s.feature_layers, generated=s.generated,
+                          prompt_logprobs=s.prompt_logprobs)
         for s in seqs
     ])
 
@@ -121,7 +122,8 @@ def seq_adds_to_pb(seqs: Sequence[SeqAdd]) -> common_pb2.AddSeqs:
 def seq_adds_from_pb(m: common_pb2.AddSeqs, rename=lambda s: s) -> list[SeqAdd]:
     return [SeqAdd(rename(s.seq_id), tuple(s.prompt_token_ids), params_from_pb(s.params),
                    int(s.logprobs) if s.HasField("logprobs") else None, tuple(s.feature_layers),
-                   int(s.generated)) for s in m.seqs]
+                   int(s.generated), int(s.prompt_logprobs) if s.HasField("prompt_logprobs") else None)
+            for s in m.seqs]
 
 
 # ---- target features (feature drafters) --------------------------------------------------------
@@ -290,6 +292,8 @@ def results_to_pb(results: Sequence[VerifyResult], rename=lambda s: s) -> verifi
             msg.logprobs.extend(logprobs_to_pb(r.logprobs))
         if r.features is not None:
             msg.features.CopyFrom(features_to_pb(r.features, r.features_start))
+        if r.prompt_logprobs is not None:
+            msg.prompt_logprobs.CopyFrom(common_pb2.PromptLogprobs(tokens=logprobs_to_pb(r.prompt_logprobs)))
         out.append(msg)
     return verifier_pb2.VerifyResults(results=out)
 
@@ -303,5 +307,6 @@ def results_from_pb(m: verifier_pb2.VerifyResults) -> list[VerifyResult]:
             int(r.pending_position) if r.HasField("pending_position") else None,
             logprobs_from_pb(r.logprobs) if len(r.logprobs) else None,
             features=feats, features_start=start,
+            prompt_logprobs=logprobs_from_pb(r.prompt_logprobs.tokens) if r.HasField("prompt_logprobs") else None,
         ))
     return out

@@ -30,7 +30,7 @@ from specsplit.protocols import (
 )
 from specsplit.sampling.coupled import coupled_sample
 from specsplit.sampling.grammar import GrammarCompiler, GrammarError, GrammarState, apply_masks
-from specsplit.sampling.logprobs import MAX_LOGPROBS, seq_logprobs
+from specsplit.sampling.logprobs import MAX_LOGPROBS, PROMPT_LOGITS_ROWS, TokenLogprob, seq_logprobs, token_logprobs
 from specsplit.sampling.ngram import ngram_propose
 from specsplit.sampling.params import SamplingParams
 from specsplit.sampling.penalties import penalize
@@ -65,6 +65,7 @@ class _Seq:
     step_features: torch.Tensor | None = None  # verifier: [rows, F] of the last verify, from its start
     prompt_len: int = 0  # tokens[:prompt_len] is the prompt, the rest generated (penalties, grammar)
     grammar: GrammarState | None = None  # verifier: the sequence's matcher (specsplit.sampling.grammar)
+    prompt_logprobs: int | None = None  # verifier: alternatives per prompt position, until its first verify
 
 
 def _probs(logits: list[torch.Tensor], params: Sequence[SamplingParams]) -> list[torch.Tensor]:
@@ -154,6 +155,9 @@ def check_seq_adds(seqs: Sequence[SeqAdd], running, side: str, vocab_size: int |
                               f"got {s.generated}")
         if s.logprobs is not None and not 0 <= s.logprobs <= MAX_LOGPROBS:
             raise EngineError(f"sequence {s.seq_id!r}: logprobs must be in [0, {MAX_LOGPROBS}], got {s.logprobs}")
+        if s.prompt_logprobs is not None and not 0 <= s.prompt_logprobs <= MAX_LOGPROBS:
+            raise EngineError(f"sequence {s.seq_id!r}: prompt_logprobs must be in [0, {MAX_LOGPROBS}], "
+                              f"got {s.prompt_logprobs}")
 
 
 def check_propose(r: ProposeRequest, s, vocab_size: int | None, max_model_len: int) -> None:
@@ -324,6 +328,8 @@ class TargetEngine(_EngineBase, VerifierTraits):
         super().add(seqs)
         for seq_id, st in states.items():
             self.seqs[seq_id].grammar = st
+        for a in seqs:
+            self.seqs[a.seq_id].prompt_logprobs = a.prompt_logprobs
 
     def _constrain(self, reqs: Sequence[VerifyRequest], seqs: Sequence[_Seq]) -> tuple[list[VerifyRequest], dict]:
         """Drafts cut where a sequence's grammar refuses one (specsplit.sampling.grammar), and each
@@ -380,9 +386,11 @@ class TargetEngine(_EngineBase, VerifierTraits):
                     f"pass max_model_len {self.runner.max_model_len}"
                 )
         reqs, masks = self._constrain(reqs, seqs)
+        prompt_lps, at, prompt_feats = self._score_prompts(reqs, seqs)
         items = [
-            ForwardItem(r.seq_id, s.num_computed, s.tokens[s.num_computed :] + list(r.draft_token_ids), len(r.draft_token_ids) + 1)
-            for r, s in zip(reqs, seqs)
+            ForwardItem(r.seq_id, at.get(i, s.num_computed), s.tokens[at.get(i, s.num_computed):] + list(r.draft_token_ids),
+                        len(r.draft_token_ids) + 1)
+            for i, (r, s) in enumerate(zip(reqs, seqs))
         ]
         layers = _feature_layers(seqs)
         feats: list = []
@@ -390,6 +398,8 @@ class TargetEngine(_EngineBase, VerifierTraits):
         for i, s in enumerate(seqs):
             s.undo = (len(s.tokens), s.num_computed)
             s.step_features = _features_for(s, layers, feats[i]) if layers else None
+            if i in prompt_feats:  # the scored prompt positions come first
+                s.step_features = torch.cat([prompt_feats[i], s.step_features])
 
         raw, logits = logits, self._process(logits, reqs, seqs, masks)
         results: list[VerifyResult | None] = [None] * len(reqs)
@@ -404,7 +414,43 @@ class TargetEngine(_EngineBase, VerifierTraits):
         asked = [i for i, s in enumerate(seqs) if s.logprobs is not None]
         if asked:
             self._add_logprobs(asked, seqs, raw, results)
+        for i, lps in prompt_lps.items():
+            seqs[i].prompt_logprobs = None  # scored once: this verify's result carries them
+            results[i] = replace(results[i], prompt_logprobs=lps)
         return results  # type: ignore[return-value]
+
+    def _score_prompts(self, reqs: Sequence[VerifyRequest], seqs: Sequence[_Seq]):
+        """The prompt log-probabilities of the sequences that asked (SeqAdd.prompt_logprobs), at
+        their first verify: their prefill of prompt[:-1] runs here with every logit row kept,
+        PROMPT_LOGITS_ROWS positions per forward; row j's log_softmax scores prompt[j + 1] (the
+        raw logits, as `logprobs`). The verify's own forward then starts at the last prompt token.
+        num_computed is not moved (the verify commits as usual; a failed one scores again).
+
+        Returns, by index in seqs: the TokenLogprobs (len(prompt) - 1), where the verify's forward
+        starts, and the scored positions' features [P - 1, F] (a feature drafter needs them all)."""
+        lps: dict[int, tuple[TokenLogprob, ...]] = {}
+        at: dict[int, int] = {}
+        feats: dict[int, torch.Tensor] = {}
+        for i, (r, s) in enumerate(zip(reqs, seqs)):
+            n = s.prompt_logprobs
+            if n is None:
+                continue
+            end = max(0, s.prompt_len - 1)  # positions 0 .. end-1 score prompt tokens 1 .. end
+            out: list[TokenLogprob] = []
+            parts: list[torch.Tensor] = []
+            for a in range(0, end, PROMPT_LOGITS_ROWS):
+                b = min(end, a + PROMPT_LOGITS_ROWS)
+                item = ForwardItem(r.seq_id, a, s.tokens[a:b], b - a)
+                got: list = []
+                rows = self.runner.forward([item], s.feature_layers, got)[0] if s.feature_layers \
+                    else self.runner.forward([item])[0]  # [b - a, V]
+                parts.extend(got)
+                out.extend(token_logprobs(rows, s.tokens[a + 1:b + 1], [n] * (b - a)))
+                del rows
+            lps[i], at[i] = tuple(out), end
+            if parts:
+                feats[i] = torch.cat(parts)
+        return lps, at, feats
 
     def _add_logprobs(self, idx, seqs, logits, results) -> None:
         """Logprobs of the emitted tokens from the rows this verify already has: row j of a

@@ -46,6 +46,10 @@ class SeqAdd:
     # The last `generated` tokens of prompt_token_ids are output already (a resumed sequence after
     # a preemption): penalties count them as generated, a grammar's matcher takes them.
     generated: int = 0
+    # Verifier only. None: the prompt is not scored. n (0..20): its first verify (the prefill)
+    # returns the log-probability of every prompt token after the first and the n most likely
+    # alternatives at each position (VerifyResult.prompt_logprobs).
+    prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,9 @@ class VerifyResult:
     # this step committed to the target's KV (the tokens before the emitted bonus/recovered one).
     features: torch.Tensor | None = None
     features_start: int = 0
+    # SeqAdd.prompt_logprobs set: on the result of its first verify, one per prompt token after
+    # the first (len(prompt) - 1, in order); else None.
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass

@@ -78,6 +78,10 @@ class GenerationRequest:
     # None: no log-probabilities. n in 0..MAX_LOGPROBS: each emitted token carries its
     # log-probability under the target and the n most likely alternatives (TokenLogprob).
     logprobs: int | None = None
+    # None: the prompt is not scored. n in 0..MAX_LOGPROBS: the first event carries the
+    # log-probability of every prompt token after the first and the n most likely alternatives at
+    # each prompt position (from the target's prefill). With it max_tokens may be 0: score only.
+    prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -91,8 +95,8 @@ def validate(req: GenerationRequest, limits: Limits | None) -> None:
     if len(req.request_id.encode("utf-8", "surrogatepass")) > MAX_REQUEST_ID_BYTES:
         raise invalid(f"request_id is {len(req.request_id.encode('utf-8', 'surrogatepass'))} bytes; "
                       f"at most {MAX_REQUEST_ID_BYTES} are allowed")
-    if req.max_tokens < 1:
-        raise invalid(f"max_tokens must be >= 1, got {req.max_tokens}")
+    if req.max_tokens < (0 if req.prompt_logprobs is not None else 1):
+        raise invalid(f"max_tokens must be >= 1 (0 only with prompt_logprobs: score the prompt), got {req.max_tokens}")
     if not req.prompt_token_ids:
         raise invalid("the prompt is empty (or tokenizes to no tokens)")
     try:
@@ -108,6 +112,9 @@ def validate(req: GenerationRequest, limits: Limits | None) -> None:
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
         raise invalid(f"logprobs must be in [0, {MAX_LOGPROBS}] (alternatives per token; unset = no "
                       f"log-probabilities), got {req.logprobs}")
+    if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= MAX_LOGPROBS:
+        raise invalid(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}] (alternatives per prompt position; unset = "
+                      f"none), got {req.prompt_logprobs}")
     if req.params.grammar is not None and req.ignore_eos:
         raise invalid("ignore_eos cannot be combined with a grammar (response_format): the output ends where "
                       "the grammar does; unset ignore_eos")
@@ -120,7 +127,7 @@ def validate(req: GenerationRequest, limits: Limits | None) -> None:
     if bad:
         raise invalid(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {limits.vocab_size})")
     n = len(req.prompt_token_ids)
-    if n + req.max_tokens > limits.max_model_len:
+    if n + max(req.max_tokens, 1) > limits.max_model_len:  # the prefill computes one token past the prompt
         raise invalid(
             f"prompt ({n} tokens) + max_tokens ({req.max_tokens}) = {n + req.max_tokens} "
             f"exceeds max_model_len {limits.max_model_len}; shorten the prompt or lower max_tokens"
@@ -138,6 +145,9 @@ class Event:
     error: RequestError | None = None
     # One per token in token_ids when the request asked for logprobs; else None.
     logprobs: list[TokenLogprob] | None = None
+    # On the first event of a request that asked for prompt_logprobs: one per prompt token after
+    # the first (len(prompt) - 1); else None.
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
     # The speculative step(s) behind this event: drafts proposed and accepted for this request.
     proposed: int = 0
     accepted: int = 0
@@ -163,6 +173,10 @@ class Request:
         # One per token in output when the request asked for logprobs (None otherwise).
         self.logprobs: list[TokenLogprob] | None = [] if request.logprobs is not None else None
         self._sent = (0, 0, 0)  # (logprobs, proposed, accepted) already streamed
+        # The prompt's TokenLogprobs once the verifier scored it (request.prompt_logprobs set);
+        # they go with the next event.
+        self.prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+        self._prompt_sent = False
         self.speculative_steps = 0  # steps that verified at least one draft token
         self.preemptions = 0
         self.closed = False
@@ -192,8 +206,20 @@ class Request:
 
     def seq_add(self) -> SeqAdd:
         """The engines' view: on resume after a preemption, the prompt is prompt + output."""
+        scored = self.prompt_logprobs is not None  # a resumed request is not scored again
         return SeqAdd(self.seq_id, tuple(self.request.prompt_token_ids) + tuple(self.output), self.request.params,
-                      self.request.logprobs, generated=len(self.output))
+                      self.request.logprobs, generated=len(self.output),
+                      prompt_logprobs=None if scored else self.request.prompt_logprobs)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Asked for the prompt's log-probabilities and not given them yet."""
+        return self.request.prompt_logprobs is not None and self.prompt_logprobs is None
+
+    def take_prompt_logprobs(self, lps: Sequence[TokenLogprob]) -> None:
+        """The verifier scored the prompt (the first one counts: a resumed request is not scored again)."""
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = tuple(lps[: len(self.request.prompt_token_ids) - 1])
 
     def usage(self) -> dict:
         return {
@@ -249,8 +275,11 @@ class Request:
             logprobs = self.logprobs[lp: lp + len(tokens)]
             lp += len(logprobs)
         self._sent = (lp, self.proposed, self.accepted)
+        prompt = None
+        if self.prompt_logprobs is not None and not self._prompt_sent:
+            prompt, self._prompt_sent = self.prompt_logprobs, True
         return Event(tokens, text, logprobs=logprobs, proposed=self.proposed - proposed,
-                     accepted=self.accepted - accepted, **kw)
+                     accepted=self.accepted - accepted, prompt_logprobs=prompt, **kw)
 
     def emit(self, kept: list[int]) -> None:
         """Stream this step's kept tokens (nothing once the request is closed)."""

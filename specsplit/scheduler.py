@@ -215,6 +215,17 @@ class Scheduler:
             if req.closed:  # aborted while the step ran
                 done.append(sid)
                 continue
+            prompt = out.prompt_logprobs.get(sid)
+            if prompt is not None:
+                req.take_prompt_logprobs(prompt)
+            if req.wants_prompt_logprobs and tokens:
+                # Asked for, not given: a verifier older than the prompt_logprobs field (it ignores it).
+                done.append(sid)
+                self._finish(req, error=RequestError(
+                    "unimplemented", "the verifier did not score the prompt for this request (a verifier service "
+                    "older than GenerateRequest.prompt_logprobs?); upgrade it or send the request without "
+                    "prompt_logprobs / echo"))
+                continue
             logprobs = out.logprobs.get(sid)
             if req.logprobs is not None and tokens and (logprobs is None or len(logprobs) != len(tokens)):
                 # Asked for, not given: a verifier older than the logprobs field (it ignores it).

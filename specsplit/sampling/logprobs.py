@@ -20,6 +20,10 @@ from typing import Sequence
 import torch
 
 MAX_LOGPROBS = 20  # alternatives per token at most (the API's limit: specsplit.request.validate)
+# Prompt log-probabilities (SeqAdd.prompt_logprobs) are scored this many prompt positions per
+# forward: [32, V] fp32 logits and their log_softmax (12 MiB for SmolLM2's 49,152 tokens), about
+# the rows one verify of 6 sequences at K = 4 holds, so a long prompt never holds a [P, V] tensor.
+PROMPT_LOGITS_ROWS = 32
 
 
 @dataclass(frozen=True)

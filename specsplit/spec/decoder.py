@@ -68,6 +68,9 @@ class StepOutput:
     k: int = 0  # drafts asked per sequence this step (the K policy's choice, or the fixed K)
     # seq_id -> one TokenLogprob per token in tokens[seq_id], for the sequences that asked
     logprobs: dict[str, tuple[TokenLogprob, ...]] = field(default_factory=dict)
+    # seq_id -> its prompt's TokenLogprobs (one per prompt token after the first), on the step of
+    # its first verify, for the sequences added with prompt_logprobs
+    prompt_logprobs: dict[str, tuple[TokenLogprob, ...]] = field(default_factory=dict)
 
 
 @dataclass
@@ -203,8 +206,9 @@ class SpecDecoder:
         proposals = self._drafts(ids, plan, stats)
         reqs = [VerifyRequest(s, proposals[s].token_ids, proposals[s].probs) if s in proposals and proposals[s].token_ids
                 else VerifyRequest(s) for s in ids]
-        results, branches = self._verify(reqs, proposals, plan, stats)
+        results, branches, prompt_logprobs = self._verify(reqs, proposals, plan, stats)
         out = self._account(reqs, results, branches, asked_drafter=bool(proposals), stats=stats)
+        out.prompt_logprobs = prompt_logprobs
         out.speculated = bool(proposals)
         out.k = plan.k if proposals else 0
         return out
@@ -297,11 +301,14 @@ class SpecDecoder:
 
     # ---- phase 3: verify (and pre-draft the next step meanwhile) ----------------------------
     def _verify(self, reqs: list[VerifyRequest], proposals: dict[str, Proposal], plan: _Plan,
-                stats: StepStats) -> tuple[list[VerifyResult], dict[str, Proposal]]:
-        """The verifier's results (pending ones resolved) and the pre-drafted branches by seq_id."""
+                stats: StepStats) -> tuple[list[VerifyResult], dict[str, Proposal], dict]:
+        """The verifier's results (pending ones resolved), the pre-drafted branches by seq_id, and
+        the prompt logprobs by seq_id (taken from the verify itself: they stand even when the step
+        is resolved or abandoned after it, as the prompt's KV does)."""
         started = self._start_predraft(reqs, plan, stats) if self.predraft is not None and plan.k > 0 else None
         t0 = time.perf_counter()
         results = self.verifier.verify(reqs)
+        prompt_logprobs = {r.seq_id: r.prompt_logprobs for r in results if r.prompt_logprobs is not None}
         verified = time.perf_counter()
         self._time_verify(verified - t0, sum(len(r.draft_token_ids) + 1 for r in reqs))
         if self.recalibration is not None:
@@ -310,7 +317,7 @@ class SpecDecoder:
         stats.draft_wait_s += time.perf_counter() - verified
         results = self._resolve_pending(results, proposals)
         stats.verify_s = time.perf_counter() - t0
-        return results, branches
+        return results, branches, prompt_logprobs
 
     def _start_predraft(self, reqs: list[VerifyRequest], plan: _Plan,
                         stats: StepStats) -> tuple[list[ProposeRequest], Future] | None:

@@ -172,7 +172,7 @@ def test_chat_logprobs(http_server):
     (dict(temperature=-1), "temperature", "temperature"),
     (dict(max_tokens=0), "max_tokens", "max_tokens"),
     (dict(max_tokens=-3), "max_tokens", "max_tokens must be >= 1"),
-    (dict(n=2), "n", "n must be 1"),
+    (dict(n=17), "n", "n must be in [1, 16]"),
     (dict(max_tokens=10_000), None, "max_model_len"),
     (dict(logprobs=50), "logprobs", "logprobs"),
     (dict(top_p=1.5), "top_p", "top_p"),

@@ -51,20 +51,22 @@ class Grammar(_message.Message):
     def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., ebnf: _Optional[str] = ...) -> None: ...
 
 class SeqAdd(_message.Message):
-    __slots__ = ("seq_id", "prompt_token_ids", "params", "logprobs", "feature_layers", "generated")
+    __slots__ = ("seq_id", "prompt_token_ids", "params", "logprobs", "feature_layers", "generated", "prompt_logprobs")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
     logprobs: int
     feature_layers: _containers.RepeatedScalarFieldContainer[int]
     generated: int
-    def __init__(self, seq_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., logprobs: _Optional[int] = ..., feature_layers: _Optional[_Iterable[int]] = ..., generated: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: int
+    def __init__(self, seq_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., logprobs: _Optional[int] = ..., feature_layers: _Optional[_Iterable[int]] = ..., generated: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class Features(_message.Message):
     __slots__ = ("start", "rows", "width", "bf16")
@@ -87,6 +89,12 @@ class TokenLogprob(_message.Message):
     logprob: float
     top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
+
+class PromptLogprobs(_message.Message):
+    __slots__ = ("tokens",)
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, tokens: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")

@@ -38,20 +38,22 @@ class AbandonStep(_message.Message):
     def __init__(self, seq_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
-    __slots__ = ("seq_id", "num_accepted", "token_ids", "pending_position", "logprobs", "features")
+    __slots__ = ("seq_id", "num_accepted", "token_ids", "pending_position", "logprobs", "features", "prompt_logprobs")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PENDING_POSITION_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     num_accepted: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     pending_position: int
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     features: _common_pb2.Features
-    def __init__(self, seq_id: _Optional[str] = ..., num_accepted: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., pending_position: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: _common_pb2.PromptLogprobs
+    def __init__(self, seq_id: _Optional[str] = ..., num_accepted: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., pending_position: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.PromptLogprobs, _Mapping]] = ...) -> None: ...
 
 class VerifyResults(_message.Message):
     __slots__ = ("results",)

@@ -49,6 +49,14 @@ class _Scheduler:
 
     def _run(self, req, sink):
         out = self.OUTPUT[: req.max_tokens]
+        prompt = None  # prompt_logprobs: token t after the first scores -t / 100, with n alternatives
+        if req.prompt_logprobs is not None:
+            prompt = [TokenLogprob(t, -t / 100, tuple((t + j, -(t + j) / 100) for j in range(req.prompt_logprobs)))
+                      for t in req.prompt_token_ids[1:]]
+        if not out:  # max_tokens 0: the prompt scored, nothing generated
+            sink(Event([], "", "length", {"prompt_tokens": len(req.prompt_token_ids), "completion_tokens": 0},
+                       prompt_logprobs=prompt))
+            return
         for i in range(0, len(out), 2):
             time.sleep(0.01)
             if self.fail_after is not None and i >= self.fail_after:
@@ -62,7 +70,8 @@ class _Scheduler:
                        for t in ids]
             text = " ".join(f"w{t}" for t in ids) + ("" if last else " ")
             usage = {"prompt_tokens": len(req.prompt_token_ids), "completion_tokens": len(out)} if last else None
-            sink(Event(ids, text, self.finish if last else None, usage, logprobs=lps))
+            sink(Event(ids, text, self.finish if last else None, usage, logprobs=lps,
+                       prompt_logprobs=prompt if i == 0 else None))
 
     def abort(self, request, reason="cancelled"):
         self.aborted.append(request)
@@ -162,6 +171,71 @@ def test_completion_logprobs_shape(server):
     streamed = list(_client(http).completions.create(model=MODEL, prompt="w1", max_tokens=3, logprobs=2, stream=True))
     assert [t for c in streamed for t in c.choices[0].logprobs.tokens] == lp.tokens
     assert [o for c in streamed for o in c.choices[0].logprobs.text_offset] == lp.text_offset
+
+
+def test_echo_with_logprobs_has_the_prompt_first(server):
+    """echo: the prompt's text then the completion's; its tokens first in logprobs, the first with
+    null logprob and top_logprobs, text_offset from 0 by the tokens' text; max_tokens 0 scores only
+    (what lm-eval's loglikelihood requests send); streamed, the first chunk holds the prompt."""
+    servicer, http = server
+    res = _client(http).completions.create(model=MODEL, prompt="w1 w2 w3", max_tokens=1, logprobs=1, echo=True)
+    assert servicer.scheduler.requests[-1].prompt_logprobs == 1
+    c = res.choices[0]
+    assert c.text == "w1 w2 w3w5"
+    lp = c.logprobs
+    assert lp.tokens == ["w1", "w2", "w3", "w5"]
+    assert lp.token_logprobs == [None, -0.02, -0.03, -0.25]
+    assert lp.top_logprobs == [None, {"w2": -0.02}, {"w3": -0.03}, {"w5": -0.25}]
+    assert lp.text_offset == [0, 2, 4, 8]  # the prompt by its tokens' text; the completion after the prompt's text
+    res = _client(http).completions.create(model=MODEL, prompt=[4, 5], max_tokens=0, logprobs=0, echo=True)
+    c = res.choices[0]
+    assert c.text == "w4 w5" and c.finish_reason == "length" and res.usage.completion_tokens == 0
+    assert c.logprobs.tokens == ["w4", "w5"] and c.logprobs.token_logprobs == [None, -0.05]
+    assert c.logprobs.top_logprobs == [None, {}]
+    streamed = list(_client(http).completions.create(model=MODEL, prompt="w1 w2 w3", max_tokens=1, logprobs=1,
+                                                     echo=True, stream=True))
+    assert "".join(x.choices[0].text for x in streamed) == "w1 w2 w3w5"
+    assert [t for x in streamed for t in x.choices[0].logprobs.tokens] == ["w1", "w2", "w3", "w5"]
+    res = _client(http).completions.create(model=MODEL, prompt="w1 w2", max_tokens=2, echo=True)
+    assert res.choices[0].text == "w1 w2w5 w6" and res.choices[0].logprobs is None
+    assert servicer.scheduler.requests[-1].prompt_logprobs is None  # no logprobs: the prompt is not scored
+
+
+def test_max_tokens_0_needs_echo(server):
+    _, http = server
+    with pytest.raises(openai.BadRequestError) as e:
+        _client(http).completions.create(model=MODEL, prompt="w1", max_tokens=0)
+    assert e.value.body["param"] == "max_tokens" and "0 only with echo" in e.value.body["message"]
+
+
+def test_n_choices_are_requests_of_their_own(server):
+    """n = 3: three requests to the scheduler (seeds seed, seed + 1, seed + 2), three choices with
+    their index, usage counting the prompt once and every choice's tokens; streamed, each chunk
+    names its choice and every choice ends; n outside [1, 16] is a 400."""
+    servicer, http = server
+    before = len(servicer.scheduler.requests)
+    res = _client(http).completions.create(model=MODEL, prompt="w1 w2", max_tokens=3, n=3, seed=41, logprobs=0)
+    reqs = servicer.scheduler.requests[before:]
+    assert [r.params.seed for r in reqs] == [41, 42, 43] and len({r.request_id for r in reqs}) == 3
+    assert [c.index for c in res.choices] == [0, 1, 2] and all(c.text == "w5 w6 w7" for c in res.choices)
+    assert all(c.logprobs.tokens == ["w5", "w6", "w7"] for c in res.choices)
+    assert (res.usage.prompt_tokens, res.usage.completion_tokens) == (2, 9)
+    res = _client(http).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w1"}],
+                                                max_tokens=2, n=2)
+    assert [c.index for c in res.choices] == [0, 1] and all(c.message.content == "w5 w6" for c in res.choices)
+    assert res.usage.completion_tokens == 4
+    chunks = list(_client(http).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w1"}],
+                                                        max_tokens=3, n=2, stream=True,
+                                                        stream_options={"include_usage": True}))
+    for i in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        assert mine[0].delta.role == "assistant" and "".join(x.delta.content or "" for x in mine) == "w5 w6 w7"
+        assert mine[-1].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 6
+    for n in (0, 17):
+        with pytest.raises(openai.BadRequestError) as e:
+            _client(http).completions.create(model=MODEL, prompt="w1", max_tokens=1, n=n)
+        assert e.value.body["param"] == "n" and "n must be in [1, 16]" in e.value.body["message"]
 
 
 def test_chat_logprobs_shape(server):

@@ -1,0 +1,34 @@
+"""lm-eval's `local-completions` against a live `specsplit serve` (SmolLM2-135M, n-gram drafts):
+tools/lm_eval_compare.py runs the committed multiple-choice (loglikelihood: echo + logprobs) and
+generate_until tasks and checks every loglikelihood against transformers within 1e-3 and every
+greedy generation equal. Runs where lm-eval is installed: in this Python (`pip install -e
+'.[eval]'`) or in the one $LM_EVAL_PYTHON names (`make eval` makes a venv of its own); nothing is
+downloaded at run time."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.smollm, pytest.mark.slow]
+
+TOOLS = Path(__file__).resolve().parents[2] / "tools"
+LM_EVAL_PYTHON = os.environ.get("LM_EVAL_PYTHON") or (sys.executable if importlib.util.find_spec("lm_eval") else None)
+
+
+@pytest.mark.skipif(LM_EVAL_PYTHON is None, reason="lm-eval is not installed (pip install -e '.[eval]', or set "
+                    "LM_EVAL_PYTHON to a Python that has it: make eval)")
+def test_lm_eval_loglikelihoods_equal_transformers(tmp_path):
+    spec = importlib.util.spec_from_file_location("lm_eval_compare", TOOLS / "lm_eval_compare.py")
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    out = tmp_path / "report.json"
+    rc = compare.main(["--lm-eval-python", LM_EVAL_PYTHON, "--keep", str(tmp_path / "run"), "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert report["loglikelihoods"] == 4 * 16 and report["generations"] == 8
+    assert report["max_abs_diff"] <= 1e-3 and report["generations_differing"] == []
+    assert report["is_greedy_flips"] == 0 and rc == 0
