@@ -393,7 +393,9 @@ class TargetEngine(_EngineBase, VerifierTraits):
         trees = {i: t for i, t in trees.items() if not t.is_chain}  # a chain is verified as one
         if trees and self.tensor_parallel is not None:  # the workers' KV cannot move a path: chains
             for i, t in trees.items():
-                reqs[i] = replace(reqs[i], draft_token_ids=t.tokens[:t.main_chain], draft_parents=None)
+                m, probs = t.main_chain, reqs[i].draft_probs
+                reqs[i] = replace(reqs[i], draft_token_ids=t.tokens[:m], draft_parents=None,
+                                  draft_probs=None if probs is None else probs[:m])
             trees = {}
         items = [
             ForwardItem(r.seq_id, s.num_computed, s.tokens[s.num_computed :] + list(r.draft_token_ids),
