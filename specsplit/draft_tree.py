@@ -73,9 +73,10 @@ def chain_with_leaves(chain: Sequence[int], alternatives: Sequence[tuple[float, 
     """The cheapest useful tree of a model drafter: its chain, plus the runner-up token as a leaf
     sibling of chain node j (parent j-1) at the `budget` depths where the draft was least sure
     (alternatives[j] = (top-1 probability, runner-up token) of chain[j]), only where that
-    probability is below max_confidence. Leaves need no draft forward and no drafter KV."""
+    probability is below max_confidence (a runner-up < 0: none there). Leaves need no draft forward
+    and no drafter KV."""
     picks = sorted((j for j, (p1, alt) in enumerate(alternatives[:len(chain)])
-                    if p1 < max_confidence and alt != chain[j]), key=lambda j: alternatives[j][0])
+                    if p1 < max_confidence and alt >= 0 and alt != chain[j]), key=lambda j: alternatives[j][0])
     picks = sorted(picks[:max(0, budget)])
     return DraftTree(tuple(chain) + tuple(alternatives[j][1] for j in picks),
                      chain_parents(len(chain)) + tuple(j - 1 for j in picks))

@@ -1,7 +1,8 @@
 """Tree verification end to end in one process (SpecConfig.tree_nodes): speculative greedy output
 with draft trees == target-only greedy, token for token (a difference only at a certified near-tie
 of the target, tests/helpers/greedy.py), at batches 1, 4 and 16, with the n-gram drafter's trees
-(several earlier continuations) and a model drafter's (its chain plus runner-up leaves); trees are
+(several earlier continuations), the suffix drafter's (its heaviest path plus second heaviest
+children) and the model drafters' (their chain plus runner-up leaves); trees are
 really verified and branches accepted; every KV block is free afterwards on both sides; sampled
 requests keep the chain."""
 from __future__ import annotations
@@ -84,6 +85,14 @@ def test_ngram_trees_greedy_equal(tiny_llama, tiny_llama_logits, reference, batc
     out, totals = _run(_colo(tiny_llama, "ngram", 3, 4), _requests(batch, seed=batch))
     _assert_equal(out, reference(batch), batch, tiny_llama_logits)
     assert totals["tree_nodes"] > 0, "the n-gram drafter should have proposed trees"
+
+
+@pytest.mark.parametrize("batch", [1, 4, 16])
+def test_suffix_trees_greedy_equal(tiny_llama, tiny_llama_logits, reference, batch):
+    out, totals = _run(_colo(tiny_llama, "suffix", 3, 2), _requests(batch, seed=batch))
+    _assert_equal(out, reference(batch), batch, tiny_llama_logits)
+    if batch == 16:  # fewer requests rarely leave the heaviest path unsure (test_suffix_drafter.py has the rule)
+        assert totals["tree_nodes"] > 0, "the suffix drafter should have added its second heaviest children"
 
 
 @pytest.mark.parametrize("batch", [1, 4, 16])
