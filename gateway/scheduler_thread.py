@@ -72,6 +72,8 @@ class _Metrics(Observer):
             metrics.BRANCHES.labels("miss").inc(st.branch_misses)
         if out.speculated and self.async_draft:
             metrics.DRAFT_WAIT.observe(st.draft_wait_s)
+        if st.tree_nodes:
+            metrics.TREE_NODES.inc(st.tree_nodes)
         if st.proposed:
             metrics.DRAFT_PROPOSED.inc(st.proposed)
             metrics.DRAFT_ACCEPTED.inc(st.accepted)

@@ -43,6 +43,8 @@ PREEMPTIONS = Counter("specsplit_preemptions", "Sequences preempted when the KV 
 GENERATION_TOKENS = Counter("specsplit_generation_tokens", "Tokens streamed to clients")
 DRAFT_PROPOSED = Counter("specsplit_draft_tokens_proposed", "Draft tokens sent to the verifier")
 DRAFT_ACCEPTED = Counter("specsplit_draft_tokens_accepted", "Draft tokens the verifier accepted")
+TREE_NODES = Counter("specsplit_draft_tree_nodes", "Branch nodes of draft trees verified, beyond their main chains "
+                     "(--tree-nodes)")
 POSITION_PROPOSED = Counter("specsplit_draft_position_proposed", "Drafts proposed at each position", ["position"])
 POSITION_ACCEPTED = Counter("specsplit_draft_position_accepted", "Drafts accepted at each position", ["position"])
 STEP_SECONDS = Histogram("specsplit_step_seconds", "Step latency by phase", ["phase"], buckets=_STEP_BUCKETS)

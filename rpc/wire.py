@@ -216,7 +216,7 @@ def unpack_row(m: common_pb2.PackedRow, expected_size: int | None = None) -> tor
 def propose_to_pb(reqs: Sequence[ProposeRequest]) -> drafter_pb2.ProposeBatch:
     return drafter_pb2.ProposeBatch(items=[
         drafter_pb2.ProposeItem(seq_id=r.seq_id, new_token_ids=r.new_token_ids, k=r.k, pending_drafts=r.pending_drafts, pre_draft=r.pre_draft,
-                                features=features_to_pb(r.features, r.features_start))
+                                features=features_to_pb(r.features, r.features_start), tree_nodes=r.tree_nodes)
         for r in reqs
     ])
 
@@ -226,7 +226,7 @@ def propose_from_pb(m: drafter_pb2.ProposeBatch, rename=lambda s: s) -> list[Pro
     for i in m.items:
         feats, start = features_from_pb(i.features, i.HasField("features"))
         out.append(ProposeRequest(rename(i.seq_id), tuple(i.new_token_ids), int(i.k), tuple(i.pending_drafts), bool(i.pre_draft),
-                                  features=feats, features_start=start))
+                                  features=feats, features_start=start, tree_nodes=int(i.tree_nodes)))
     return out
 
 
@@ -234,13 +234,15 @@ def proposals_to_pb(props: Sequence[Proposal], rename=lambda s: s) -> drafter_pb
     out = []
     for p in props:
         values, one = _probs_to_pb(p.probs)
-        out.append(drafter_pb2.Proposal(seq_id=rename(p.seq_id), token_ids=p.token_ids, probs=values, probs_one=one))
+        out.append(drafter_pb2.Proposal(seq_id=rename(p.seq_id), token_ids=p.token_ids, probs=values, probs_one=one,
+                                        parents=p.parents or ()))
     return drafter_pb2.Proposals(proposals=out)
 
 
 def proposals_from_pb(m: drafter_pb2.Proposals) -> list[Proposal]:
     return [
-        Proposal(p.seq_id, tuple(p.token_ids), _probs_from_pb(p.probs, p.probs_one, len(p.token_ids)))
+        Proposal(p.seq_id, tuple(p.token_ids), _probs_from_pb(p.probs, p.probs_one, len(p.token_ids)),
+                 tuple(p.parents) or None)
         for p in m.proposals
     ]
 
@@ -268,6 +270,7 @@ def verify_to_pb(reqs: Sequence[VerifyRequest]) -> verifier_pb2.VerifyBatch:
         values, one = _probs_to_pb(r.draft_probs)
         items.append(verifier_pb2.VerifyItem(
             seq_id=r.seq_id, draft_token_ids=r.draft_token_ids, draft_probs=values, draft_probs_one=one,
+            draft_parents=r.draft_parents or (),
         ))
     return verifier_pb2.VerifyBatch(items=items)
 
@@ -277,6 +280,7 @@ def verify_from_pb(m: verifier_pb2.VerifyBatch, rename=lambda s: s) -> list[Veri
         VerifyRequest(
             rename(i.seq_id), tuple(i.draft_token_ids),
             _probs_from_pb(i.draft_probs, i.draft_probs_one, len(i.draft_token_ids)),
+            tuple(i.draft_parents) or None,
         )
         for i in m.items
     ]

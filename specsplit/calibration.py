@@ -40,6 +40,20 @@ class StepCosts:
         """One verify forward (no network)."""
         return _interp({b: s for (b, r), s in self.verify.items() if r == rows}, batch)
 
+    def verify_rows_s(self, batch: int, rows: int) -> float:
+        """verify_s at any rows >= 1: past the largest calibrated rows, linear in the rows with the
+        last two calibrated rows' slope (never decreasing); 0.0 when nothing was calibrated."""
+        known = sorted({r for _, r in self.verify})
+        if not known:
+            return 0.0
+        if rows in known or rows < known[-1]:
+            return self.verify_s(batch, min((r for r in known if r >= rows), default=known[-1]))
+        top = self.verify_s(batch, known[-1])
+        if len(known) == 1:
+            return top * rows / known[-1]
+        slope = max(0.0, (top - self.verify_s(batch, known[-2])) / (known[-1] - known[-2]))
+        return top + slope * (rows - known[-1])
+
     def draft_s(self, batch: int) -> float:
         """One drafted token for the batch (no network)."""
         return _interp(self.draft, batch)

@@ -93,6 +93,10 @@ class SpecConfig:
     # (specsplit/spec/). The split gateway turns it on by default; in one process it needs the
     # drafter on its own core or device (`--async-draft`).
     async_draft: bool = False
+    # Tree verification (specsplit/draft_tree.py): the most branch nodes a greedy sequence's drafts
+    # may add to their chain each step (0 = chains only). With the auto K policy the calibrated
+    # verify cost sizes it (k_policy.tree_nodes), 0 included. Lockstep only (not with async_draft).
+    tree_nodes: int = 0
 
     def enabled_for(self, num_running: int) -> bool:
         if self.num_speculative_tokens <= 0:

@@ -77,13 +77,15 @@ def spec_config(args, draft: str | None, device: str | None = None, split: bool 
     if k is None:
         k = default_k_for(draft)
     asked = getattr(args, "async_draft", None)
+    tree = getattr(args, "tree_nodes", 0) or 0  # trees need lockstep: pre-drafting only when asked for
     return SpecConfig(num_speculative_tokens=k,
                       disable_by_batch_size=disable_by_batch_size(args, device or getattr(args, "device", None)),
                       draft_model_tokens=getattr(args, "draft_model_tokens", DEFAULT_DRAFT_MODEL_TOKENS),
                       k_policy=getattr(args, "k_policy", None) or DEFAULT_K_POLICY,
                       suffix_cache_tokens=getattr(args, "suffix_cache_tokens", DEFAULT_SUFFIX_CACHE_TOKENS),
                       suffix_share=getattr(args, "suffix_share", "finished"),
-                      async_draft=asked is not False if split else bool(asked))
+                      tree_nodes=tree,
+                      async_draft=(bool(asked) if tree else asked is not False) if split else bool(asked))
 
 
 def engine_config(args, model: str, device: str | None = None):

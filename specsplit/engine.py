@@ -15,6 +15,7 @@ from typing import Sequence
 
 import torch
 
+from specsplit.draft_tree import DraftTree, chain_with_leaves, parents_problem, runner_up, tree_eligible
 from specsplit.kv.block_manager import OutOfBlocks
 from specsplit.models.runner import ForwardItem, ModelRunner
 from specsplit.protocols import (
@@ -31,7 +32,7 @@ from specsplit.protocols import (
 from specsplit.sampling.coupled import coupled_sample
 from specsplit.sampling.grammar import GrammarCompiler, GrammarError, GrammarState, apply_masks
 from specsplit.sampling.logprobs import MAX_LOGPROBS, PROMPT_LOGITS_ROWS, TokenLogprob, seq_logprobs, token_logprobs
-from specsplit.sampling.ngram import ngram_propose
+from specsplit.sampling.ngram import ngram_branches, ngram_propose
 from specsplit.sampling.params import SamplingParams
 from specsplit.sampling.penalties import penalize
 from specsplit.sampling.probs import logits_to_probs, sampling_tensors
@@ -283,7 +284,7 @@ class _EngineBase:
                 self.runner.forward(head)
             for i in long:
                 it, c = items[i], cut[i]
-                items[i] = ForwardItem(it.seq_id, it.start + c, it.token_ids[c:], it.num_logits)
+                items[i] = replace(it, start=it.start + c, token_ids=it.token_ids[c:])
         if not features:
             return self.runner.forward(items)
         got = []
@@ -380,16 +381,32 @@ class TargetEngine(_EngineBase, VerifierTraits):
                 r.draft_probs is None or len(r.draft_probs) != len(r.draft_token_ids)
             ):
                 raise EngineError(f"sequence {r.seq_id!r} samples, so it needs q(x) for each draft token")
+            if r.draft_parents is not None:
+                why = parents_problem(r.draft_parents, len(r.draft_token_ids))
+                if why is not None:
+                    raise EngineError(f"sequence {r.seq_id!r}: bad draft tree: {why}")
+                if not tree_eligible(s.params):
+                    raise EngineError(f"sequence {r.seq_id!r}: only greedy sequences with unprocessed logits "
+                                      f"are verified as trees; send its drafts as a chain")
             if len(s.tokens) + len(r.draft_token_ids) > self.runner.max_model_len:  # KV positions needed
                 raise EngineError(
                     f"sequence {r.seq_id!r}: {len(s.tokens)} tokens + {len(r.draft_token_ids)} drafts "
                     f"pass max_model_len {self.runner.max_model_len}"
                 )
         reqs, masks = self._constrain(reqs, seqs)
+        trees = {i: DraftTree(r.draft_token_ids, r.draft_parents) for i, r in enumerate(reqs)
+                 if r.draft_parents is not None and r.draft_token_ids}
+        trees = {i: t for i, t in trees.items() if not t.is_chain}  # a chain is verified as one
+        if trees and self.tensor_parallel is not None:  # the workers' KV cannot move a path: chains
+            for i, t in trees.items():
+                m, probs = t.main_chain, reqs[i].draft_probs
+                reqs[i] = replace(reqs[i], draft_token_ids=t.tokens[:m], draft_parents=None,
+                                  draft_probs=None if probs is None else probs[:m])
+            trees = {}
         prompt_lps, at, prompt_feats = self._score_prompts(reqs, seqs)
         items = [
             ForwardItem(r.seq_id, at.get(i, s.num_computed), s.tokens[at.get(i, s.num_computed):] + list(r.draft_token_ids),
-                        len(r.draft_token_ids) + 1)
+                        len(r.draft_token_ids) + 1, tree=trees[i].parents if i in trees else None)
             for i, (r, s) in enumerate(zip(reqs, seqs))
         ]
         layers = _feature_layers(seqs)
@@ -405,8 +422,10 @@ class TargetEngine(_EngineBase, VerifierTraits):
         results: list[VerifyResult | None] = [None] * len(reqs)
         # Greedy and coupled (seeded, specsplit.sampling.coupled) sequences accept while the draft
         # equals the target's own choice; the others run the rejection sampler.
-        greedy = [i for i, s in enumerate(seqs) if s.params.accepts_by_match]
+        greedy = [i for i, s in enumerate(seqs) if s.params.accepts_by_match and i not in trees]
         sampled = [i for i, s in enumerate(seqs) if not s.params.accepts_by_match]
+        for i, tree in trees.items():
+            raw[i] = self._verify_tree(reqs[i].seq_id, seqs[i], tree, logits[i], raw[i], results, i)
         if greedy:
             self._verify_greedy(greedy, reqs, seqs, logits, results)
         if sampled:
@@ -496,6 +515,25 @@ class TargetEngine(_EngineBase, VerifierTraits):
             n = int(num_accepted[row])
             emitted = out[row, : n + 1].tolist()
             results[i] = self._commit(reqs[i].seq_id, seqs[i], n, emitted)
+
+    def _verify_tree(self, seq_id: str, s: _Seq, tree: DraftTree, logits: torch.Tensor, raw: torch.Tensor,
+                     results: list, i: int) -> torch.Tensor:
+        """Greedy acceptance of a draft tree from its logits [1 + n, V] (row 0: the root, row
+        1 + j: node j): the longest path of nodes that equal the target's argmax at their parent's
+        row, then the bonus from the last accepted row. The path's KV moves to the slots a chain
+        would have used (the rest is cut by _commit), so the sequence is as if the chain of the
+        path had been verified. Returns the raw logits reordered to the path's rows [1 + a, V]."""
+        argmax = logits.argmax(dim=-1).tolist()  # [1 + n]
+        path = tree.greedy_walk(argmax)
+        rows = [0] + [1 + j for j in path]
+        emitted = [tree.tokens[j] for j in path] + [argmax[rows[-1]]]
+        base = len(s.tokens)  # node j was written at position base + j; path node d goes to base + d
+        self.runner.move_kv(seq_id, [base + j for j in path], [base + d for d in range(len(path))])
+        if s.step_features is not None:  # rows from the step's start: the uncached tail, then the nodes
+            tail = s.step_features.shape[0] - len(tree)
+            s.step_features = torch.cat([s.step_features[:tail], s.step_features[[tail + j for j in path]]])
+        results[i] = self._commit(seq_id, s, len(path), emitted)
+        return raw[rows]
 
     def _verify_sampled(self, idx, reqs, seqs, logits, results) -> None:
         drafts, num_draft, k_max = self._padded_drafts(idx, reqs)
@@ -655,6 +693,9 @@ class DraftEngine(_EngineBase, DrafterTraits):
         k_max = max((reqs[i].k for i in active), default=0)
         q_x: dict[int, list[float]] = {i: [] for i in active}
         rows: dict[int, list[torch.Tensor]] = {i: [] for i in active}
+        # Trees: per sequence that may add leaves, each draft's (top-1 probability, runner-up id)
+        alternatives = {i: [] for i in active if reqs[i].tree_nodes > 0 and not reqs[i].pending_drafts
+                        and tree_eligible(seqs[i].params)}
         for step in range(k_max):
             live = [i for i in active if reqs[i].k > step]
             items = []
@@ -667,6 +708,9 @@ class DraftEngine(_EngineBase, DrafterTraits):
             logits = [self._process(seqs[i], x) if seqs[i].params.penalized or seqs[i].grammar is not None else x
                       for i, x in zip(live, logits)]
             tokens = self._sample([seqs[i] for i in live], logits, q_x, rows, live)
+            for i, x in zip(live, logits):
+                if i in alternatives:
+                    alternatives[i].append(runner_up(x[0]))
             for i, t in zip(live, tokens):
                 seqs[i].drafted.append(t)
         out = []
@@ -674,6 +718,10 @@ class DraftEngine(_EngineBase, DrafterTraits):
             new = s.drafted[len(r.pending_drafts):]
             sampled = bool(rows.get(i))
             s.q_rows.extend(rows[i] if sampled else [None] * len(new))  # [V] per draft, kept with the chain
+            tree = chain_with_leaves(new, alternatives[i], r.tree_nodes) if i in alternatives else None
+            if tree is not None and not tree.is_chain:  # leaves are proposed, never kept: no KV, no q rows
+                out.append(Proposal(r.seq_id, tree.tokens, None, tree.parents))
+                continue
             out.append(Proposal(r.seq_id, tuple(new), tuple(q_x[i]) if sampled else None))
         return out
 
@@ -728,7 +776,14 @@ class NgramDrafter(DrafterTraits):
                 raise EngineError(f"unknown sequence {r.seq_id!r} on the drafter: add it first")
             tokens = self.seqs[r.seq_id]
             tokens.extend(r.new_token_ids)
-            drafts = ngram_propose(tokens + list(r.pending_drafts), r.k, self.n_min, self.n_max) if r.k > 0 else []
+            context = tokens + list(r.pending_drafts)
+            if r.k > 0 and r.tree_nodes > 0:  # the continuations of several earlier matches: a tree
+                tree = DraftTree.from_branches(ngram_branches(context, r.k, 1 + r.tree_nodes, self.n_min, self.n_max))
+                tree = tree.first(r.k + r.tree_nodes)
+                out.append(Proposal(r.seq_id, tree.tokens, tuple(1.0 for _ in tree.tokens),
+                                    None if tree.is_chain else tree.parents))
+                continue
+            drafts = ngram_propose(context, r.k, self.n_min, self.n_max) if r.k > 0 else []
             out.append(Proposal(r.seq_id, tuple(drafts), tuple(1.0 for _ in drafts)))
         return out
 

@@ -34,6 +34,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from specsplit.draft_tree import chain_with_leaves, runner_up, tree_eligible
 from specsplit.engine import EngineError, check_propose, check_seq_adds, fetch_q_rows, ingest_chain, sample_drafts
 from specsplit.models.eagle3 import DraftCache, Eagle3Head
 from specsplit.protocols import DrafterTraits, Proposal, ProposeRequest, QRow, RowRequest, SeqAdd
@@ -167,9 +168,15 @@ class FeatureDrafter(DrafterTraits):
         new: list[int] = []
         q_x: list[float] = []
         rows: list[torch.Tensor] = []
+        leaves = r.tree_nodes if tree_eligible(s.params) and not r.pending_drafts else 0
+        alternatives: list[tuple[float, int]] = []  # per draft: (top-1 probability, runner-up id)
         for j in range(r.k):
             if s.params.greedy:  # the argmax over the draft vocabulary is the one over all (q = 0 elsewhere)
-                t = int(self.head.draft_ids[self.head.logits(h)[0].argmax()])
+                sub = self.head.logits(h)[0]  # [Vd]
+                t = int(self.head.draft_ids[sub.argmax()])
+                if leaves:
+                    p1, alt = runner_up(sub)
+                    alternatives.append((p1, int(self.head.draft_ids[alt])))
             else:
                 t = sample_drafts([s], [self._full_logits(h)], {0: q_x}, {0: rows}, [0])[0]
             s.drafted.append(t)
@@ -179,6 +186,10 @@ class FeatureDrafter(DrafterTraits):
                 pos += 1
         sampled = bool(rows)
         s.q_rows.extend(rows if sampled else [None] * len(new))
+        if leaves:  # the chain (all the drafter keeps) plus runner-up leaves where it was unsure
+            tree = chain_with_leaves(new, alternatives, leaves)
+            if not tree.is_chain:
+                return Proposal(r.seq_id, tree.tokens, None, tree.parents)
         return Proposal(r.seq_id, tuple(new), tuple(q_x) if sampled else None)
 
     def _full_logits(self, h: torch.Tensor) -> torch.Tensor:

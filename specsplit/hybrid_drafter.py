@@ -131,7 +131,9 @@ class HybridDrafter(DrafterTraits):
         # The model sees every sequence's new tokens (k = 0: ingest only, where lookup drafted),
         # so its KV stays in step and it can draft for that sequence next time. A pre-draft runs
         # off the critical path, so there the model may draft all k.
-        model_reqs = [replace(r, k=0 if r.seq_id in lookup else (r.k if r.pre_draft else self._model_k(r.k)), pre_draft=False)
+        # Chains only (tree_nodes 0): a hybrid judges its sources position by position.
+        model_reqs = [replace(r, k=0 if r.seq_id in lookup else (r.k if r.pre_draft else self._model_k(r.k)), pre_draft=False,
+                              tree_nodes=0)
                       for r in reqs]
         proposals = self.model.propose(model_reqs)
         out = []

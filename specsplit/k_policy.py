@@ -67,6 +67,44 @@ class Acceptance:
         return total
 
 
+@dataclass
+class TreeValue:
+    """What a branch node of a draft tree is worth (specsplit.draft_tree): the tokens accepted
+    beyond what the tree's main chain alone would have accepted, per branch node verified,
+    estimated online over every tree a server verified (a prior plus counts)."""
+
+    prior: float = 0.1
+    prior_weight: float = 32.0  # nodes' worth of prior
+    nodes: int = 0
+    gained: int = 0
+
+    def update(self, nodes: int, gained: int) -> None:
+        self.nodes += nodes
+        self.gained += gained
+
+    @property
+    def value(self) -> float:
+        return (self.gained + self.prior * self.prior_weight) / (self.nodes + self.prior_weight)
+
+
+def tree_nodes(costs: StepCosts | None, batch: int, k: int, expected: float, value: float, max_nodes: int,
+               margin: float = 0.03) -> int:
+    """The sizing rule of draft trees: how many branch nodes each of `batch` sequences adds to its
+    chain of k drafts. With n nodes a step verifies k + 1 + n rows per sequence and is expected to
+    emit expected + n * value tokens (expected: E(k) of the chain, value: TreeValue.value); n is the
+    one in 0..max_nodes with the most tokens per second of verify, and 0 (no tree) unless that beats
+    the chain by `margin` (the calibration's noise). Without calibrated costs: max_nodes (the flag
+    alone decides). On a CPU where a verify row costs ~30-40% of a step, a node must be accepted
+    about that often to pay, so a typical tree there is no tree."""
+    if max_nodes <= 0 or k <= 0:
+        return 0
+    if costs is None or not costs.verify:
+        return max_nodes
+    rate = [(expected + n * value) / max(1e-12, costs.verify_rows_s(batch, k + 1 + n)) for n in range(max_nodes + 1)]
+    n = max(range(len(rate)), key=lambda i: (rate[i], -i))
+    return n if rate[n] >= rate[0] * (1.0 + margin) else 0
+
+
 class KPolicy:
     def __init__(self, costs: StepCosts, max_k: int, model_tokens: int | None = None, probe_every: int = 16,
                  async_draft: bool = False, margin: float = 0.03):

@@ -66,13 +66,18 @@ class ProposeRequest:
     # features_start.. that the verifier committed since the drafter last heard (None: none).
     features: torch.Tensor | None = None
     features_start: int = 0
+    # Tree verification (specsplit.draft_tree): the drafter may propose up to this many nodes
+    # beyond the k of its chain, as branches (a tree of depth <= k). 0 = a chain. Set only for
+    # greedy sequences the verifier scores as trees (draft_tree.tree_eligible).
+    tree_nodes: int = 0
 
 
 @dataclass(frozen=True)
 class Proposal:
     seq_id: str
-    token_ids: tuple[int, ...]  # k drafted ids
+    token_ids: tuple[int, ...]  # k drafted ids (a tree: its nodes, parents before children)
     probs: tuple[float, ...] | None = None  # q(x) of each drafted id; None when greedy
+    parents: tuple[int, ...] | None = None  # a tree: parent node per node (-1: the root); None = a chain
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,9 @@ class VerifyRequest:
     seq_id: str
     draft_token_ids: tuple[int, ...] = ()  # empty = target-only decode of one token
     draft_probs: tuple[float, ...] | None = None  # q(x) per draft id; needed when sampling
+    # A tree of drafts (greedy only, specsplit.draft_tree): parent node per draft, -1 for a child of
+    # the last token. None = a chain. The verifier keeps the longest accepted path.
+    draft_parents: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -213,3 +221,4 @@ class StepStats:
     branches: int = 0
     draft_wait_s: float = 0.0
     feature_rows: int = 0  # target feature rows handed to a feature drafter this step
+    tree_nodes: int = 0  # branch nodes of draft trees verified this step (beyond their main chains)

@@ -30,6 +30,7 @@ import numpy as np
 
 from specsplit.defaults import DEFAULT_SUFFIX_CACHE_TOKENS as DEFAULT_CACHE_TOKENS
 from specsplit.defaults import SUFFIX_SHARE_MODES as SHARE_MODES
+from specsplit.draft_tree import chain_with_leaves
 from specsplit.engine import EngineError, check_propose, check_seq_adds
 from specsplit.protocols import DrafterTraits, Proposal, ProposeRequest, QRow, RowRequest, SeqAdd
 
@@ -67,9 +68,12 @@ def _match(arr: np.ndarray, context: Sequence[int], max_depth: int,
     return pos, length
 
 
-def _walk(arr: np.ndarray, ends: np.ndarray, k: int, min_prob: float) -> tuple[list[int], float]:
+def _walk(arr: np.ndarray, ends: np.ndarray, k: int, min_prob: float,
+          alternatives: list | None = None) -> tuple[list[int], float]:
     """From the matched ends, follow the most frequent next token (the suffix tree's heaviest
-    child) while the path's probability stays >= min_prob: (drafts, their expected accepted count)."""
+    child) while the path's probability stays >= min_prob: (drafts, their expected accepted count).
+    alternatives (a list): receives per draft (its share of the continuations there, the second
+    heaviest child or -1), for a draft tree's leaves (draft_tree.chain_with_leaves)."""
     out: list[int] = []
     p, expected = 1.0, 0.0
     for _ in range(k):
@@ -88,16 +92,22 @@ def _walk(arr: np.ndarray, ends: np.ndarray, k: int, min_prob: float) -> tuple[l
         token = int(tokens[best])
         out.append(token)
         expected += p
+        if alternatives is not None:
+            share = float(counts[best] / ends.size)  # this draft's share of the continuations
+            counts[best] = 0
+            second = int(np.argmax(counts))
+            alternatives.append((share, int(tokens[second]) if counts[second] > 0 else -1))
         ends = ends[nxt == token] + 1
     return out, expected
 
 
 def draft_from(sources: Sequence, context: Sequence[int], k: int, max_depth: int,
-               min_prob: float) -> tuple[list[int], float]:
+               min_prob: float, alternatives: list | None = None) -> tuple[list[int], float]:
     """Up to k drafts continuing `context` from the source with the longest suffix match (ties: the
     more frequent continuation). sources: token arrays [L] (scanned) or SharedOutputs (indexed).
-    Returns (drafts, expected number accepted)."""
+    Returns (drafts, expected number accepted); alternatives (a list): as _walk's, of those drafts."""
     best: tuple[list[int], float] = ([], 0.0)
+    best_alts: list = []
     best_key = (0, 0.0)
     for source in sources:
         if isinstance(source, SharedOutputs):
@@ -107,9 +117,12 @@ def draft_from(sources: Sequence, context: Sequence[int], k: int, max_depth: int
         ends, length = _match(arr, context, max_depth, last_at)
         if length == 0:
             continue
-        drafts, expected = _walk(arr, ends, k, min_prob)
+        alts: list | None = [] if alternatives is not None else None
+        drafts, expected = _walk(arr, ends, k, min_prob, alts)
         if (length, expected) > best_key:
-            best, best_key = (drafts, expected), (length, expected)
+            best, best_key, best_alts = (drafts, expected), (length, expected), alts
+    if alternatives is not None:
+        alternatives.extend(best_alts or [])
     return best
 
 
@@ -207,16 +220,17 @@ class SuffixDrafter(DrafterTraits):
     def extend(self, seq_id: str, new: Sequence[int]) -> None:
         self.seqs[seq_id].tokens.extend(new)
 
-    def draft(self, seq_id: str, k: int, pending: Sequence[int] = ()) -> tuple[list[int], float]:
+    def draft(self, seq_id: str, k: int, pending: Sequence[int] = (),
+              alternatives: list | None = None) -> tuple[list[int], float]:
         """Up to k drafts after the sequence's tokens + `pending` (drafts being verified now), and
-        their expected accepted count."""
+        their expected accepted count; alternatives: as draft_from's."""
         if k <= 0:
             return [], 0.0
         t0 = time.perf_counter()
         context = self.seqs[seq_id].tokens + list(pending)
         own = np.asarray(context, dtype=np.int64)  # [L] this request's prompt + output (+ pending)
         sources = [own, self.shared] if self.shared.outputs else [own]
-        drafts, expected = draft_from(sources, context, k, self.max_depth, self.min_prob)
+        drafts, expected = draft_from(sources, context, k, self.max_depth, self.min_prob, alternatives)
         self.busy_s += time.perf_counter() - t0
         if drafts:
             self.proposals += 1
@@ -246,7 +260,13 @@ class SuffixDrafter(DrafterTraits):
             t0 = time.perf_counter()
             self.extend(r.seq_id, r.new_token_ids)
             self.busy_s += time.perf_counter() - t0
-            drafts, _ = self.draft(r.seq_id, r.k, r.pending_drafts)
+            alternatives: list | None = [] if r.tree_nodes > 0 and not r.pending_drafts else None
+            drafts, _ = self.draft(r.seq_id, r.k, r.pending_drafts, alternatives)
+            if alternatives:  # a tree: the heaviest path plus the second heaviest child where it was unsure
+                tree = chain_with_leaves(drafts, alternatives, r.tree_nodes)
+                if not tree.is_chain:
+                    out.append(Proposal(r.seq_id, tree.tokens, tuple(1.0 for _ in tree.tokens), tree.parents))
+                    continue
             out.append(Proposal(r.seq_id, tuple(drafts), tuple(1.0 for _ in drafts)))
         return out
 

@@ -204,6 +204,12 @@ class Bench:
                                        SpecConfig(num_speculative_tokens=max(self.ks), k_policy="fixed"),
                                        show_progress=False)
                  for name in drafts}
+        # --tree-nodes: the same drafts and K with draft trees (fixed K: the tree is always asked for)
+        tree = getattr(a, "tree_nodes", 0) or 0
+        tree_colos = {name: build_colocated(self._cfg(a.target, dtype), self._cfg(name, dtype),
+                                            SpecConfig(num_speculative_tokens=max(self.ks), k_policy="fixed",
+                                                       tree_nodes=tree), show_progress=False)
+                      for name in drafts} if tree else {}
         # The default configuration: the served draft with the K policy (K <= its default maximum).
         from specsplit.defaults import default_k_for
 
@@ -217,6 +223,9 @@ class Bench:
         for name in drafts:
             arms += [colocated_arm(f"specsplit colocated {name} K={k}", colos[name], self.new_tokens, k, draft=name)
                      for k in self.ks]
+            if name in tree_colos:
+                arms += [colocated_arm(f"specsplit colocated {name} K={k} tree<={tree}", tree_colos[name],
+                                       self.new_tokens, k, draft=name, tree_nodes=tree) for k in self.ks]
         policy_name = f"specsplit colocated {self.served_draft} policy K<={policy_k}"
         arms.append(colocated_arm(policy_name, policy_colo, self.new_tokens, None, draft=self.served_draft,
                                   role="policy"))
@@ -245,7 +254,10 @@ class Bench:
         by_k: dict[str, dict[int, tuple[ArmResult, dict]]] = {}
         for result, row in zip(results, rows):
             name = row.get("draft")
-            if row["arm"].startswith("specsplit colocated"):
+            if row.get("tree_nodes"):
+                row["speedup_vs_target_only"] = row["tokens_per_s"] / baseline["tokens_per_s"]
+                row["same_tokens_as_target_only"] = self._same_tokens(row, baseline)
+            elif row["arm"].startswith("specsplit colocated"):
                 by_k.setdefault(name, {})[row["k"]] = (result, row)
                 row["speedup_vs_target_only"] = row["tokens_per_s"] / baseline["tokens_per_s"]
                 row["same_tokens_as_target_only"] = self._same_tokens(row, baseline)
@@ -265,7 +277,7 @@ class Bench:
                 if row["arm"].startswith("specsplit colocated") and row.get("draft") == model_draft:
                     row["ratio_vs_best_hf_assisted"] = row["tokens_per_s"] / best_hf["tokens_per_s"]
         del hf, assistant
-        for colo in (base, policy_colo, *colos.values(), *also_policy.values()):
+        for colo in (base, policy_colo, *colos.values(), *tree_colos.values(), *also_policy.values()):
             colo.close()
         del base, colos
         if self.split_ks:
@@ -359,7 +371,8 @@ class Bench:
         if self.args.suite in ("spec", "all"):
             has_model = self.args.draft not in (None, "ngram")
             n_drafts = 1 + int(has_model) + int(self.hybrid_draft is not None)
-            n += per_arm * (2 + n_drafts * len(self.ks) + (3 if has_model and not self.args.no_hf else 0))
+            trees = 2 if getattr(self.args, "tree_nodes", 0) else 1  # --tree-nodes: a tree arm per chain arm
+            n += per_arm * (2 + trees * n_drafts * len(self.ks) + (3 if has_model and not self.args.no_hf else 0))
             n += 2 * per_arm * len(self.split_ks)  # split and its paired colocated arm
             n += self.repeats * len(self.concurrency)  # target-only and spec batches, interleaved
         return n

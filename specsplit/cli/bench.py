@@ -5,7 +5,7 @@ import json
 import sys
 from pathlib import Path
 
-from specsplit.cli.common import positive_int
+from specsplit.cli.common import nonneg_int, positive_int
 
 
 def add_arguments(p, name: str) -> None:
@@ -35,6 +35,9 @@ def add_arguments(p, name: str) -> None:
     p.add_argument("--no-hybrid", action="store_true",
                    help="skip the DRAFT+ngram arms (the model draft with prompt lookup in front); without this flag "
                         "the split arm and the concurrency sweep use DRAFT+ngram")
+    p.add_argument("--tree-nodes", type=nonneg_int, default=0,
+                   help="spec suite: beside each draft's fixed-K chain arms, the same K with draft trees of up to N "
+                        "branch nodes (docs/tree-verification.md), interleaved (0 = no tree arms, the default)")
     p.add_argument("--disable-by-batch-size", type=int, default=None,
                    help="threshold for the concurrency sweep's speculative arm (default: the servers' default)")
     p.add_argument("--concurrency", default=None, help="comma-separated, default 1,4,16,32")

@@ -97,6 +97,12 @@ def add_spec_flags(p: argparse.ArgumentParser) -> None:
                    help="pre-draft the next step's likeliest branch while the verifier verifies this one "
                         "(default: on for the split gateway, off in one process, where it needs the drafter on "
                         "its own core: one torch thread each)")
+    g.add_argument("--tree-nodes", type=nonneg_int, default=0,
+                   help="tree verification (docs/tree-verification.md): greedy requests' drafts may add up to N "
+                        "branch nodes to their chain each step, verified in the same forward (0 = chains only, "
+                        "the default); with --k-policy auto the calibrated verify cost sizes the tree, 0 "
+                        "included. Needs lockstep drafting: the split gateway then pre-drafts only with "
+                        "--async-draft, which turns trees off")
     g.add_argument("--disable-by-batch-size", type=nonneg_int, default=None,
                    help="decode target-only while more than N sequences run (0 = never), an operator's hard "
                         "limit; default 0 with --k-policy auto; with --k-policy fixed, 1 when the target runs on "

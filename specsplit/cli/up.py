@@ -109,8 +109,10 @@ def _spec_flags(args) -> list[str]:
     out = ["--num-speculative-tokens", str(k), "--draft-model-tokens", str(args.draft_model_tokens),
            "--k-policy", args.k_policy, "--suffix-cache-tokens", str(args.suffix_cache_tokens),
            "--suffix-share", args.suffix_share]
-    if getattr(args, "async_draft", None) is not None:  # else the gateway's default (on)
+    if getattr(args, "async_draft", None) is not None:  # else the gateway's default (on; off with --tree-nodes)
         out += ["--async-draft" if args.async_draft else "--no-async-draft"]
+    if getattr(args, "tree_nodes", 0):
+        out += ["--tree-nodes", str(args.tree_nodes)]
     if args.disable_by_batch_size is not None:  # else the gateway picks the default for the verifier's device
         out += ["--disable-by-batch-size", str(args.disable_by_batch_size)]
     return out

@@ -5,6 +5,11 @@ Sequence b contributes q_lens[b] new tokens at positions kv_lens[b]-q_lens[b] ..
 each new token attends to the sequence's cached prefix and causally to the new tokens before it.
 That one rule covers prefill chunks (q = chunk), decode (q = 1) and verification (q = k+1).
 
+Tree verification (specsplit.draft_tree) changes it for a sequence's last n new tokens, the nodes
+of a draft tree with parents `trees[b]`: node i sits in KV slot kv-n+i but at rope position
+(kv-n-1) + depth(i), and attends to the slots before the tree and to its own ancestors only.
+Batches with a tree run the torch attention (the C++ kernel knows the causal rule only).
+
 Attention groups sequences with the same q_len and runs one padded SDPA per group: decode and
 verification batches are one group, so a layer costs one gather and one SDPA call.
 """
@@ -16,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from specsplit.kernels import decode_ops, dispatch
+from specsplit.draft_tree import ancestor_mask, tree_depths
 
 
 @dataclass
@@ -41,6 +47,7 @@ class BatchMetadata:
     block_tables: torch.Tensor | None = None  # [B, max_blocks] int64
     q_lens_t: torch.Tensor | None = None  # [B] int64
     kv_lens_t: torch.Tensor | None = None  # [B] int64
+    has_tree: bool = False  # some sequence's new tokens end in a draft tree: the torch path runs
 
     @classmethod
     def build(
@@ -52,14 +59,23 @@ class BatchMetadata:
         logits_per_seq: list[int],
         block_size: int,
         device: torch.device,
+        trees: list[tuple[int, ...] | None] | None = None,
     ) -> "BatchMetadata":
+        """trees[b]: the parents of sequence b's last len(trees[b]) new tokens (a draft tree,
+        specsplit.draft_tree); None (or no list): its new tokens are a plain causal run."""
+        trees = trees or [None] * len(q_lens)
         positions: list[int] = []
         starts: list[int] = []
         logits_index: list[int] = []
         offset = 0
-        for q, kv, n_logits in zip(q_lens, kv_lens, logits_per_seq):
+        for q, kv, n_logits, tree in zip(q_lens, kv_lens, logits_per_seq, trees):
             starts.append(offset)
-            positions.extend(range(kv - q, kv))
+            if tree:
+                root = kv - len(tree) - 1  # the root's position: the last token before the nodes
+                positions.extend(range(kv - q, root + 1))
+                positions.extend(root + d for d in tree_depths(tree))
+            else:
+                positions.extend(range(kv - q, kv))
             logits_index.extend(range(offset + q - n_logits, offset + q))
             offset += q
 
@@ -81,6 +97,10 @@ class BatchMetadata:
             key_pos = torch.arange(span)  # [S]
             query_pos = kv[:, None] - q + torch.arange(q)[None, :]  # [G, q] absolute positions
             mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [G, q, S] causal and in-range
+            for row, b in enumerate(members):
+                if trees[b]:
+                    n, end = len(trees[b]), kv_lens[b]
+                    mask[row, q - n:, end - n:end] = ancestor_mask(trees[b])  # [n, n] nodes see their ancestors
             full = bool(mask.all())
             groups.append(
                 AttentionGroup(
@@ -103,6 +123,7 @@ class BatchMetadata:
             groups=groups,
             logits_index=torch.tensor(logits_index, dtype=torch.int64, device=device),
             all_slots_valid=all(s >= 0 for s in slot_mapping),
+            has_tree=any(bool(t) for t in trees),
         )
 
 
@@ -124,7 +145,7 @@ def paged_attention(
     meta: BatchMetadata,
     scale: float,
 ) -> torch.Tensor:  # [T, H, D]
-    if (meta.block_tables is not None and decode_ops.usable(query) and k_cache.dtype == torch.float32
+    if (meta.block_tables is not None and not meta.has_tree and decode_ops.usable(query) and k_cache.dtype == torch.float32
             and query.shape[2] % 8 == 0):
         # fp32 on the CPU: the whole batch in one call, reading the blocks in place
         return decode_ops.load().paged_attention(query.contiguous(), k_cache, v_cache, meta.block_tables,

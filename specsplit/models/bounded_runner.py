@@ -13,7 +13,7 @@ them, which is what chunked prefill does anyway. Results are the same per sequen
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -61,7 +61,7 @@ def split_forward(items: list[ForwardItem], bound: ForwardBound) -> list[list[_P
                 new_group()
             n = len(tokens)
             if n <= bound.window:
-                groups[-1].append(_Piece(index, ForwardItem(it.seq_id, start, tokens, it.num_logits), True))
+                groups[-1].append(_Piece(index, replace(it, start=start, token_ids=tokens), True))
                 break
             take = min(n, prefill_left)
             if take < n:
@@ -72,7 +72,8 @@ def split_forward(items: list[ForwardItem], bound: ForwardBound) -> list[list[_P
                     continue
                 take = n  # more logits wanted than the bound holds: one forward, as before
             final = take == n
-            piece = ForwardItem(it.seq_id, start, tokens[:take], it.num_logits if final else 1)
+            piece = (replace(it, start=start, token_ids=tokens) if final  # a tree stays in its item's last piece
+                     else ForwardItem(it.seq_id, start, tokens[:take], 1))
             groups[-1].append(_Piece(index, piece, final))
             prefill_left -= take
             if prefill_left < 0:  # a piece past the bound (all its logits wanted) runs alone

@@ -66,9 +66,12 @@ def batch_invariant_attention(
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     rep = num_heads // num_kv_heads
     tables: dict[int, torch.Tensor] = {}
+    masks: dict[int, torch.Tensor] = {}  # draft trees: [q, S] which keys each new token sees
     for g in meta.groups:
         for i, b in enumerate(g.seq_index.tolist()):
             tables[b] = g.block_tables[i]
+            if meta.has_tree and g.mask is not None:
+                masks[b] = g.mask[i, 0]
     out = torch.empty_like(query)
     start = 0
     for b, (q_len, kv_len) in enumerate(zip(meta.q_lens, meta.kv_lens)):
@@ -81,9 +84,13 @@ def batch_invariant_attention(
         for j in range(q_len):
             t = start + j
             ctx = kv_len - q_len + j + 1  # this token's causal context: positions 0 .. its own
-            scores = (keys[:ctx] * query[t].float()).sum(-1) * scale  # [ctx, H], each a sum over D
+            k_j, v_j = keys[:ctx], values[:ctx]
+            if b in masks:  # a tree node: the context before the tree and its ancestors
+                seen = masks[b][j, :kv_len].nonzero().flatten()
+                k_j, v_j = keys[seen], values[seen]
+            scores = (k_j * query[t].float()).sum(-1) * scale  # [ctx, H], each a sum over D
             probs = torch.softmax(scores, dim=0)  # over the context only
-            out[t] = (probs[:, :, None] * values[:ctx]).sum(0).to(query.dtype)  # [H, D]
+            out[t] = (probs[:, :, None] * v_j).sum(0).to(query.dtype)  # [H, D]
         start += q_len
     return out
 

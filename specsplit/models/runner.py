@@ -22,6 +22,9 @@ class ForwardItem:
     start: int  # tokens of this sequence already in the KV cache
     token_ids: tuple[int, ...] | list[int]  # new tokens at positions start .. start+len-1
     num_logits: int = 1  # logits wanted for the last num_logits new tokens
+    # The last len(tree) new tokens are a draft tree with these parents (specsplit.draft_tree);
+    # None: a plain causal run. Their logits must all be wanted (num_logits > len(tree)).
+    tree: tuple[int, ...] | None = None
 
 
 class ModelRunner:
@@ -77,6 +80,7 @@ class ModelRunner:
             logits_per_seq=[it.num_logits for it in items],
             block_size=bm.block_size,
             device=self.device,
+            trees=[it.tree for it in items] if any(it.tree for it in items) else None,
         )
         input_ids = torch.tensor([t for it in items for t in it.token_ids], dtype=torch.int64, device=self.device)
         capture = dict.fromkeys(features) if features else None
@@ -94,6 +98,17 @@ class ModelRunner:
             end = it.start + len(it.token_ids)
             if end > self.max_model_len:
                 raise ValueError(f"sequence {it.seq_id!r} would reach {end} tokens, max_model_len is {self.max_model_len}")
+
+    def move_kv(self, seq_id: str, src: list[int], dst: list[int]) -> None:
+        """Copy the K/V at token positions `src` of a sequence to positions `dst` (every layer):
+        a verified tree's accepted path into the slots a chain would have used."""
+        if not src or src == dst:
+            return
+        slots = self.block_manager.slots(seq_id, 0, max(max(src), max(dst)) + 1)
+        s = torch.tensor([slots[i] for i in src], dtype=torch.int64, device=self.device)
+        d = torch.tensor([slots[i] for i in dst], dtype=torch.int64, device=self.device)
+        flat = self.kv.data.view(*self.kv.data.shape[:2], -1, *self.kv.data.shape[4:])  # [L, 2, slots, Hkv, D]
+        flat[:, :, d] = flat[:, :, s]  # the right side is gathered first: overlapping moves are safe
 
     def truncate(self, seq_id: str, num_tokens: int) -> None:
         if self.block_manager.has(seq_id):

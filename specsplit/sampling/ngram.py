@@ -60,6 +60,46 @@ def ngram_propose(
     return []
 
 
+def ngram_branches(
+    token_ids: Sequence[int],
+    k: int,
+    max_branches: int,
+    n_min: int = 1,
+    n_max: int = 4,
+) -> list[list[int]]:
+    """Up to max_branches distinct continuations (k tokens at most each) of the context's suffix,
+    the branches of a draft tree (specsplit.draft_tree): the tokens that followed earlier
+    occurrences of the suffix n-gram, longest n first and, within an n, the most recent first. The
+    first is ngram_propose's chain; a later one is kept only where it differs from every earlier
+    one (not a prefix of one). [] when nothing matches."""
+    if k <= 0 or max_branches <= 0 or n_min < 1 or n_max < n_min:
+        return []
+    tokens = list(token_ids)
+    length = len(tokens)
+    n_max = min(n_max, length - 1)
+    if n_max < n_min:
+        return []
+    last = tokens[-1]
+    matches: list[tuple[int, int]] = []  # (suffix length matched, end index), scanning backwards
+    for end in range(length - 2, -1, -1):
+        if tokens[end] != last:
+            continue
+        matched = 1
+        while matched < n_max and end - matched >= 0 and tokens[end - matched] == tokens[-1 - matched]:
+            matched += 1
+        if matched >= n_min:
+            matches.append((matched, end))
+    matches.sort(key=lambda m: -m[0])  # stable: the most recent first within a length
+    out: list[list[int]] = []
+    for _, end in matches:
+        cont = tokens[end + 1: end + 1 + k]
+        if cont and not any(b[:len(cont)] == cont for b in out):
+            out.append(cont)
+            if len(out) >= max_branches:
+                break
+    return out
+
+
 def ngram_q_rows(
     draft_ids: torch.Tensor,  # [B, K] int64
     vocab_size: int,

@@ -28,7 +28,8 @@ from typing import Sequence
 
 from specsplit.calibration import StepCosts
 from specsplit.config import SpecConfig, step_k_cap
-from specsplit.k_policy import Acceptance, KPolicy
+from specsplit.draft_tree import DraftTree, tree_eligible
+from specsplit.k_policy import Acceptance, KPolicy, TreeValue, tree_nodes
 from specsplit.protocols import (
     Drafter,
     Proposal,
@@ -111,6 +112,7 @@ class SpecDecoder:
         self._probes = 0  # probe steps so far: which sequence drafts in the next one
         self._verify_s: float | None = None  # average seconds per verify call
         self._verify_token_s: float | None = None  # ... per token it scored
+        self.tree_value = TreeValue()  # what a branch node of a draft tree gained so far
         if costs is not None and costs.verify and spec.k_policy == "auto":
             # A hybrid's model drafts at most model_tokens a step (0: all k, as a feature drafter does)
             hybrid = drafter.model_tokens or None if drafter is not None else None
@@ -204,8 +206,8 @@ class SpecDecoder:
         plan = self._choose_k(ids, budgets or {})
         self.k_chosen[plan.k] += 1
         proposals = self._drafts(ids, plan, stats)
-        reqs = [VerifyRequest(s, proposals[s].token_ids, proposals[s].probs) if s in proposals and proposals[s].token_ids
-                else VerifyRequest(s) for s in ids]
+        reqs = [VerifyRequest(s, proposals[s].token_ids, proposals[s].probs, proposals[s].parents)
+                if s in proposals and proposals[s].token_ids else VerifyRequest(s) for s in ids]
         results, branches, prompt_logprobs = self._verify(reqs, proposals, plan, stats)
         out = self._account(reqs, results, branches, asked_drafter=bool(proposals), stats=stats)
         out.prompt_logprobs = prompt_logprobs
@@ -269,7 +271,8 @@ class SpecDecoder:
             k = 0 if s in proposals else self._k_for(t, plan, extra=0, skip_held=False)
             if k > 0:
                 feats, start = t.take_features()
-                asks.append(ProposeRequest(s, tuple(t.unsent), k, features=feats, features_start=start))
+                asks.append(ProposeRequest(s, tuple(t.unsent), k, features=feats, features_start=start,
+                                           tree_nodes=self._tree_nodes(t, k, len(ids))))
         stats.feature_rows += sum(a.features.shape[0] for a in asks if a.features is not None)
         self._set_deadline(asks)
         t0 = time.perf_counter()
@@ -278,6 +281,18 @@ class SpecDecoder:
         if self.async_draft and asks:
             stats.draft_wait_s = stats.draft_s  # drafted just in time: the verifier waited
         return proposals
+
+    def _tree_nodes(self, t: Track, k: int, batch: int) -> int:
+        """Branch nodes this sequence's drafts may add to their chain of k (0: a chain): trees are
+        for greedy sequences with unprocessed logits (draft_tree.tree_eligible), in lockstep; the
+        auto K policy sizes them from the calibrated verify cost (k_policy.tree_nodes)."""
+        room = self.max_model_len - len(t.tokens) - k  # the verifier writes every node's KV
+        most = min(self.spec.tree_nodes, room)
+        if most <= 0 or self.predraft is not None or not tree_eligible(t.add.params):
+            return 0
+        if self.policy is None:
+            return most
+        return tree_nodes(self.policy.costs, batch, k, t.acceptance.expected_tokens(k), self.tree_value.value, most)
 
     def _propose(self, reqs: list[ProposeRequest]) -> dict[str, Proposal]:
         if not reqs:
@@ -434,8 +449,15 @@ class SpecDecoder:
                     track.add_features(res.features_start, res.features,
                                        MAX_FEATURE_ROWS if asked_drafter else IDLE_FEATURE_ROWS)
             drafts[res.seq_id] = (len(req.draft_token_ids), res.num_accepted)
+            depth = len(req.draft_token_ids)
+            if req.draft_parents is not None:  # a tree: acceptance is of its depth; what branches gained
+                tree = DraftTree(req.draft_token_ids, req.draft_parents)
+                depth, chain = tree.depth, tree.main_chain
+                along = next((j for j in range(min(chain, len(emitted))) if emitted[j] != tree.tokens[j]), min(chain, len(emitted)))
+                self.tree_value.update(len(tree) - chain, res.num_accepted - min(along, res.num_accepted))
+                stats.tree_nodes += len(tree) - chain
             if req.draft_token_ids:
-                track.acceptance.update(len(req.draft_token_ids), res.num_accepted)
+                track.acceptance.update(depth, res.num_accepted)
             stats.proposed += len(req.draft_token_ids)
             stats.accepted += res.num_accepted
             for j in range(res.num_accepted):

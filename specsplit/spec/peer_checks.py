@@ -8,6 +8,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from specsplit.draft_tree import parents_problem, tree_depths
 from specsplit.protocols import Proposal, ProposeRequest, QRow, RowRequest
 from specsplit.spec.track import Track
 
@@ -21,7 +22,7 @@ def checked_proposals(reqs: Sequence[ProposeRequest], proposals: Iterable[Propos
     no request of ours, drafts more than the k asked for, has an id outside the vocabulary, or --
     for a sampled sequence -- lacks a q(x) per draft or has one that is not a finite number in
     (0, 1]. `skip`: sequences that verify no proposal this step (their last step was abandoned)."""
-    asked = {r.seq_id: r.k for r in reqs}
+    asked = {r.seq_id: r for r in reqs}
     out = {}
     for p in proposals:
         if p.seq_id in skip:
@@ -35,12 +36,25 @@ def checked_proposals(reqs: Sequence[ProposeRequest], proposals: Iterable[Propos
     return out
 
 
-def proposal_problem(p: Proposal, asked: dict[str, int], vocab: int | None, tracks: dict[str, Track]) -> str | None:
-    """Why a drafter's proposal cannot be verified, or None."""
+def proposal_problem(p: Proposal, asked: dict[str, ProposeRequest], vocab: int | None,
+                     tracks: dict[str, Track]) -> str | None:
+    """Why a drafter's proposal cannot be verified, or None. A tree (p.parents) must have been
+    asked for (tree_nodes > 0), be well formed, hold at most k + tree_nodes nodes and be at most k
+    deep."""
     if p.seq_id not in asked:
         return "no such request in this step"
-    n, k = len(p.token_ids), asked[p.seq_id]
-    if n > k:
+    r = asked[p.seq_id]
+    n, k = len(p.token_ids), r.k
+    if p.parents is not None:
+        if r.tree_nodes <= 0:
+            return "a tree of drafts where a chain was asked for"
+        why = parents_problem(p.parents, n)
+        if why is not None:
+            return f"bad tree: {why}"
+        if n > k + r.tree_nodes or max(tree_depths(p.parents), default=0) > k:
+            return f"a tree of {n} nodes and depth {max(tree_depths(p.parents), default=0)}, asked for depth {k} " \
+                   f"and {r.tree_nodes} branch nodes"
+    elif n > k:
         return f"{n} drafts, asked for {k}"
     if vocab is not None:
         bad = [t for t in p.token_ids if not 0 <= t < vocab]

@@ -162,3 +162,22 @@ def test_bad_proposals_fall_back_to_target_only(tiny_llama, tiny_draft_close, re
 def test_unusable_q_rows_abandon_the_step(tiny_llama, tiny_draft_far, reference):
     """NaN q rows from fetch_rows: the sampled sequences discard the step; nothing fails."""
     _check(*_run(tiny_llama, tiny_draft_far, lambda engine: BadDrafter(engine, bad_rows=True)), reference)
+
+
+@pytest.mark.parametrize("tree_nodes, tokens, parents, why", [
+    (2, (5, 6, 7, 8), (-1, 0, 1, 0), None),  # a chain of 3 and one leaf
+    (0, (5, 6, 7, 8), (-1, 0, 1, 0), "a chain was asked for"),
+    (2, (5, 6, 7), (-1, 2, 0), "bad tree"),  # a child before its parent
+    (2, (5, 6, 7), (-1, 0), "bad tree"),  # a parent count that is not the node count
+    (1, (5, 6, 7, 8, 9), (-1, 0, 1, 0, -1), "branch nodes"),  # k + 2 nodes, 1 asked
+    (4, (5, 6, 7, 8), (-1, 0, 1, 2), "branch nodes"),  # 4 deep, k = 3
+])
+def test_tree_proposals_are_checked(tree_nodes, tokens, parents, why):
+    from specsplit.protocols import Proposal, ProposeRequest, SeqAdd
+    from specsplit.spec.peer_checks import proposal_problem
+    from specsplit.spec.track import Track
+
+    tracks = {"a": Track(add=SeqAdd("a", (1, 2)), k=3, tokens=[1, 2])}
+    got = proposal_problem(Proposal("a", tokens, None, parents), {"a": ProposeRequest("a", (), 3, tree_nodes=tree_nodes)},
+                           VOCAB, tracks)
+    assert (got is None) if why is None else (why in got), got

@@ -159,3 +159,20 @@ def test_one_default_cache_size_everywhere():
 
     assert SpecConfig().suffix_cache_tokens == DEFAULT_SUFFIX_CACHE_TOKENS == SuffixDrafter().shared.max_tokens
     assert SpecConfig().suffix_share in SUFFIX_SHARE_MODES
+
+
+def test_a_tree_adds_the_second_heaviest_child_where_the_path_is_unsure():
+    # after (1, 2): 3 twice, 4 once -> draft 3 (share 2/3), runner-up 4; after (1, 2, 3): 7 always
+    # (none); after (.., 7): 8 and 9 once each -> 8 (the smaller id of a tie), runner-up 9
+    ctx = [1, 2, 3, 7, 9, 1, 2, 3, 7, 8, 1, 2, 4, 0, 1, 2]
+    alts: list = []
+    drafts, _ = draft_from([np.asarray(ctx)], ctx, 3, max_depth=8, min_prob=0.1, alternatives=alts)
+    assert drafts == [3, 7, 8] and alts == [(pytest.approx(2 / 3), 4), (1.0, -1), (0.5, 9)]
+    d = SuffixDrafter(vocab_size=100, max_model_len=256, share="none")
+    d.add([SeqAdd("a", tuple(ctx))])
+    (tree,) = d.propose([ProposeRequest("a", (), 3, tree_nodes=2)])
+    # the chain, then the leaves: 4 a sibling of 3, 9 a sibling of 8
+    assert tree.token_ids == (3, 7, 8, 4, 9) and tree.parents == (-1, 0, 1, -1, 1)
+    assert tree.probs == tuple(1.0 for _ in tree.token_ids)
+    (chain,) = d.propose([ProposeRequest("a", (), 3)])
+    assert chain.parents is None and chain.token_ids == (3, 7, 8)

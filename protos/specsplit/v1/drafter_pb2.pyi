@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ProposeItem(_message.Message):
-    __slots__ = ("seq_id", "new_token_ids", "k", "pending_drafts", "pre_draft", "features")
+    __slots__ = ("seq_id", "new_token_ids", "k", "pending_drafts", "pre_draft", "features", "tree_nodes")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     PENDING_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     PRE_DRAFT_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     k: int
     pending_drafts: _containers.RepeatedScalarFieldContainer[int]
     pre_draft: bool
     features: _common_pb2.Features
-    def __init__(self, seq_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., pending_drafts: _Optional[_Iterable[int]] = ..., pre_draft: _Optional[bool] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ...) -> None: ...
+    tree_nodes: int
+    def __init__(self, seq_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., pending_drafts: _Optional[_Iterable[int]] = ..., pre_draft: _Optional[bool] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., tree_nodes: _Optional[int] = ...) -> None: ...
 
 class ProposeBatch(_message.Message):
     __slots__ = ("items",)
@@ -30,16 +32,18 @@ class ProposeBatch(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[ProposeItem, _Mapping]]] = ...) -> None: ...
 
 class Proposal(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "probs", "probs_one")
+    __slots__ = ("seq_id", "token_ids", "probs", "probs_one", "parents")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROBS_FIELD_NUMBER: _ClassVar[int]
     PROBS_ONE_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     probs: _containers.RepeatedScalarFieldContainer[float]
     probs_one: bool
-    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ..., probs_one: _Optional[bool] = ...) -> None: ...
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ..., probs_one: _Optional[bool] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Proposals(_message.Message):
     __slots__ = ("proposals",)

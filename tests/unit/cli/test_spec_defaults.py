@@ -48,3 +48,15 @@ def test_up_leaves_the_default_to_the_gateway_and_passes_an_explicit_value():
     assert flags[flags.index("--draft-model-tokens") + 1] == "2"
     args.disable_by_batch_size = 0
     assert _spec_flags(args)[-2:] == ["--disable-by-batch-size", "0"]
+
+
+def test_tree_nodes_turn_the_split_gateways_pre_drafting_off_unless_asked():
+    assert spec_config(_args([]), "ngram").tree_nodes == 0
+    assert spec_config(_args([]), "ngram", split=True).async_draft  # the split default: pre-drafting
+    trees = spec_config(_args(["--tree-nodes", "2"]), "ngram", split=True)
+    assert trees.tree_nodes == 2 and not trees.async_draft  # trees need lockstep
+    assert spec_config(_args(["--tree-nodes", "2", "--async-draft"]), "ngram", split=True).async_draft
+    args = _args(["--tree-nodes", "3"])
+    args.draft = "ngram"
+    flags = _spec_flags(args)
+    assert flags[flags.index("--tree-nodes") + 1] == "3"  # `specsplit up` passes it to its gateway
