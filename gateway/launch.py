@@ -75,11 +75,11 @@ def specsplit_up(target: str, draft: str, *, dtype: str | None = None, max_model
     `port` 0 picks free ports. `log`: a file for the children's output (None: this process's
     stdout/stderr). `env`: variables added to this process's environment.
     Raises RuntimeError when `up` exits, or is not ready within `startup_timeout` seconds."""
-    from specsplit.rpc.health import free_port, wait_serving
+    from specsplit.rpc.health import free_ports, wait_serving
 
-    port = port or free_port(host)
     engine_host = "127.0.0.1"  # `up` binds the engines on loopback (--engine-host), whatever --host is
-    dport, vport = free_port(engine_host), free_port(engine_host)
+    port = port or free_ports(1, host)[0]
+    dport, vport = free_ports(2, engine_host, avoid=[port])
     cmd = up_command(target, draft, port=port, drafter_port=dport, verifier_port=vport, host=host, dtype=dtype,
                      max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                      num_speculative_tokens=num_speculative_tokens, threads=threads, extra=extra, log_level=log_level)

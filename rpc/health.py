@@ -7,7 +7,7 @@ import signal
 import socket
 import subprocess
 import time
-from typing import Callable, Mapping
+from typing import Callable, Iterable, Mapping
 
 
 def check(address: str, service: str = "", timeout: float = 3.0, security=None) -> str:
@@ -27,9 +27,28 @@ def check(address: str, service: str = "", timeout: float = 3.0, security=None) 
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return free_ports(1, host)[0]
+
+
+def free_ports(n: int, host: str = "127.0.0.1", avoid: Iterable[int] = ()) -> list[int]:
+    """n distinct ports free now, none in `avoid`: all held open together while they are picked
+    (the kernel may hand a just-closed port out again, and two services told one port would
+    leave the second unable to bind while the first answers the health checks meant for it)."""
+    avoid = set(avoid)
+    held: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        while len(ports) < n:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            held.append(s)
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+            if port not in avoid:  # an avoided one stays held too: it cannot come back
+                ports.append(port)
+        return ports
+    finally:
+        for s in held:
+            s.close()
 
 
 def wait_serving(procs: Mapping[str, tuple[subprocess.Popen, str]], timeout: float, security=None,

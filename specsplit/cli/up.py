@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 
-from specsplit.rpc.health import free_port  # noqa: F401  (re-exported)
+from specsplit.rpc.health import free_ports
 from specsplit.cli.common import (add_deterministic_flag, add_engine_flags, add_http_flags, add_keepalive_flags,
                                   add_request_size_flag, add_gateway_limit_flags, add_server_flags, add_spec_flags, add_tensor_parallel_flag, port,
                                   spec_config, validate_engine, validate_http, validate_security)
@@ -211,8 +211,10 @@ def run(args) -> int:
     from specsplit.rpc.security import ClientSecurity
 
     engine_host = engine_address(args, 0).rpartition(":")[0].strip("[]")
-    drafter_port = args.drafter_port or free_port(engine_host)
-    verifier_port = args.verifier_port or free_port(engine_host)
+    # two distinct free ports, neither the gateway's nor one given
+    picked = iter(free_ports(2, engine_host, avoid=[args.port, args.drafter_port or 0, args.verifier_port or 0]))
+    drafter_port = args.drafter_port or next(picked)
+    verifier_port = args.verifier_port or next(picked)
     cmds = commands(args, drafter_port, verifier_port)
     _, token_env = internal_token(args)
     env = {**os.environ, **token_env}

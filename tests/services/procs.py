@@ -31,10 +31,20 @@ TINY_ENGINE = ["--max-model-len", "256", "--max-prefill-tokens", "128", "--threa
 SPECULATE_ALWAYS = ["--disable-by-batch-size", "0", "--k-policy", "fixed"]  # tiny drafts cost what the target does: the policy would pick K=0
 
 
+_HANDED_OUT: set[int] = set()  # ports free_port gave this test process: never twice
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+    """A port free now and not handed out before in this process: the kernel may give a closed
+    port again at once, and two services started on one (the second cannot bind; the first then
+    answers the health check meant for it) once left a gateway's address on a verifier."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((HOST, 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def health(address: str, timeout: float = 1.0, security=None) -> str:
