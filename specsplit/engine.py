@@ -156,6 +156,20 @@ def check_seq_adds(seqs: Sequence[SeqAdd], running, side: str, vocab_size: int |
             raise EngineError(f"sequence {s.seq_id!r}: logprobs must be in [0, {MAX_LOGPROBS}], got {s.logprobs}")
 
 
+def prefill_chunks(reqs: Sequence[VerifyRequest], seqs: Sequence[_Seq]) -> dict[int, int]:
+    """Chunked prefill: index -> n for each request whose prefill_tokens leaves part of its
+    uncached tokens for a later step (it computes n of them and emits nothing). A request whose
+    limit covers the rest is an ordinary step. EngineError for a piece with drafts."""
+    out = {}
+    for i, (r, s) in enumerate(zip(reqs, seqs)):
+        if 0 < r.prefill_tokens < len(s.tokens) - s.num_computed:
+            if r.draft_token_ids:
+                raise EngineError(f"sequence {r.seq_id!r}: a prompt piece ({r.prefill_tokens} of its "
+                                  f"{len(s.tokens) - s.num_computed} uncached tokens) cannot verify drafts")
+            out[i] = r.prefill_tokens
+    return out
+
+
 def check_propose(r: ProposeRequest, s, vocab_size: int | None, max_model_len: int) -> None:
     """What every drafter refuses in a propose: bad ids, k < 0, or a chain past max_model_len
     (the context plus k - 1 drafts: the last draft is never fed)."""
@@ -254,6 +268,11 @@ class _EngineBase:
         for seq_id in seq_ids:
             self.seqs.pop(seq_id, None)
             self.runner.free(seq_id)
+
+    def _keep_reserved(self, seq_id: str, s: _Seq) -> None:
+        """After a prompt piece: the forward cut the sequence's blocks to what it computed; take the
+        rest of its prompt's blocks back (add reserved them), so a later piece cannot run out."""
+        self.block_manager.grow_to(seq_id, len(s.tokens))
 
     def _forward(self, items: list[ForwardItem], features: tuple[int, ...] = (),
                  out_features: list | None = None) -> list[torch.Tensor]:
@@ -379,32 +398,46 @@ class TargetEngine(_EngineBase, VerifierTraits):
                     f"sequence {r.seq_id!r}: {len(s.tokens)} tokens + {len(r.draft_token_ids)} drafts "
                     f"pass max_model_len {self.runner.max_model_len}"
                 )
+        chunks = prefill_chunks(reqs, seqs)  # index -> tokens of a prompt piece that emits nothing
         reqs, masks = self._constrain(reqs, seqs)
         items = [
-            ForwardItem(r.seq_id, s.num_computed, s.tokens[s.num_computed :] + list(r.draft_token_ids), len(r.draft_token_ids) + 1)
-            for r, s in zip(reqs, seqs)
+            ForwardItem(r.seq_id, s.num_computed, s.tokens[s.num_computed : s.num_computed + chunks[i]], 1) if i in chunks
+            else ForwardItem(r.seq_id, s.num_computed, s.tokens[s.num_computed :] + list(r.draft_token_ids), len(r.draft_token_ids) + 1)
+            for i, (r, s) in enumerate(zip(reqs, seqs))
         ]
         layers = _feature_layers(seqs)
         feats: list = []
-        logits = self._forward(items, layers, feats)  # per seq [k+1, V]; feats per seq [rows, F]
+        logits = self._forward(items, layers, feats)  # per seq [k+1, V] ([1, V] for a chunk); feats per seq [rows, F]
         for i, s in enumerate(seqs):
             s.undo = (len(s.tokens), s.num_computed)
             s.step_features = _features_for(s, layers, feats[i]) if layers else None
 
         raw, logits = logits, self._process(logits, reqs, seqs, masks)
         results: list[VerifyResult | None] = [None] * len(reqs)
+        for i, n in chunks.items():
+            results[i] = self._prefilled(reqs[i].seq_id, seqs[i], n)
         # Greedy and coupled (seeded, specsplit.sampling.coupled) sequences accept while the draft
         # equals the target's own choice; the others run the rejection sampler.
-        greedy = [i for i, s in enumerate(seqs) if s.params.accepts_by_match]
-        sampled = [i for i, s in enumerate(seqs) if not s.params.accepts_by_match]
+        greedy = [i for i, s in enumerate(seqs) if s.params.accepts_by_match and i not in chunks]
+        sampled = [i for i, s in enumerate(seqs) if not s.params.accepts_by_match and i not in chunks]
         if greedy:
             self._verify_greedy(greedy, reqs, seqs, logits, results)
         if sampled:
             self._verify_sampled(sampled, reqs, seqs, logits, results)
-        asked = [i for i, s in enumerate(seqs) if s.logprobs is not None]
+        asked = [i for i, s in enumerate(seqs) if s.logprobs is not None and i not in chunks]
         if asked:
             self._add_logprobs(asked, seqs, raw, results)
         return results  # type: ignore[return-value]
+
+    def _prefilled(self, seq_id: str, s: _Seq, n: int) -> VerifyResult:
+        """A prompt piece of n tokens is in the KV now; nothing is emitted. Its features (if asked)
+        go to the drafter like any committed position's."""
+        start = s.num_computed
+        s.num_computed += n
+        s.undo = None  # nothing to abandon: no tokens were emitted
+        self._keep_reserved(seq_id, s)
+        feats, s.step_features = s.step_features, None
+        return VerifyResult(seq_id, 0, (), features=feats, features_start=start)
 
     def _add_logprobs(self, idx, seqs, logits, results) -> None:
         """Logprobs of the emitted tokens from the rows this verify already has: row j of a
@@ -598,6 +631,7 @@ class DraftEngine(_EngineBase, DrafterTraits):
             check_propose(r, s, self.vocab_size, self.runner.max_model_len)
         for r, s in zip(reqs, seqs):
             self._ingest(r.seq_id, s, r.new_token_ids, r.pending_drafts)
+        self._prefill([(r, s) for r, s in zip(reqs, seqs) if r.k <= 0 and r.prefill_tokens > 0])
         active = [i for i, r in enumerate(reqs) if r.k > 0]
         for i in active:
             s = seqs[i]
@@ -630,6 +664,23 @@ class DraftEngine(_EngineBase, DrafterTraits):
             s.q_rows.extend(rows[i] if sampled else [None] * len(new))  # [V] per draft, kept with the chain
             out.append(Proposal(r.seq_id, tuple(new), tuple(q_x[i]) if sampled else None))
         return out
+
+    def _prefill(self, pieces: list[tuple[ProposeRequest, _Seq]]) -> None:
+        """Chunked prefill: each sequence computes up to prefill_tokens of its uncached context, in
+        one forward, never its last token (the propose that drafts feeds that one)."""
+        items, done = [], []
+        for r, s in pieces:
+            context = s.tokens + s.drafted
+            n = min(r.prefill_tokens, len(context) - 1 - s.num_computed)
+            if n > 0:
+                items.append(ForwardItem(r.seq_id, s.num_computed, context[s.num_computed : s.num_computed + n], 1))
+                done.append((r.seq_id, s, n))
+        if not items:
+            return
+        self._forward(items)
+        for seq_id, s, n in done:
+            s.num_computed += n
+            self._keep_reserved(seq_id, s)
 
     def _ingest(self, seq_id: str, s: _Seq, new: Sequence[int], pending: Sequence[int] = ()) -> None:
         """ingest_chain, then KV kept only for the final tokens and the confirmed old drafts."""

@@ -62,6 +62,10 @@ class ProposeRequest:
     # features_start.. that the verifier committed since the drafter last heard (None: none).
     features: torch.Tensor | None = None
     features_start: int = 0
+    # Chunked prefill (k = 0 only): after ingesting, compute the KV of at most this many of the
+    # context's tokens not yet cached, never its last one (the next propose feeds that to draft).
+    # 0 = none: the next propose with k > 0 computes the whole context, as before.
+    prefill_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,10 @@ class VerifyRequest:
     seq_id: str
     draft_token_ids: tuple[int, ...] = ()  # empty = target-only decode of one token
     draft_probs: tuple[float, ...] | None = None  # q(x) per draft id; needed when sampling
+    # Chunked prefill: compute the KV of at most this many of the sequence's tokens not yet cached.
+    # When that leaves some uncached (a prompt longer than the chunk) the sequence emits nothing
+    # this step (a VerifyResult with no tokens) and may have no drafts. 0 = all of them (a step).
+    prefill_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -169,6 +169,7 @@ def commands(args, drafter_port: int, verifier_port: int) -> dict[str, list[str]
     gateway_only = ["--keepalive-time", str(args.keepalive_time), "--keepalive-timeout", str(args.keepalive_timeout),
                     "--max-request-bytes", str(args.max_request_bytes), "--stall-timeout", str(args.stall_timeout),
                     "--max-concurrent-rpcs", str(args.max_concurrent_rpcs),
+                    "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                     *internal]
     if getattr(args, "http_port", None):
         gateway_only += ["--http-port", str(args.http_port), "--http-limit-concurrency", str(args.http_limit_concurrency),

@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ProposeItem(_message.Message):
-    __slots__ = ("seq_id", "new_token_ids", "k", "pending_drafts", "pre_draft", "features")
+    __slots__ = ("seq_id", "new_token_ids", "k", "pending_drafts", "pre_draft", "features", "prefill_tokens")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     PENDING_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     PRE_DRAFT_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     k: int
     pending_drafts: _containers.RepeatedScalarFieldContainer[int]
     pre_draft: bool
     features: _common_pb2.Features
-    def __init__(self, seq_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., pending_drafts: _Optional[_Iterable[int]] = ..., pre_draft: _Optional[bool] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ...) -> None: ...
+    prefill_tokens: int
+    def __init__(self, seq_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., pending_drafts: _Optional[_Iterable[int]] = ..., pre_draft: _Optional[bool] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., prefill_tokens: _Optional[int] = ...) -> None: ...
 
 class ProposeBatch(_message.Message):
     __slots__ = ("items",)
