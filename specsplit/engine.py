@@ -253,11 +253,12 @@ class _EngineBase:
         added: list[str] = []
         try:
             for s in seqs:
-                self.block_manager.allocate(s.seq_id, len(s.prompt_token_ids))
+                # With prefix caching, the KV of a cached prefix is there already (kv/block_manager.py)
+                cached = self.block_manager.allocate(s.seq_id, len(s.prompt_token_ids), s.prompt_token_ids)
                 added.append(s.seq_id)
                 self.seqs[s.seq_id] = _Seq(
                     tokens=list(s.prompt_token_ids), params=s.params, rng=SeqRandom(s.params.seed, self.side),
-                    logprobs=s.logprobs, feature_layers=tuple(s.feature_layers),
+                    num_computed=cached, logprobs=s.logprobs, feature_layers=tuple(s.feature_layers),
                     prompt_len=len(s.prompt_token_ids) - s.generated,
                 )
         except OutOfBlocks:
@@ -399,6 +400,8 @@ class TargetEngine(_EngineBase, VerifierTraits):
                     f"pass max_model_len {self.runner.max_model_len}"
                 )
         chunks = prefill_chunks(reqs, seqs)  # index -> tokens of a prompt piece that emits nothing
+        for r, s in zip(reqs, seqs):  # what earlier steps computed is final now: later prompts may reuse it
+            self.block_manager.cache_prefix(r.seq_id, s.tokens, s.num_computed)
         reqs, masks = self._constrain(reqs, seqs)
         items = [
             ForwardItem(r.seq_id, s.num_computed, s.tokens[s.num_computed : s.num_computed + chunks[i]], 1) if i in chunks
@@ -631,6 +634,8 @@ class DraftEngine(_EngineBase, DrafterTraits):
             check_propose(r, s, self.vocab_size, self.runner.max_model_len)
         for r, s in zip(reqs, seqs):
             self._ingest(r.seq_id, s, r.new_token_ids, r.pending_drafts)
+            # final tokens in the KV (not the last: a propose may feed it again) -> reusable prefix
+            self.block_manager.cache_prefix(r.seq_id, s.tokens, min(s.num_computed, len(s.tokens) - 1))
         self._prefill([(r, s) for r, s in zip(reqs, seqs) if r.k <= 0 and r.prefill_tokens > 0])
         active = [i for i, r in enumerate(reqs) if r.k > 0]
         for i in active:

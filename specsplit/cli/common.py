@@ -56,6 +56,10 @@ def add_engine_flags(p: argparse.ArgumentParser, device_flag: str = "--device") 
     g.add_argument("--max-num-seqs", type=positive_int, default=32, help="most sequences in one batch")
     g.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
     g.add_argument("--max-prefill-tokens", type=positive_int, default=512, help="largest prefill chunk")
+    g.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks of a prompt prefix computed before (a shared system prompt, a "
+                        "preempted request's resume): full blocks by content hash, reference-counted, the unused "
+                        "ones evicted least recently used first (default on; docs/prefill.md)")
     g.add_argument("--num-blocks", type=nonneg_int, default=0, help="KV blocks (0 = size from the memory budget)")
     g.add_argument("--memory-utilization", type=float, default=0.9, help="fraction of device memory to use")
     g.add_argument("--memory-budget", type=parse_bytes, default=None, help="bytes to use instead, e.g. 2GiB")

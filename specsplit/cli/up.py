@@ -97,6 +97,7 @@ def _engine_flags(args, device: str) -> list[str]:
            "--max-model-len", str(args.max_model_len),
            "--max-num-seqs", str(args.max_num_seqs), "--block-size", str(args.block_size),
            "--max-prefill-tokens", str(args.max_prefill_tokens), "--num-blocks", str(args.num_blocks),
+           "--prefix-caching" if getattr(args, "prefix_caching", True) else "--no-prefix-caching",
            "--memory-utilization", str(args.memory_utilization), "--threads", str(args.threads)]
     if args.memory_budget is not None:
         out += ["--memory-budget", str(args.memory_budget)]

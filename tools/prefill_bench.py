@@ -1,16 +1,21 @@
-"""Chunked prefill's goal (issue #24 item 2): one running stream while 8 prompts of 1,500 tokens
-arrive; its largest inter-token gap, with and without a per-step token budget.
+"""Issue #24's prefill goals, measured on real split stacks (`specsplit up`: drafter, verifier and
+gateway on loopback), before and after:
 
-Starts two real split stacks (`specsplit up`: drafter, verifier, gateway on loopback), one with
-`--max-num-batched-tokens 0` (every prompt whole in its first step: the behaviour before) and one
-with the budget under test, then runs interleaved trials on them (one at a time, alternating which
-goes first) and prints the medians as JSON. A trial: a greedy stream decodes; once it has sent 20
-tokens, N prompts of L random token ids arrive at once (max_tokens 4 each); the window ends when
-every one of them has finished. Reported per trial: the stream's largest gap between two token
-messages inside the window, its median gap before the window (a step), the long prompts' time to
-first token (median, max) and the time until all finished.
+  gap:  one running stream while 8 prompts of 1,500 tokens arrive; its largest inter-token gap
+        (goal <= 1.0 s). A greedy stream decodes; once it has sent 20 tokens, N prompts of L random
+        token ids arrive at once (max_tokens 4 each); the window ends when all of them finished.
+        Also: its median gap before the window (a step), the long prompts' time to first token
+        (median, max), the time until all finished.
+  ttft: a request sharing a 1,000-token prefix with an earlier one; its time to first token over
+        the first's (goal <= 0.3). Both: the prefix + 24 tokens of their own, max_tokens 1, one at a
+        time; a fresh random prefix per trial.
 
-    python tools/prefill_gap.py --target smollm2-135m --budgets 512 --trials 3
+"before" runs `--max-num-batched-tokens 0 --no-prefix-caching` (every prompt whole in its first
+step, nothing reused: the tree before chunked prefill and prefix caching); "after" runs the
+defaults (or --after-extra). The trials are interleaved (alternating which stack goes first);
+medians are printed as JSON.
+
+    python tools/prefill_bench.py --trials 3
 
 Timing goals live here, never in tests (docs/testing.md).
 """
@@ -81,39 +86,56 @@ def trial(address: str, n: int, length: int, seed: int) -> dict:
             "all_done_s": done - arrive}
 
 
+def ttft_trial(address: str, prefix_len: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(100, 49000) for _ in range(prefix_len)]
+    out = {}
+    with grpc.insecure_channel(address) as ch:
+        stub = gateway_pb2_grpc.GatewayStub(ch)
+        for name in ("first", "second"):
+            got: list = []
+            t0 = time.perf_counter()
+            _stream(stub, prefix + [rng.randrange(100, 49000) for _ in range(24)], 1, got)
+            out[f"ttft_{name}_s"] = got[0][0] - t0
+    out["ttft_ratio"] = out["ttft_second_s"] / out["ttft_first_s"]
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--draft", default=None, help="default: the target's shipped draft")
-    p.add_argument("--budgets", default="512", help="comma-separated --max-num-batched-tokens values (0 = before)")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=1500)
+    p.add_argument("--prefix-len", type=int, default=1000)
     p.add_argument("--trials", type=int, default=3)
-    p.add_argument("--log-dir", default="/tmp/prefill_gap")
+    p.add_argument("--log-dir", default="/tmp/prefill_bench")
     p.add_argument("--extra", default="--memory-budget 2GiB --max-num-seqs 12 --max-model-len 2048",
-                   help="flags for `specsplit up` besides the budget")
+                   help="flags for `specsplit up` in both stacks")
+    p.add_argument("--before-extra", default="--max-num-batched-tokens 0 --no-prefix-caching")
+    p.add_argument("--after-extra", default="")
     a = p.parse_args(argv)
     draft = resolve_draft(a.target, a.draft)
-    budgets = [0] + [int(b) for b in a.budgets.split(",") if int(b) != 0]
     Path(a.log_dir).mkdir(parents=True, exist_ok=True)
     from contextlib import ExitStack
 
-    results: dict[int, list[dict]] = {b: [] for b in budgets}
+    arms = {"before": a.before_extra.split(), "after": a.after_extra.split()}
+    results: dict[str, list[dict]] = {name: [] for name in arms}
     with ExitStack() as stack:
-        ups = {b: stack.enter_context(specsplit_up(a.target, draft, log=f"{a.log_dir}/up-{b}.log", log_level="INFO",
-                                                   extra=[*a.extra.split(), "--max-num-batched-tokens", str(b)]))
-               for b in budgets}
-        for b, up in ups.items():  # warm up: one short trial each, not counted
+        ups = {name: stack.enter_context(specsplit_up(a.target, draft, log=f"{a.log_dir}/up-{name}.log",
+                                                      log_level="INFO", extra=[*a.extra.split(), *extra]))
+               for name, extra in arms.items()}
+        for up in ups.values():  # warm up: one short trial each, not counted
             trial(up.address, 2, 64, seed=0)
         for i in range(a.trials):
-            order = budgets if i % 2 == 0 else budgets[::-1]
-            for b in order:
-                r = trial(ups[b].address, a.prompts, a.prompt_len, seed=100 + i)
-                results[b].append(r)
-                print(json.dumps({"budget": b, "trial": i, **{k: round(v, 3) for k, v in r.items()}}), flush=True)
-    summary = {str(b): {k: round(statistics.median(r[k] for r in rs), 3) for k in rs[0]} for b, rs in results.items()}
+            for name in (list(arms) if i % 2 == 0 else list(arms)[::-1]):
+                r = {**trial(ups[name].address, a.prompts, a.prompt_len, seed=100 + i),
+                     **ttft_trial(ups[name].address, a.prefix_len, seed=200 + i)}
+                results[name].append(r)
+                print(json.dumps({"arm": name, "trial": i, **{k: round(v, 3) for k, v in r.items()}}), flush=True)
+    summary = {name: {k: round(statistics.median(r[k] for r in rs), 3) for k in rs[0]} for name, rs in results.items()}
     print(json.dumps({"target": a.target, "draft": draft, "prompts": a.prompts, "prompt_len": a.prompt_len,
-                      "trials": a.trials, "medians": summary}, indent=1))
+                      "prefix_len": a.prefix_len, "trials": a.trials, "arms": arms, "medians": summary}, indent=1))
     return 0
 
 
