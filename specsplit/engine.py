@@ -267,7 +267,10 @@ class _EngineBase:
 
     def release(self, seq_ids: Sequence[str], finished: bool = False) -> None:
         for seq_id in seq_ids:
-            self.seqs.pop(seq_id, None)
+            s = self.seqs.pop(seq_id, None)
+            if s is not None and self.block_manager.has(seq_id):
+                # Nothing rolls back now: the prefix computed so far (not drafts) stays reusable
+                self.block_manager.cache_prefix(seq_id, s.tokens, min(s.num_computed, len(s.tokens)))
             self.runner.free(seq_id)
 
     def _keep_reserved(self, seq_id: str, s: _Seq) -> None:

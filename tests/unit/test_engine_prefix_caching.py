@@ -40,11 +40,13 @@ def _prompt(i: int, n: int) -> tuple[int, ...]:
     return tuple(3 + (i * 37 + j * 11) % 250 for j in range(n))
 
 
-@pytest.mark.parametrize("budget", [None, 32])
-def test_shared_prefix_is_reused_on_both_engines(tiny_llama, tiny_draft_close, solo, tiny_llama_logits, budget):
+@pytest.mark.parametrize("budget,max_tokens", [(None, 12), (32, 12), (None, 1)])
+def test_shared_prefix_is_reused_on_both_engines(tiny_llama, tiny_draft_close, solo, tiny_llama_logits, budget,
+                                                  max_tokens):
     """Three requests, one at a time, the 2nd and 3rd sharing the 1st's first 96 tokens (6 blocks):
-    each engine finds 96 tokens computed for each of them; with chunked prefill too. Outputs ==
-    the target alone, uncached."""
+    each engine finds 96 tokens computed for each of them; with chunked prefill too, and when a
+    request ends at its first token (its last piece is registered when it is released). Outputs
+    == the target alone, uncached."""
     c = _colo(tiny_llama, tiny_draft_close)
     try:
         system = _prompt(1, 96)
@@ -52,14 +54,16 @@ def test_shared_prefix_is_reused_on_both_engines(tiny_llama, tiny_draft_close, s
         sched = Scheduler(c.decoder, c.eos_token_ids, 4, max_num_batched_tokens=budget)
         outs = []
         for i, p in enumerate(prompts):
-            (req,) = sched.run([GenerationRequest(f"r{i}", p, 12, ignore_eos=True)])
+            (req,) = sched.run([GenerationRequest(f"r{i}", p, max_tokens, ignore_eos=True)])
             outs.append(req.output)
-        for bm in (c.target.block_manager, c.drafter.block_manager):
+        # max_tokens 1: no drafts (a step may emit only one token), so the drafter never computed a prompt
+        engines = (c.target,) if max_tokens == 1 else (c.target, c.drafter)
+        for bm in (e.block_manager for e in engines):
             assert bm.prefix_queried_tokens == sum(len(p) for p in prompts)
             assert bm.prefix_hit_tokens == 2 * 96
             assert bm.num_free_blocks == bm.num_blocks  # nothing held; the cached blocks are evictable
         for p, out in zip(prompts, outs):
-            assert_greedy_equal_or_tie(solo(p, 12), tiny_llama_logits, out, p)
+            assert_greedy_equal_or_tie(solo(p, max_tokens), tiny_llama_logits, out, p)
     finally:
         c.close()
 
