@@ -155,7 +155,7 @@ def check_grammar_timeout(args) -> None:
         raise ValueError(f"--grammar-timeout must be positive, got {t}")
 DEFAULT_STALL_TIMEOUT_S = 300.0  # gateway/app.py's default too
 DEFAULT_MAX_CONCURRENT_RPCS = 256  # the gateway's gRPC API: RPCs open at once
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 512  # the scheduler's per-step token budget (chunked prefill; docs/prefill.md)
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 128  # the scheduler's per-step token budget (chunked prefill; docs/prefill.md)
 DEFAULT_HTTP_LIMIT_CONCURRENCY = 256  # the HTTP API: connections and requests open at once
 
 
@@ -168,8 +168,8 @@ def add_gateway_limit_flags(p: argparse.ArgumentParser) -> None:
                    help="chunked prefill: most tokens one step computes on the verifier; running sequences' decodes "
                         "(K+1 each) first, then pieces of new prompts (at least N/4 a step), so a long prompt is "
                         "prefilled over several steps while the others keep decoding (default %(default)s, sized "
-                        "for a CPU target: a step of about 0.3 s for SmolLM2-135M on 2 cores; raise it on a GPU; "
-                        "0 = each prompt whole in its first step)")
+                        "for a CPU target: SmolLM2-135M on 2 shared cores keeps a running stream's gaps under 1 s; "
+                        "raise it on a GPU; 0 = each prompt whole in its first step)")
     p.add_argument("--stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT_S, metavar="S",
                    help="health turns NOT_SERVING while one scheduler step has run longer than S seconds (a stuck "
                         "engine or peer call; default %(default)g)")
