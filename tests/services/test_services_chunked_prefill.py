@@ -1,9 +1,10 @@
-"""Chunked prefill over real gRPC (--max-num-batched-tokens): split (3 processes) and colocated.
+"""Chunked prefill (--max-num-batched-tokens) and prefix caching over real gRPC: split (3
+processes) and colocated.
 
 A long prompt arriving beside a running stream is computed in pieces of a few tokens a step (the
 verifier's VerifyItem.prefill_tokens, the drafter's ProposeItem.prefill_tokens); both streams equal
 the target alone (up to certified near-ties), and a request cancelled between its pieces leaves
-nothing allocated on either service.
+nothing allocated on either service. A shared prefix is reused on both engines (their metrics).
 """
 from __future__ import annotations
 
@@ -85,3 +86,31 @@ def test_cancel_between_pieces_frees_both_services(stacks):
     assert not got, "the prompt finished before the cancel: the test did not cancel mid-prefill"
     assert wait_for(lambda: all(n == 0 and free == total for n, free, total in _engine_state(stack)),
                     timeout=5) is not None, _engine_state(stack)
+
+
+def test_shared_prefix_hits_show_in_the_engines_metrics(stacks, expect_greedy):
+    """Automatic prefix caching over gRPC: a request sharing a 160-token prefix (10 blocks) with an
+    earlier one finds it computed on the verifier and on the drafter; the hits show in each
+    engine's specsplit_prefix_cache_tokens_total; the output equals the target alone."""
+    from tests.services.procs import scrape
+
+    stack = stacks["split"]
+
+    def hits():
+        out = {}
+        for role in ("verifier", "drafter"):
+            m = scrape(stack[role].metrics_port)
+            out[role] = (m[f'specsplit_prefix_cache_tokens_total{{outcome="hit",service="{role}"}}'],
+                         m[f'specsplit_prefix_cache_tokens_total{{outcome="queried",service="{role}"}}'])
+        return out
+
+    prefix = [3 + (j * 17) % 240 for j in range(160)]
+    first, second = prefix + [5, 6, 7, 8], prefix + [9, 10, 11]
+    generate(stack.gateway, request(first, max_tokens=8, ignore_eos=True))
+    before = hits()
+    out = generate(stack.gateway, request(second, max_tokens=8, ignore_eos=True))
+    after = hits()
+    for role in ("verifier", "drafter"):
+        assert after[role][0] - before[role][0] == 160, (role, before, after)
+        assert after[role][1] - before[role][1] == len(second)
+    expect_greedy(second, out["token_ids"], 8, ignore_eos=True)
