@@ -104,7 +104,8 @@ def _kv_pb(kv) -> gateway_pb2.KvBlocks:
 
 async def run(gw: Gateway, args) -> int:
     scheduler = SchedulerThread(gw.decoder, gw.tokenizer.decode, gw.eos_token_ids, gw.max_num_seqs, gw.max_queue,
-                                 kv=gw.kv, limits=gw.limits, timing_sources=gw.timing_sources)
+                                 kv=gw.kv, limits=gw.limits, timing_sources=gw.timing_sources,
+                                 max_num_batched_tokens=getattr(args, "max_num_batched_tokens", None) or None)
     spec = gw.decoder.spec
 
     async def server_info() -> gateway_pb2.ServerInfo:
@@ -142,9 +143,10 @@ async def run(gw: Gateway, args) -> int:
         await http.start()
     await server.start(metrics_port=args.metrics_port)
     log.info("gateway (%s): target %s, draft %s, K=%d, disable_by_batch_size=%d, max_num_seqs %d, max_queue %d, "
-             "max_model_len %d, pre-drafting %s", gw.mode, gw.target_model, gw.draft_model or "none",
-             spec.num_speculative_tokens if gw.decoder.drafter is not None else 0, spec.disable_by_batch_size,
-             gw.max_num_seqs, gw.max_queue, gw.limits.max_model_len, "on" if gw.decoder.async_draft else "off")
+             "max_model_len %d, pre-drafting %s, max_num_batched_tokens %s", gw.mode, gw.target_model,
+             gw.draft_model or "none", spec.num_speculative_tokens if gw.decoder.drafter is not None else 0,
+             spec.disable_by_batch_size, gw.max_num_seqs, gw.max_queue, gw.limits.max_model_len,
+             "on" if gw.decoder.async_draft else "off", scheduler.scheduler.max_num_batched_tokens or "unbounded")
     for b in scheduler.scheduler.kv:
         log.info("gateway: KV-aware admission over the %s's cache: %d blocks x %d tokens", b.name, b.num_blocks,
                  b.block_size)

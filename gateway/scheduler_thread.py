@@ -101,10 +101,11 @@ class SchedulerThread:
         limits: Limits | None = None,
         timing_sources: Sequence = (),
         idle_poll_s: float = 0.05,
+        max_num_batched_tokens: int | None = None,
     ):
         self.scheduler = Scheduler(decoder, eos_token_ids, max_num_seqs, max_queue, kv=kv, limits=limits,
                                    decode=decode, observer=_Metrics(timing_sources, decoder.async_draft),
-                                  classify=classify)
+                                  classify=classify, max_num_batched_tokens=max_num_batched_tokens)
         self.decoder = decoder
         self.idle_poll_s = idle_poll_s
         self._stopping = False

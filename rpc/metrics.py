@@ -16,6 +16,10 @@ Served over HTTP by `start_metrics_server` when a service gets --metrics-port. N
   specsplit_draft_wait_seconds                      gateway, pre-drafting: per step, the time the verifier waited for drafts
   specsplit_engine_seconds{service,op}              drafter / verifier: engine time per session message
   specsplit_kv_blocks{service,state}                used / free KV blocks of every engine in the process
+  specsplit_prefix_cache_tokens_total{service,outcome}
+                                                    prompt tokens looked up (queried) / found computed (hit) in the
+                                                    prefix cache; hit rate = hit / queried
+  specsplit_prefix_cache_blocks{service}            KV blocks registered in the prefix cache (held or evictable)
   specsplit_suffix_cache{unit}                      suffix drafter: shared cache size (tokens, outputs)
   specsplit_hybrid_draft_tokens_total{source,outcome}
                                                     MODEL+ngram / MODEL+suffix: drafts by lookup or model, proposed / accepted
@@ -72,6 +76,7 @@ class KvCollector:
             g.add_metric([name, "used"], bm.num_used_blocks)
             g.add_metric([name, "free"], bm.num_free_blocks)
         yield g
+        yield from _prefix_cache_metrics(self.engines)
         yield from _suffix_metrics([e.suffix for e in list(self.engines.values())
                                     if isinstance(e, DrafterTraits) and e.suffix is not None])
         hybrids = [e for e in list(self.engines.values()) if isinstance(e, HybridDrafter)]
@@ -82,6 +87,24 @@ class KvCollector:
                 g.add_metric([source, "proposed"], proposed)
                 g.add_metric([source, "accepted"], accepted)
             yield g
+
+
+def _prefix_cache_metrics(engines: dict):
+    """Automatic prefix caching (kv/block_manager.py): prompt tokens looked up and found computed
+    (hit rate = hit / queried), and the registered blocks a new prompt can reuse."""
+    managers = {name: e.block_manager for name, e in list(engines.items()) if e.block_manager is not None}
+    if not managers:
+        return
+    tokens = CounterMetricFamily("specsplit_prefix_cache_tokens", "Prompt tokens looked up in the prefix cache "
+                                 "(queried) and found there (hit)", labels=["service", "outcome"])
+    blocks = GaugeMetricFamily("specsplit_prefix_cache_blocks", "KV blocks registered in the prefix cache",
+                               labels=["service"])
+    for name, bm in managers.items():
+        tokens.add_metric([name, "queried"], bm.prefix_queried_tokens)
+        tokens.add_metric([name, "hit"], bm.prefix_hit_tokens)
+        blocks.add_metric([name], bm.num_cached_blocks)
+    yield tokens
+    yield blocks
 
 
 def _suffix_metrics(drafters):

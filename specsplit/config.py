@@ -123,6 +123,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # --deterministic: batch-invariant numerics (models/deterministic.py); the target's only
     deterministic: bool = False
+    # --prefix-caching: reuse the KV blocks of prompt prefixes computed before (kv/block_manager.py)
+    prefix_caching: bool = True
     # False: the KV cache is sized from the memory budget alone, not capped at what max_num_seqs
     # sequences of max_model_len can use (the profiler's tests make the budget bind)
     kv_cap: bool = True

@@ -105,6 +105,7 @@ def engine_config(args, model: str, device: str | None = None):
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_prefill_tokens=args.max_prefill_tokens,
+        prefix_caching=getattr(args, "prefix_caching", True),
         num_blocks=args.num_blocks,
         memory_budget_bytes=args.memory_budget,
         memory_utilization=args.memory_utilization,

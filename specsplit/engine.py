@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import Container, Sequence
 
 import torch
 
@@ -161,6 +161,20 @@ def check_seq_adds(seqs: Sequence[SeqAdd], running, side: str, vocab_size: int |
                               f"got {s.prompt_logprobs}")
 
 
+def prefill_chunks(reqs: Sequence[VerifyRequest], seqs: Sequence[_Seq]) -> dict[int, int]:
+    """Chunked prefill: index -> n for each request whose prefill_tokens leaves part of its
+    uncached tokens for a later step (it computes n of them and emits nothing). A request whose
+    limit covers the rest is an ordinary step. EngineError for a piece with drafts."""
+    out = {}
+    for i, (r, s) in enumerate(zip(reqs, seqs)):
+        if 0 < r.prefill_tokens < len(s.tokens) - s.num_computed:
+            if r.draft_token_ids:
+                raise EngineError(f"sequence {r.seq_id!r}: a prompt piece ({r.prefill_tokens} of its "
+                                  f"{len(s.tokens) - s.num_computed} uncached tokens) cannot verify drafts")
+            out[i] = r.prefill_tokens
+    return out
+
+
 def check_propose(r: ProposeRequest, s, vocab_size: int | None, max_model_len: int) -> None:
     """What every drafter refuses in a propose: bad ids, k < 0, or a chain past max_model_len
     (the context plus k - 1 drafts: the last draft is never fed)."""
@@ -244,21 +258,35 @@ class _EngineBase:
         added: list[str] = []
         try:
             for s in seqs:
-                self.block_manager.allocate(s.seq_id, len(s.prompt_token_ids))
+                # With prefix caching, the KV of a cached prefix is there already (kv/block_manager.py)
+                cached = self.block_manager.allocate(s.seq_id, len(s.prompt_token_ids),
+                                                     s.prompt_token_ids if self._reuses_prefix(s) else None)
                 added.append(s.seq_id)
                 self.seqs[s.seq_id] = _Seq(
                     tokens=list(s.prompt_token_ids), params=s.params, rng=SeqRandom(s.params.seed, self.side),
-                    logprobs=s.logprobs, feature_layers=tuple(s.feature_layers),
+                    num_computed=cached, logprobs=s.logprobs, feature_layers=tuple(s.feature_layers),
                     prompt_len=len(s.prompt_token_ids) - s.generated,
                 )
         except OutOfBlocks:
             self.release(added)
             raise
 
+    def _reuses_prefix(self, s: SeqAdd) -> bool:
+        """Whether the sequence takes a cached prefix's KV (prefix caching) instead of computing it."""
+        return True
+
     def release(self, seq_ids: Sequence[str], finished: bool = False) -> None:
         for seq_id in seq_ids:
-            self.seqs.pop(seq_id, None)
+            s = self.seqs.pop(seq_id, None)
+            if s is not None and self.block_manager.has(seq_id):
+                # Nothing rolls back now: the prefix computed so far (not drafts) stays reusable
+                self.block_manager.cache_prefix(seq_id, s.tokens, min(s.num_computed, len(s.tokens)))
             self.runner.free(seq_id)
+
+    def _keep_reserved(self, seq_id: str, s: _Seq) -> None:
+        """After a prompt piece: the forward cut the sequence's blocks to what it computed; take the
+        rest of its prompt's blocks back (add reserved them), so a later piece cannot run out."""
+        self.block_manager.grow_to(seq_id, len(s.tokens))
 
     def _forward(self, items: list[ForwardItem], features: tuple[int, ...] = (),
                  out_features: list | None = None) -> list[torch.Tensor]:
@@ -308,6 +336,11 @@ class TargetEngine(_EngineBase, VerifierTraits):
         # One rank of a tensor-parallel group (specsplit.parallel.group sets it when it builds the
         # group): the verifier servicer watches it and reports a dead worker. None: one process.
         self.tensor_parallel = None
+
+    def _reuses_prefix(self, s: SeqAdd) -> bool:
+        # a sequence that scores its prompt (prompt_logprobs) needs every prompt position's logits:
+        # it computes the whole prompt itself, never writing into blocks other sequences share
+        return s.prompt_logprobs is None
 
     def add(self, seqs: Sequence[SeqAdd]) -> None:
         """As _EngineBase.add; a sequence with a grammar gets its matcher (compiled, or cached),
@@ -393,6 +426,9 @@ class TargetEngine(_EngineBase, VerifierTraits):
                     f"sequence {r.seq_id!r}: {len(s.tokens)} tokens + {len(r.draft_token_ids)} drafts "
                     f"pass max_model_len {self.runner.max_model_len}"
                 )
+        chunks = prefill_chunks(reqs, seqs)  # index -> tokens of a prompt piece that emits nothing
+        for r, s in zip(reqs, seqs):  # what earlier steps computed is final now: later prompts may reuse it
+            self.block_manager.cache_prefix(r.seq_id, s.tokens, s.num_computed)
         reqs, masks = self._constrain(reqs, seqs)
         trees = {i: DraftTree(r.draft_token_ids, r.draft_parents) for i, r in enumerate(reqs)
                  if r.draft_parents is not None and r.draft_token_ids}
@@ -403,15 +439,16 @@ class TargetEngine(_EngineBase, VerifierTraits):
                 reqs[i] = replace(reqs[i], draft_token_ids=t.tokens[:m], draft_parents=None,
                                   draft_probs=None if probs is None else probs[:m])
             trees = {}
-        prompt_lps, at, prompt_feats = self._score_prompts(reqs, seqs)
+        prompt_lps, at, prompt_feats = self._score_prompts(reqs, seqs, skip=chunks)  # at the last piece
         items = [
-            ForwardItem(r.seq_id, at.get(i, s.num_computed), s.tokens[at.get(i, s.num_computed):] + list(r.draft_token_ids),
-                        len(r.draft_token_ids) + 1, tree=trees[i].parents if i in trees else None)
+            ForwardItem(r.seq_id, s.num_computed, s.tokens[s.num_computed : s.num_computed + chunks[i]], 1) if i in chunks
+            else ForwardItem(r.seq_id, at.get(i, s.num_computed), s.tokens[at.get(i, s.num_computed):] + list(r.draft_token_ids),
+                             len(r.draft_token_ids) + 1, tree=trees[i].parents if i in trees else None)
             for i, (r, s) in enumerate(zip(reqs, seqs))
         ]
         layers = _feature_layers(seqs)
         feats: list = []
-        logits = self._forward(items, layers, feats)  # per seq [k+1, V]; feats per seq [rows, F]
+        logits = self._forward(items, layers, feats)  # per seq [k+1, V] ([1, V] for a chunk); feats per seq [rows, F]
         for i, s in enumerate(seqs):
             s.undo = (len(s.tokens), s.num_computed)
             s.step_features = _features_for(s, layers, feats[i]) if layers else None
@@ -420,17 +457,19 @@ class TargetEngine(_EngineBase, VerifierTraits):
 
         raw, logits = logits, self._process(logits, reqs, seqs, masks)
         results: list[VerifyResult | None] = [None] * len(reqs)
+        for i, n in chunks.items():
+            results[i] = self._prefilled(reqs[i].seq_id, seqs[i], n)
         # Greedy and coupled (seeded, specsplit.sampling.coupled) sequences accept while the draft
         # equals the target's own choice; the others run the rejection sampler.
-        greedy = [i for i, s in enumerate(seqs) if s.params.accepts_by_match and i not in trees]
-        sampled = [i for i, s in enumerate(seqs) if not s.params.accepts_by_match]
+        greedy = [i for i, s in enumerate(seqs) if s.params.accepts_by_match and i not in trees and i not in chunks]
+        sampled = [i for i, s in enumerate(seqs) if not s.params.accepts_by_match and i not in chunks]
         for i, tree in trees.items():
             raw[i] = self._verify_tree(reqs[i].seq_id, seqs[i], tree, logits[i], raw[i], results, i)
         if greedy:
             self._verify_greedy(greedy, reqs, seqs, logits, results)
         if sampled:
             self._verify_sampled(sampled, reqs, seqs, logits, results)
-        asked = [i for i, s in enumerate(seqs) if s.logprobs is not None]
+        asked = [i for i, s in enumerate(seqs) if s.logprobs is not None and i not in chunks]
         if asked:
             self._add_logprobs(asked, seqs, raw, results)
         for i, lps in prompt_lps.items():
@@ -438,7 +477,7 @@ class TargetEngine(_EngineBase, VerifierTraits):
             results[i] = replace(results[i], prompt_logprobs=lps)
         return results  # type: ignore[return-value]
 
-    def _score_prompts(self, reqs: Sequence[VerifyRequest], seqs: Sequence[_Seq]):
+    def _score_prompts(self, reqs: Sequence[VerifyRequest], seqs: Sequence[_Seq], skip: Container[int] = ()):
         """The prompt log-probabilities of the sequences that asked (SeqAdd.prompt_logprobs), at
         their first verify: their prefill of prompt[:-1] runs here with every logit row kept,
         PROMPT_LOGITS_ROWS positions per forward; row j's log_softmax scores prompt[j + 1] (the
@@ -452,7 +491,7 @@ class TargetEngine(_EngineBase, VerifierTraits):
         feats: dict[int, torch.Tensor] = {}
         for i, (r, s) in enumerate(zip(reqs, seqs)):
             n = s.prompt_logprobs
-            if n is None:
+            if n is None or i in skip:  # a prompt piece (chunked prefill): scored with the last one
                 continue
             end = max(0, s.prompt_len - 1)  # positions 0 .. end-1 score prompt tokens 1 .. end
             out: list[TokenLogprob] = []
@@ -470,6 +509,16 @@ class TargetEngine(_EngineBase, VerifierTraits):
             if parts:
                 feats[i] = torch.cat(parts)
         return lps, at, feats
+
+    def _prefilled(self, seq_id: str, s: _Seq, n: int) -> VerifyResult:
+        """A prompt piece of n tokens is in the KV now; nothing is emitted. Its features (if asked)
+        go to the drafter like any committed position's."""
+        start = s.num_computed
+        s.num_computed += n
+        s.undo = None  # nothing to abandon: no tokens were emitted
+        self._keep_reserved(seq_id, s)
+        feats, s.step_features = s.step_features, None
+        return VerifyResult(seq_id, 0, (), features=feats, features_start=start)
 
     def _add_logprobs(self, idx, seqs, logits, results) -> None:
         """Logprobs of the emitted tokens from the rows this verify already has: row j of a
@@ -682,6 +731,9 @@ class DraftEngine(_EngineBase, DrafterTraits):
             check_propose(r, s, self.vocab_size, self.runner.max_model_len)
         for r, s in zip(reqs, seqs):
             self._ingest(r.seq_id, s, r.new_token_ids, r.pending_drafts)
+            # final tokens in the KV (not the last: a propose may feed it again) -> reusable prefix
+            self.block_manager.cache_prefix(r.seq_id, s.tokens, min(s.num_computed, len(s.tokens) - 1))
+        self._prefill([(r, s) for r, s in zip(reqs, seqs) if r.k <= 0 and r.prefill_tokens > 0])
         active = [i for i, r in enumerate(reqs) if r.k > 0]
         for i in active:
             s = seqs[i]
@@ -724,6 +776,23 @@ class DraftEngine(_EngineBase, DrafterTraits):
                 continue
             out.append(Proposal(r.seq_id, tuple(new), tuple(q_x[i]) if sampled else None))
         return out
+
+    def _prefill(self, pieces: list[tuple[ProposeRequest, _Seq]]) -> None:
+        """Chunked prefill: each sequence computes up to prefill_tokens of its uncached context, in
+        one forward, never its last token (the propose that drafts feeds that one)."""
+        items, done = [], []
+        for r, s in pieces:
+            context = s.tokens + s.drafted
+            n = min(r.prefill_tokens, len(context) - 1 - s.num_computed)
+            if n > 0:
+                items.append(ForwardItem(r.seq_id, s.num_computed, context[s.num_computed : s.num_computed + n], 1))
+                done.append((r.seq_id, s, n))
+        if not items:
+            return
+        self._forward(items)
+        for seq_id, s, n in done:
+            s.num_computed += n
+            self._keep_reserved(seq_id, s)
 
     def _ingest(self, seq_id: str, s: _Seq, new: Sequence[int], pending: Sequence[int] = ()) -> None:
         """ingest_chain, then KV kept only for the final tokens and the confirmed old drafts."""

@@ -97,4 +97,5 @@ def allocate_engine(s: ModelService, sp: ServicePlan, calibrate: bool = False):
         engine.step_costs = calibrate_verifier(runner, s.k, s.cfg.max_num_seqs)
     elif calibrate and s.name == DRAFTER:
         engine.step_costs = calibrate_drafter(runner, s.cfg.max_num_seqs)
+    runner.block_manager.prefix_caching = s.cfg.prefix_caching  # after calibration: its scratch prompts are not cached
     return engine

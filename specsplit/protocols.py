@@ -70,6 +70,10 @@ class ProposeRequest:
     # beyond the k of its chain, as branches (a tree of depth <= k). 0 = a chain. Set only for
     # greedy sequences the verifier scores as trees (draft_tree.tree_eligible).
     tree_nodes: int = 0
+    # Chunked prefill (k = 0 only): after ingesting, compute the KV of at most this many of the
+    # context's tokens not yet cached, never its last one (the next propose feeds that to draft).
+    # 0 = none: the next propose with k > 0 computes the whole context, as before.
+    prefill_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,10 @@ class VerifyRequest:
     # A tree of drafts (greedy only, specsplit.draft_tree): parent node per draft, -1 for a child of
     # the last token. None = a chain. The verifier keeps the longest accepted path.
     draft_parents: tuple[int, ...] | None = None
+    # Chunked prefill: compute the KV of at most this many of the sequence's tokens not yet cached.
+    # When that leaves some uncached (a prompt longer than the chunk) the sequence emits nothing
+    # this step (a VerifyResult with no tokens) and may have no drafts. 0 = all of them (a step).
+    prefill_tokens: int = 0
 
 
 @dataclass(frozen=True)

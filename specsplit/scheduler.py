@@ -15,6 +15,13 @@ greedy output unchanged). A request is admitted only when it fits next to the ru
 block of headroom each (so it is not preempted at once); a request that could not fit even alone
 (prompt + max_tokens beyond a whole cache) is refused at submit.
 
+Chunked prefill (`max_num_batched_tokens`, vLLM's knob of that name): each step computes at most
+that many tokens on the verifier. The running sequences' decodes (k + 1 each) come first; the rest
+of the budget (at least a quarter of it, so prompts always progress) goes to prompts not yet in
+the KV, oldest first, in pieces. A sequence emits nothing until the step that computes its last
+piece; running streams keep their pace while long prompts arrive. None: every prompt is computed
+whole in its first step (the CLI's single request, the bench's batches).
+
 Threads: `step` runs on one thread (the step thread); `submit`, `abort` and `abort_all` may be
 called from any thread. An abort ends the stream at once, even while the step thread waits on an
 engine; the step thread releases the sequence on the engines after that step.
@@ -101,8 +108,12 @@ class Scheduler:
         decode: Callable[[list[int]], str] | None = None,
         observer: Observer | None = None,
         classify: Callable[[BaseException], RequestError] = error_from_exception,
+        max_num_batched_tokens: int | None = None,
     ):
+        if max_num_batched_tokens is not None and max_num_batched_tokens <= 0:
+            raise ValueError(f"max_num_batched_tokens must be positive, got {max_num_batched_tokens}")
         self.decoder = decoder
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_num_seqs = max_num_seqs
         self.max_queue = max_queue  # None: unbounded (the CLI and the bench)
@@ -197,9 +208,10 @@ class Scheduler:
         if not self.running:
             return []
         budgets = {sid: req.budget for sid, req in self.running.items()}
+        prefill = self._plan_prefill()
         t0 = time.perf_counter()
         try:
-            out = self.decoder.step(budgets)
+            out = self.decoder.step(budgets, prefill)
         except Exception as e:
             self._step_failed(e)
             return []
@@ -276,6 +288,31 @@ class Scheduler:
             log.info("request %s aborted after %d tokens; released", _label(req, sid), len(req.output))
         if gone:
             self._release(gone)
+
+    # ---- chunked prefill -----------------------------------------------------------------
+    def _plan_prefill(self) -> dict[str, int] | None:
+        """This step's prompt pieces, seq_id -> tokens, within max_num_batched_tokens: what the
+        decodes leave (at least a quarter of the budget), oldest prompt first. A prompt not in
+        the plan sits this step out. None: no budget (each prompt whole in its first step)."""
+        if self.max_num_batched_tokens is None:
+            return None
+        left = {sid: t.prefill_left for sid in self.running
+                if (t := self.decoder.tracks.get(sid)) is not None and t.prefill_left > 0}
+        if not left:
+            return None
+        budget = self.max_num_batched_tokens
+        decoding = sum(self._lookahead(r) + 1 for sid, r in self.running.items() if sid not in left)
+        room = max(budget - decoding, budget // 4, 1)
+        plan: dict[str, int] = {}
+        for sid, n in left.items():
+            if room <= 0:
+                break
+            plan[sid] = min(n, room)
+            room -= plan[sid]
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("step %d: prefill %s of %s prompt tokens left (budget %d, %d decoding sequences take %d)",
+                      self.steps + 1, plan, left, budget, len(self.running) - len(left), decoding)
+        return plan
 
     # ---- KV accounting -------------------------------------------------------------------
     def _lookahead(self, req: Request) -> int:
@@ -365,6 +402,11 @@ class Scheduler:
                 continue
             self.running[req.seq_id] = req
             self.observer.on_admit(req, resumed=req.preemptions > 0)
+            if self.max_num_batched_tokens is not None and req.num_tokens > self.max_num_batched_tokens:
+                log.info("request %s: its %d prompt tokens are prefilled in pieces over %d or more steps "
+                         "(max_num_batched_tokens %d), beside %d running", _label(req, req.seq_id), req.num_tokens,
+                         -(-req.num_tokens // self.max_num_batched_tokens), self.max_num_batched_tokens,
+                         len(self.running) - 1)
 
     # ---- failures ------------------------------------------------------------------------
     def _step_failed(self, e: BaseException) -> None:

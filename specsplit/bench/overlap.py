@@ -97,7 +97,7 @@ def run(args, prompts_of: Callable, progress: Callable[[], None] | None = None) 
 
     def cfg(model: str, max_num_seqs: int = 1) -> EngineConfig:
         return EngineConfig(model=model, dtype=parse_dtype(dtype), max_model_len=args.max_model_len,
-                            max_num_seqs=max_num_seqs, max_prefill_tokens=max_prefill)
+                            max_num_seqs=max_num_seqs, max_prefill_tokens=max_prefill, prefix_caching=False)
 
     torch.set_num_threads(1)
     k = default_k_for(draft)

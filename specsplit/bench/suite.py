@@ -139,7 +139,8 @@ class Bench:
         return EngineConfig(model=model, dtype=parse_dtype(dtype), device=getattr(self.args, "device", "cpu"),
                             weights=weights,
                             max_model_len=self.args.max_model_len,
-                            max_num_seqs=max_num_seqs, max_prefill_tokens=min(512, self.args.max_model_len // 2))
+                            max_num_seqs=max_num_seqs, max_prefill_tokens=min(512, self.args.max_model_len // 2),
+                            prefix_caching=False)  # every arm computes its prompts (no reuse across repeats)
 
     def _add(self, result: ArmResult, **extra) -> dict:
         self._outputs[result.name] = [t.output for t in result.timings]

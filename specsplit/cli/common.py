@@ -56,6 +56,10 @@ def add_engine_flags(p: argparse.ArgumentParser, device_flag: str = "--device") 
     g.add_argument("--max-num-seqs", type=positive_int, default=32, help="most sequences in one batch")
     g.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
     g.add_argument("--max-prefill-tokens", type=positive_int, default=512, help="largest prefill chunk")
+    g.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks of a prompt prefix computed before (a shared system prompt, a "
+                        "preempted request's resume): full blocks by content hash, reference-counted, the unused "
+                        "ones evicted least recently used first (default on; docs/prefill.md)")
     g.add_argument("--num-blocks", type=nonneg_int, default=0, help="KV blocks (0 = size from the memory budget)")
     g.add_argument("--memory-utilization", type=float, default=0.9, help="fraction of device memory to use")
     g.add_argument("--memory-budget", type=parse_bytes, default=None, help="bytes to use instead, e.g. 2GiB")
@@ -157,6 +161,7 @@ def check_grammar_timeout(args) -> None:
         raise ValueError(f"--grammar-timeout must be positive, got {t}")
 DEFAULT_STALL_TIMEOUT_S = 300.0  # gateway/app.py's default too
 DEFAULT_MAX_CONCURRENT_RPCS = 256  # the gateway's gRPC API: RPCs open at once
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 128  # the scheduler's per-step token budget (chunked prefill; docs/prefill.md)
 DEFAULT_HTTP_LIMIT_CONCURRENCY = 256  # the HTTP API: connections and requests open at once
 
 
@@ -165,6 +170,12 @@ def add_gateway_limit_flags(p: argparse.ArgumentParser) -> None:
                    help="most gRPC calls open at once on the public API (streams, health and info included); past "
                         "it a call is RESOURCE_EXHAUSTED before any work (default %(default)s; running + queued "
                         "requests are bounded by --max-num-seqs + --max-queue first)")
+    p.add_argument("--max-num-batched-tokens", type=nonneg_int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS, metavar="N",
+                   help="chunked prefill: most tokens one step computes on the verifier; running sequences' decodes "
+                        "(K+1 each) first, then pieces of new prompts (at least N/4 a step), so a long prompt is "
+                        "prefilled over several steps while the others keep decoding (default %(default)s, sized "
+                        "for a CPU target: SmolLM2-135M on 2 shared cores keeps a running stream's gaps under 1 s; "
+                        "raise it on a GPU; 0 = each prompt whole in its first step)")
     p.add_argument("--stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT_S, metavar="S",
                    help="health turns NOT_SERVING while one scheduler step has run longer than S seconds (a stuck "
                         "engine or peer call; default %(default)g)")

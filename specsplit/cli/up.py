@@ -97,6 +97,7 @@ def _engine_flags(args, device: str) -> list[str]:
            "--max-model-len", str(args.max_model_len),
            "--max-num-seqs", str(args.max_num_seqs), "--block-size", str(args.block_size),
            "--max-prefill-tokens", str(args.max_prefill_tokens), "--num-blocks", str(args.num_blocks),
+           "--prefix-caching" if getattr(args, "prefix_caching", True) else "--no-prefix-caching",
            "--memory-utilization", str(args.memory_utilization), "--threads", str(args.threads)]
     if args.memory_budget is not None:
         out += ["--memory-budget", str(args.memory_budget)]
@@ -171,6 +172,7 @@ def commands(args, drafter_port: int, verifier_port: int) -> dict[str, list[str]
     gateway_only = ["--keepalive-time", str(args.keepalive_time), "--keepalive-timeout", str(args.keepalive_timeout),
                     "--max-request-bytes", str(args.max_request_bytes), "--stall-timeout", str(args.stall_timeout),
                     "--max-concurrent-rpcs", str(args.max_concurrent_rpcs),
+                    "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                     *internal]
     if getattr(args, "http_port", None):
         gateway_only += ["--http-port", str(args.http_port), "--http-limit-concurrency", str(args.http_limit_concurrency),

@@ -77,11 +77,13 @@ class StepOutput:
 @dataclass
 class _Plan:
     """What this step drafts: its K (0: target-only), the one sequence that drafts when the K
-    policy probes (None: all), and the tokens each sequence may still emit."""
+    policy probes (None: all), the tokens each sequence may still emit, and the prompt pieces
+    (chunked prefill: seq_id -> tokens) of sequences that emit nothing this step."""
 
     k: int
     only: str | None
     budgets: dict[str, int]
+    chunks: dict[str, int] = field(default_factory=dict)
 
 
 class SpecDecoder:
@@ -166,7 +168,7 @@ class SpecDecoder:
             k = 0  # this sequence alone: the drafter would refuse it (and a refusal reads as the drafter failing)
         layers = self.feature_layers if k > 0 else ()
         self.verifier.add([replace(seq, feature_layers=layers)] if layers else [seq])
-        track = Track(add=seq, k=k, tokens=list(seq.prompt_token_ids))
+        track = Track(add=seq, k=k, tokens=list(seq.prompt_token_ids), prefill_left=len(seq.prompt_token_ids))
         self.tracks[seq.seq_id] = track
         if self.drafter_up and k > 0:
             try:
@@ -195,21 +197,32 @@ class SpecDecoder:
                 self._drafter_failed(e)
 
     # ---- the step ------------------------------------------------------------------------
-    def step(self, budgets: dict[str, int] | None = None) -> StepOutput:
-        """One step for every running sequence. budgets: tokens each may still emit (caps k)."""
+    def step(self, budgets: dict[str, int] | None = None, prefill: dict[str, int] | None = None) -> StepOutput:
+        """One step for every running sequence. budgets: tokens each may still emit (caps k).
+
+        prefill (chunked prefill; None: every prompt is computed whole in its first step):
+        seq_id -> prompt tokens to compute this step, for sequences with Track.prefill_left. One
+        given fewer than it has left computes that piece (the verifier and, in step, the drafter)
+        and emits nothing; one given the rest steps as usual; one absent or given 0 sits out."""
         stats = StepStats()
         ids = list(self.tracks)
+        chunks: dict[str, int] = {}
+        if prefill is not None:
+            ids = [s for s in ids if not self.tracks[s].prefill_left or prefill.get(s, 0) > 0]
+            chunks = {s: n for s, n in prefill.items() if s in self.tracks and 0 < n < self.tracks[s].prefill_left}
         if not ids:
             return StepOutput({}, stats, False)
         self._hold_now, self._hold_next = self._hold_next, set()
         self.health.maybe_resync(self.tracks)
-        plan = self._choose_k(ids, budgets or {})
+        plan = self._choose_k([s for s in ids if s not in chunks], budgets or {})
+        plan.chunks = chunks
         self.k_chosen[plan.k] += 1
         proposals = self._drafts(ids, plan, stats)
         reqs = [VerifyRequest(s, proposals[s].token_ids, proposals[s].probs, proposals[s].parents)
-                if s in proposals and proposals[s].token_ids else VerifyRequest(s) for s in ids]
+                if s in proposals and proposals[s].token_ids else VerifyRequest(s, prefill_tokens=chunks.get(s, 0))
+                for s in ids]
         results, branches, prompt_logprobs = self._verify(reqs, proposals, plan, stats)
-        out = self._account(reqs, results, branches, asked_drafter=bool(proposals), stats=stats)
+        out = self._account(reqs, results, branches, asked_drafter=bool(proposals), stats=stats, chunks=chunks)
         out.prompt_logprobs = prompt_logprobs
         out.speculated = bool(proposals)
         out.k = plan.k if proposals else 0
@@ -241,7 +254,7 @@ class SpecDecoder:
         A sequence whose last step was abandoned verifies none this step (skip_held=False: it is
         still asked, so the drafter catches up; checked_proposals drops its drafts)."""
         if not t.on_drafter or t.k <= 0 or (skip_held and t.seq_id in self._hold_now) \
-                or plan.only not in (None, t.seq_id):
+                or plan.only not in (None, t.seq_id) or t.seq_id in plan.chunks:
             return 0
         budget = plan.budgets.get(t.seq_id)
         return step_k_cap(min(t.k, plan.k), len(t.tokens) + extra, self._drafting_len(),
@@ -258,7 +271,12 @@ class SpecDecoder:
         """This step's checked proposals: the pre-drafted branches that came true, cut to each
         sequence's k now, and just-in-time drafts for the rest."""
         ready = self.predraft.take_ready() if self.predraft is not None else {}
+        pieces = self._prefill_pieces(plan)
+        stats.feature_rows += sum(a.features.shape[0] for a in pieces if a.features is not None)
         if plan.k <= 0:
+            if pieces:
+                self._set_deadline(pieces)
+                self._propose(pieces)
             return {}
         proposals = {}
         for s, p in ready.items():
@@ -274,9 +292,11 @@ class SpecDecoder:
                 asks.append(ProposeRequest(s, tuple(t.unsent), k, features=feats, features_start=start,
                                            tree_nodes=self._tree_nodes(t, k, len(ids))))
         stats.feature_rows += sum(a.features.shape[0] for a in asks if a.features is not None)
-        self._set_deadline(asks)
+        self._set_deadline(asks + pieces)
         t0 = time.perf_counter()
-        proposals.update(self._propose(asks))
+        proposals.update(self._propose(asks + pieces))
+        for a in pieces:  # a prompt piece drafts nothing
+            proposals.pop(a.seq_id, None)
         stats.draft_s = time.perf_counter() - t0
         if self.async_draft and asks:
             stats.draft_wait_s = stats.draft_s  # drafted just in time: the verifier waited
@@ -293,6 +313,22 @@ class SpecDecoder:
         if self.policy is None:
             return most
         return tree_nodes(self.policy.costs, batch, k, t.acceptance.expected_tokens(k), self.tree_value.value, most)
+
+    def _prefill_pieces(self, plan: _Plan) -> list[ProposeRequest]:
+        """The drafter computes the same prompt pieces as the verifier, in the same steps, so its
+        catch-up when the sequence starts drafting is at most one piece. A feature drafter reads
+        the target's features instead: it gets those of the piece before (this step's come back
+        from this step's verify), so it too is at most one piece behind."""
+        if not plan.chunks or not self.drafter_up:
+            return []
+        asks = []
+        for s, n in plan.chunks.items():
+            t = self.tracks[s]
+            if t.on_drafter:
+                feats, start = t.take_features()
+                asks.append(ProposeRequest(s, tuple(t.unsent), 0, features=feats, features_start=start,
+                                           prefill_tokens=n))
+        return asks
 
     def _propose(self, reqs: list[ProposeRequest]) -> dict[str, Proposal]:
         if not reqs:
@@ -429,9 +465,9 @@ class SpecDecoder:
 
     # ---- phase 5: account ------------------------------------------------------------------
     def _account(self, reqs: list[VerifyRequest], results: list[VerifyResult], branches: dict[str, Proposal],
-                 asked_drafter: bool, stats: StepStats) -> StepOutput:
+                 asked_drafter: bool, stats: StepStats, chunks: dict[str, int] | None = None) -> StepOutput:
         """Emitted tokens into each track (and, for the drafter, its unsent tokens and features),
-        acceptance per sequence and per position, branch hits and misses."""
+        acceptance per sequence and per position, branch hits and misses, prefill progress."""
         out: dict[str, list[int]] = {}
         drafts: dict[str, tuple[int, int]] = {}
         logprobs: dict[str, tuple[TokenLogprob, ...]] = {}
@@ -443,11 +479,16 @@ class SpecDecoder:
             if res.logprobs is not None:
                 logprobs[res.seq_id] = res.logprobs
             track.tokens.extend(emitted)
+            piece = bool(chunks) and res.seq_id in chunks  # its features go with the next piece (_prefill_pieces)
+            if emitted:  # the prompt is in the verifier's KV (its last piece, or the whole of it)
+                track.prefill_left = 0
+            elif piece:
+                track.prefill_left -= chunks[res.seq_id]
             if track.on_drafter:
                 track.unsent.extend(emitted)
                 if res.features is not None and res.features.shape[0]:
                     track.add_features(res.features_start, res.features,
-                                       MAX_FEATURE_ROWS if asked_drafter else IDLE_FEATURE_ROWS)
+                                       MAX_FEATURE_ROWS if asked_drafter or piece else IDLE_FEATURE_ROWS)
             drafts[res.seq_id] = (len(req.draft_token_ids), res.num_accepted)
             depth = len(req.draft_token_ids)
             if req.draft_parents is not None:  # a tree: acceptance is of its depth; what branches gained
@@ -487,7 +528,8 @@ class SpecDecoder:
         if self._verify_s is None or self.drafter is None:
             return
         ingest = sum(len(a.new_token_ids) + len(a.pending_drafts)
-                     + (len(self.tracks[a.seq_id].tokens) if self.tracks[a.seq_id].fresh else 0) for a in asks)
+                     + (a.prefill_tokens or (len(self.tracks[a.seq_id].tokens) if self.tracks[a.seq_id].fresh else 0))
+                     for a in asks)
         self.drafter.deadline_s = (max(DRAFT_DEADLINE_FLOOR_S, DRAFT_DEADLINE_FACTOR * self._verify_s)
                                    + ingest * self._verify_token_s)
 

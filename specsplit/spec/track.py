@@ -23,6 +23,9 @@ class Track:
     # there (the step's deadline for that call allows for it).
     fresh: bool = True
     acceptance: Acceptance = field(default_factory=Acceptance)  # per position, for the K policy
+    # Chunked prefill: prompt tokens the verifier has not computed yet (the whole prompt at add).
+    # The scheduler hands out pieces of it (SpecDecoder.step's `prefill`); 0 once a step emitted.
+    prefill_left: int = 0
     # Feature drafters: the target's features [rows, F] of positions feat_start.., committed since
     # the drafter last heard; sent with `unsent`. Bounded (MAX_FEATURE_ROWS, newest kept): while
     # speculation is off nothing grows past it, and the drafter skips a gap it never saw.

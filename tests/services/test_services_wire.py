@@ -52,7 +52,8 @@ def test_messages_round_trip():
     adds = [SeqAdd("a", (1, 2, 3), SamplingParams(0.5, 0.9, 7, 2**63 + 5)), SeqAdd("b", (4,))]
     assert wire.seq_adds_from_pb(wire.seq_adds_to_pb(adds)) == [
         SeqAdd("a", (1, 2, 3), SamplingParams(0.5, pytest.approx(0.9), 7, 2**63 + 5)), SeqAdd("b", (4,))]
-    reqs = [ProposeRequest("a", (5, 6), 3), ProposeRequest("b", (), 0), ProposeRequest("t", (7,), 3, tree_nodes=2)]
+    reqs = [ProposeRequest("a", (5, 6), 3), ProposeRequest("b", (), 0), ProposeRequest("t", (7,), 3, tree_nodes=2),
+            ProposeRequest("c", (), 0, prefill_tokens=512)]
     assert wire.propose_from_pb(wire.propose_to_pb(reqs)) == reqs
     props = [Proposal("a", (1, 2), None), Proposal("b", (3,), (1.0,)), Proposal("c", (4, 5), (0.25, 0.5)),
              Proposal("t", (4, 5, 6), None, (-1, 0, -1))]
@@ -61,7 +62,7 @@ def test_messages_round_trip():
     assert pb.proposals[1].probs_one and not pb.proposals[1].probs  # deterministic drafts: a flag
     assert wire.proposals_from_pb(pb) == props
     vreqs = [VerifyRequest("a", (1, 2), (1.0, 1.0)), VerifyRequest("b"), VerifyRequest("c", (3,), (0.125,)),
-             VerifyRequest("t", (4, 5, 6), None, (-1, 0, -1))]
+             VerifyRequest("t", (4, 5, 6), None, (-1, 0, -1)), VerifyRequest("d", prefill_tokens=384)]
     assert wire.verify_from_pb(wire.verify_to_pb(vreqs)) == vreqs
     results = [VerifyResult("a", 2, (1, 2, 9)), VerifyResult("b", 0, (), pending_position=0)]
     assert wire.results_from_pb(wire.results_to_pb(results)) == results

@@ -146,10 +146,10 @@ def test_abort_from_another_thread_ends_the_stream_before_the_step_returns(tight
     sched.step()
     inner = tight.decoder.step
 
-    def step_with_cancel(budgets):  # the cancel arrives while the engines work
+    def step_with_cancel(budgets, prefill=None):  # the cancel arrives while the engines work
         sched.abort(req)
         events.append("abort returned")
-        return inner(budgets)
+        return inner(budgets, prefill)
 
     tight.decoder.step = step_with_cancel
     try:
@@ -163,8 +163,9 @@ def test_abort_from_another_thread_ends_the_stream_before_the_step_returns(tight
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_property_random_arrivals_cancels_preemptions(tiniest, solo, data):
-    """Random arrivals, cancels and lengths on a tiny cache: every stream == solo run (a cancelled
-    one: a prefix of it), streamed == output, and every block comes back on both engines."""
+    """Random arrivals, cancels, lengths and prefill budgets on a tiny cache: every stream == solo
+    run (a cancelled one: a prefix of it), streamed == output, and every block comes back on both
+    engines (also for requests cancelled or preempted between the pieces of their prompt)."""
     before = _free(tiniest)
     n = data.draw(st.integers(3, 6), label="requests")
     specs = []
@@ -175,7 +176,8 @@ def test_property_random_arrivals_cancels_preemptions(tiniest, solo, data):
         cancel = data.draw(st.none() | st.integers(0, 30), label=f"cancel{i}")
         specs.append((GenerationRequest(f"q{i}", _prompt(i + 7 * plen, plen), new, ignore_eos=True), arrive, cancel))
     max_num_seqs = data.draw(st.integers(2, 4), label="max_num_seqs")
-    sched = Scheduler(tiniest.decoder, tiniest.eos_token_ids, max_num_seqs)
+    budget = data.draw(st.none() | st.integers(4, 48), label="max_num_batched_tokens")  # chunked prefill
+    sched = Scheduler(tiniest.decoder, tiniest.eos_token_ids, max_num_seqs, max_num_batched_tokens=budget)
     streamed: dict[str, list[int]] = {}
     finals: dict[str, str] = {}
 

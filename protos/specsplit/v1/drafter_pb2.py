@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specsplit.v1 import common_pb2 as specsplit_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecsplit/v1/drafter.proto\x12\x0cspecsplit.v1\x1a\x19specsplit/v1/common.proto\"\xa8\x01\n\x0bProposeItem\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x05\x12\t\n\x01k\x18\x03 \x01(\r\x12\x16\n\x0epending_drafts\x18\x04 \x03(\x05\x12\x11\n\tpre_draft\x18\x05 \x01(\x08\x12(\n\x08\x66\x65\x61tures\x18\x06 \x01(\x0b\x32\x16.specsplit.v1.Features\x12\x12\n\ntree_nodes\x18\x07 \x01(\r\"8\n\x0cProposeBatch\x12(\n\x05items\x18\x01 \x03(\x0b\x32\x19.specsplit.v1.ProposeItem\"`\n\x08Proposal\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\r\n\x05probs\x18\x03 \x03(\x02\x12\x11\n\tprobs_one\x18\x04 \x01(\x08\x12\x0f\n\x07parents\x18\x05 \x03(\x05\"6\n\tProposals\x12)\n\tproposals\x18\x01 \x03(\x0b\x32\x16.specsplit.v1.Proposal\".\n\nRowRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\r\"4\n\tFetchRows\x12\'\n\x05\x66\x65tch\x18\x01 \x03(\x0b\x32\x18.specsplit.v1.RowRequest\".\n\x05QRows\x12%\n\x04rows\x18\x01 \x03(\x0b\x32\x17.specsplit.v1.PackedRow\"\xd2\x01\n\x0e\x44rafterRequest\x12\n\n\x02id\x18\x01 \x01(\x04\x12$\n\x03\x61\x64\x64\x18\x02 \x01(\x0b\x32\x15.specsplit.v1.AddSeqsH\x00\x12-\n\x07propose\x18\x03 \x01(\x0b\x32\x1a.specsplit.v1.ProposeBatchH\x00\x12-\n\nfetch_rows\x18\x04 \x01(\x0b\x32\x17.specsplit.v1.FetchRowsH\x00\x12(\n\x07release\x18\x05 \x01(\x0b\x32\x15.specsplit.v1.ReleaseH\x00\x42\x06\n\x04kind\"\xd2\x01\n\x0f\x44rafterResponse\x12\n\n\x02id\x18\x01 \x01(\x04\x12#\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x14.specsplit.v1.Status\x12\x11\n\tcompute_s\x18\x03 \x01(\x01\x12 \n\x03\x61\x63k\x18\x04 \x01(\x0b\x32\x11.specsplit.v1.AckH\x00\x12,\n\tproposals\x18\x05 \x01(\x0b\x32\x17.specsplit.v1.ProposalsH\x00\x12#\n\x04rows\x18\x06 \x01(\x0b\x32\x13.specsplit.v1.QRowsH\x00\x42\x06\n\x04kind2\x96\x01\n\x07\x44rafter\x12J\n\x07Session\x12\x1c.specsplit.v1.DrafterRequest\x1a\x1d.specsplit.v1.DrafterResponse(\x01\x30\x01\x12?\n\x07GetInfo\x12\x19.specsplit.v1.InfoRequest\x1a\x19.specsplit.v1.ServiceInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecsplit/v1/drafter.proto\x12\x0cspecsplit.v1\x1a\x19specsplit/v1/common.proto\"\xc0\x01\n\x0bProposeItem\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x05\x12\t\n\x01k\x18\x03 \x01(\r\x12\x16\n\x0epending_drafts\x18\x04 \x03(\x05\x12\x11\n\tpre_draft\x18\x05 \x01(\x08\x12(\n\x08\x66\x65\x61tures\x18\x06 \x01(\x0b\x32\x16.specsplit.v1.Features\x12\x12\n\ntree_nodes\x18\x07 \x01(\r\x12\x16\n\x0eprefill_tokens\x18\x10 \x01(\r\"8\n\x0cProposeBatch\x12(\n\x05items\x18\x01 \x03(\x0b\x32\x19.specsplit.v1.ProposeItem\"`\n\x08Proposal\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\r\n\x05probs\x18\x03 \x03(\x02\x12\x11\n\tprobs_one\x18\x04 \x01(\x08\x12\x0f\n\x07parents\x18\x05 \x03(\x05\"6\n\tProposals\x12)\n\tproposals\x18\x01 \x03(\x0b\x32\x16.specsplit.v1.Proposal\".\n\nRowRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\r\"4\n\tFetchRows\x12\'\n\x05\x66\x65tch\x18\x01 \x03(\x0b\x32\x18.specsplit.v1.RowRequest\".\n\x05QRows\x12%\n\x04rows\x18\x01 \x03(\x0b\x32\x17.specsplit.v1.PackedRow\"\xd2\x01\n\x0e\x44rafterRequest\x12\n\n\x02id\x18\x01 \x01(\x04\x12$\n\x03\x61\x64\x64\x18\x02 \x01(\x0b\x32\x15.specsplit.v1.AddSeqsH\x00\x12-\n\x07propose\x18\x03 \x01(\x0b\x32\x1a.specsplit.v1.ProposeBatchH\x00\x12-\n\nfetch_rows\x18\x04 \x01(\x0b\x32\x17.specsplit.v1.FetchRowsH\x00\x12(\n\x07release\x18\x05 \x01(\x0b\x32\x15.specsplit.v1.ReleaseH\x00\x42\x06\n\x04kind\"\xd2\x01\n\x0f\x44rafterResponse\x12\n\n\x02id\x18\x01 \x01(\x04\x12#\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x14.specsplit.v1.Status\x12\x11\n\tcompute_s\x18\x03 \x01(\x01\x12 \n\x03\x61\x63k\x18\x04 \x01(\x0b\x32\x11.specsplit.v1.AckH\x00\x12,\n\tproposals\x18\x05 \x01(\x0b\x32\x17.specsplit.v1.ProposalsH\x00\x12#\n\x04rows\x18\x06 \x01(\x0b\x32\x13.specsplit.v1.QRowsH\x00\x42\x06\n\x04kind2\x96\x01\n\x07\x44rafter\x12J\n\x07Session\x12\x1c.specsplit.v1.DrafterRequest\x1a\x1d.specsplit.v1.DrafterResponse(\x01\x30\x01\x12?\n\x07GetInfo\x12\x19.specsplit.v1.InfoRequest\x1a\x19.specsplit.v1.ServiceInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,23 +33,23 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specsplit.v1.drafter_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PROPOSEITEM']._serialized_start=72
-  _globals['_PROPOSEITEM']._serialized_end=240
-  _globals['_PROPOSEBATCH']._serialized_start=242
-  _globals['_PROPOSEBATCH']._serialized_end=298
-  _globals['_PROPOSAL']._serialized_start=300
-  _globals['_PROPOSAL']._serialized_end=396
-  _globals['_PROPOSALS']._serialized_start=398
-  _globals['_PROPOSALS']._serialized_end=452
-  _globals['_ROWREQUEST']._serialized_start=454
-  _globals['_ROWREQUEST']._serialized_end=500
-  _globals['_FETCHROWS']._serialized_start=502
-  _globals['_FETCHROWS']._serialized_end=554
-  _globals['_QROWS']._serialized_start=556
-  _globals['_QROWS']._serialized_end=602
-  _globals['_DRAFTERREQUEST']._serialized_start=605
-  _globals['_DRAFTERREQUEST']._serialized_end=815
-  _globals['_DRAFTERRESPONSE']._serialized_start=818
-  _globals['_DRAFTERRESPONSE']._serialized_end=1028
-  _globals['_DRAFTER']._serialized_start=1031
-  _globals['_DRAFTER']._serialized_end=1181
+  _globals['_PROPOSEITEM']._serialized_end=264
+  _globals['_PROPOSEBATCH']._serialized_start=266
+  _globals['_PROPOSEBATCH']._serialized_end=322
+  _globals['_PROPOSAL']._serialized_start=324
+  _globals['_PROPOSAL']._serialized_end=420
+  _globals['_PROPOSALS']._serialized_start=422
+  _globals['_PROPOSALS']._serialized_end=476
+  _globals['_ROWREQUEST']._serialized_start=478
+  _globals['_ROWREQUEST']._serialized_end=524
+  _globals['_FETCHROWS']._serialized_start=526
+  _globals['_FETCHROWS']._serialized_end=578
+  _globals['_QROWS']._serialized_start=580
+  _globals['_QROWS']._serialized_end=626
+  _globals['_DRAFTERREQUEST']._serialized_start=629
+  _globals['_DRAFTERREQUEST']._serialized_end=839
+  _globals['_DRAFTERRESPONSE']._serialized_start=842
+  _globals['_DRAFTERRESPONSE']._serialized_end=1052
+  _globals['_DRAFTER']._serialized_start=1055
+  _globals['_DRAFTER']._serialized_end=1205
 # @@protoc_insertion_point(module_scope)

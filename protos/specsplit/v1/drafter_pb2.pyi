@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ProposeItem(_message.Message):
-    __slots__ = ("seq_id", "new_token_ids", "k", "pending_drafts", "pre_draft", "features", "tree_nodes")
+    __slots__ = ("seq_id", "new_token_ids", "k", "pending_drafts", "pre_draft", "features", "tree_nodes", "prefill_tokens")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class ProposeItem(_message.Message):
     PRE_DRAFT_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     k: int
@@ -23,7 +24,8 @@ class ProposeItem(_message.Message):
     pre_draft: bool
     features: _common_pb2.Features
     tree_nodes: int
-    def __init__(self, seq_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., pending_drafts: _Optional[_Iterable[int]] = ..., pre_draft: _Optional[bool] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., tree_nodes: _Optional[int] = ...) -> None: ...
+    prefill_tokens: int
+    def __init__(self, seq_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., pending_drafts: _Optional[_Iterable[int]] = ..., pre_draft: _Optional[bool] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., tree_nodes: _Optional[int] = ..., prefill_tokens: _Optional[int] = ...) -> None: ...
 
 class ProposeBatch(_message.Message):
     __slots__ = ("items",)

@@ -25,29 +25,29 @@ _sym_db = _symbol_database.Default()
 from specsplit.v1 import common_pb2 as specsplit_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecsplit/v1/verifier.proto\x12\x0cspecsplit.v1\x1a\x19specsplit/v1/common.proto\"z\n\nVerifyItem\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x17\n\x0f\x64raft_token_ids\x18\x02 \x03(\x05\x12\x13\n\x0b\x64raft_probs\x18\x03 \x03(\x02\x12\x17\n\x0f\x64raft_probs_one\x18\x04 \x01(\x08\x12\x15\n\rdraft_parents\x18\x05 \x03(\x05\"6\n\x0bVerifyBatch\x12\'\n\x05items\x18\x01 \x03(\x0b\x32\x18.specsplit.v1.VerifyItem\"5\n\x0cResolveBatch\x12%\n\x04rows\x18\x01 \x03(\x0b\x32\x17.specsplit.v1.PackedRow\"\x1e\n\x0b\x41\x62\x61ndonStep\x12\x0f\n\x07seq_ids\x18\x01 \x03(\t\"\x8a\x02\n\x0cVerifyResult\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x1d\n\x10pending_position\x18\x04 \x01(\rH\x00\x88\x01\x01\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.specsplit.v1.TokenLogprob\x12(\n\x08\x66\x65\x61tures\x18\x06 \x01(\x0b\x32\x16.specsplit.v1.Features\x12\x35\n\x0fprompt_logprobs\x18\x07 \x01(\x0b\x32\x1c.specsplit.v1.PromptLogprobsB\x13\n\x11_pending_position\"<\n\rVerifyResults\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.specsplit.v1.VerifyResult\"\xff\x01\n\x0fVerifierRequest\x12\n\n\x02id\x18\x01 \x01(\x04\x12$\n\x03\x61\x64\x64\x18\x02 \x01(\x0b\x32\x15.specsplit.v1.AddSeqsH\x00\x12+\n\x06verify\x18\x03 \x01(\x0b\x32\x19.specsplit.v1.VerifyBatchH\x00\x12-\n\x07resolve\x18\x04 \x01(\x0b\x32\x1a.specsplit.v1.ResolveBatchH\x00\x12(\n\x07release\x18\x05 \x01(\x0b\x32\x15.specsplit.v1.ReleaseH\x00\x12,\n\x07\x61\x62\x61ndon\x18\x06 \x01(\x0b\x32\x19.specsplit.v1.AbandonStepH\x00\x42\x06\n\x04kind\"\xb0\x01\n\x10VerifierResponse\x12\n\n\x02id\x18\x01 \x01(\x04\x12#\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x14.specsplit.v1.Status\x12\x11\n\tcompute_s\x18\x03 \x01(\x01\x12 \n\x03\x61\x63k\x18\x04 \x01(\x0b\x32\x11.specsplit.v1.AckH\x00\x12.\n\x07results\x18\x05 \x01(\x0b\x32\x1b.specsplit.v1.VerifyResultsH\x00\x42\x06\n\x04kind2\x99\x01\n\x08Verifier\x12L\n\x07Session\x12\x1d.specsplit.v1.VerifierRequest\x1a\x1e.specsplit.v1.VerifierResponse(\x01\x30\x01\x12?\n\x07GetInfo\x12\x19.specsplit.v1.InfoRequest\x1a\x19.specsplit.v1.ServiceInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecsplit/v1/verifier.proto\x12\x0cspecsplit.v1\x1a\x19specsplit/v1/common.proto\"\x92\x01\n\nVerifyItem\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x17\n\x0f\x64raft_token_ids\x18\x02 \x03(\x05\x12\x13\n\x0b\x64raft_probs\x18\x03 \x03(\x02\x12\x17\n\x0f\x64raft_probs_one\x18\x04 \x01(\x08\x12\x15\n\rdraft_parents\x18\x05 \x03(\x05\x12\x16\n\x0eprefill_tokens\x18\x10 \x01(\r\"6\n\x0bVerifyBatch\x12\'\n\x05items\x18\x01 \x03(\x0b\x32\x18.specsplit.v1.VerifyItem\"5\n\x0cResolveBatch\x12%\n\x04rows\x18\x01 \x03(\x0b\x32\x17.specsplit.v1.PackedRow\"\x1e\n\x0b\x41\x62\x61ndonStep\x12\x0f\n\x07seq_ids\x18\x01 \x03(\t\"\x8a\x02\n\x0cVerifyResult\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x1d\n\x10pending_position\x18\x04 \x01(\rH\x00\x88\x01\x01\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.specsplit.v1.TokenLogprob\x12(\n\x08\x66\x65\x61tures\x18\x06 \x01(\x0b\x32\x16.specsplit.v1.Features\x12\x35\n\x0fprompt_logprobs\x18\x07 \x01(\x0b\x32\x1c.specsplit.v1.PromptLogprobsB\x13\n\x11_pending_position\"<\n\rVerifyResults\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.specsplit.v1.VerifyResult\"\xff\x01\n\x0fVerifierRequest\x12\n\n\x02id\x18\x01 \x01(\x04\x12$\n\x03\x61\x64\x64\x18\x02 \x01(\x0b\x32\x15.specsplit.v1.AddSeqsH\x00\x12+\n\x06verify\x18\x03 \x01(\x0b\x32\x19.specsplit.v1.VerifyBatchH\x00\x12-\n\x07resolve\x18\x04 \x01(\x0b\x32\x1a.specsplit.v1.ResolveBatchH\x00\x12(\n\x07release\x18\x05 \x01(\x0b\x32\x15.specsplit.v1.ReleaseH\x00\x12,\n\x07\x61\x62\x61ndon\x18\x06 \x01(\x0b\x32\x19.specsplit.v1.AbandonStepH\x00\x42\x06\n\x04kind\"\xb0\x01\n\x10VerifierResponse\x12\n\n\x02id\x18\x01 \x01(\x04\x12#\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x14.specsplit.v1.Status\x12\x11\n\tcompute_s\x18\x03 \x01(\x01\x12 \n\x03\x61\x63k\x18\x04 \x01(\x0b\x32\x11.specsplit.v1.AckH\x00\x12.\n\x07results\x18\x05 \x01(\x0b\x32\x1b.specsplit.v1.VerifyResultsH\x00\x42\x06\n\x04kind2\x99\x01\n\x08Verifier\x12L\n\x07Session\x12\x1d.specsplit.v1.VerifierRequest\x1a\x1e.specsplit.v1.VerifierResponse(\x01\x30\x01\x12?\n\x07GetInfo\x12\x19.specsplit.v1.InfoRequest\x1a\x19.specsplit.v1.ServiceInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specsplit.v1.verifier_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_VERIFYITEM']._serialized_start=72
-  _globals['_VERIFYITEM']._serialized_end=194
-  _globals['_VERIFYBATCH']._serialized_start=196
-  _globals['_VERIFYBATCH']._serialized_end=250
-  _globals['_RESOLVEBATCH']._serialized_start=252
-  _globals['_RESOLVEBATCH']._serialized_end=305
-  _globals['_ABANDONSTEP']._serialized_start=307
-  _globals['_ABANDONSTEP']._serialized_end=337
-  _globals['_VERIFYRESULT']._serialized_start=340
-  _globals['_VERIFYRESULT']._serialized_end=606
-  _globals['_VERIFYRESULTS']._serialized_start=608
-  _globals['_VERIFYRESULTS']._serialized_end=668
-  _globals['_VERIFIERREQUEST']._serialized_start=671
-  _globals['_VERIFIERREQUEST']._serialized_end=926
-  _globals['_VERIFIERRESPONSE']._serialized_start=929
-  _globals['_VERIFIERRESPONSE']._serialized_end=1105
-  _globals['_VERIFIER']._serialized_start=1108
-  _globals['_VERIFIER']._serialized_end=1261
+  _globals['_VERIFYITEM']._serialized_start=73
+  _globals['_VERIFYITEM']._serialized_end=219
+  _globals['_VERIFYBATCH']._serialized_start=221
+  _globals['_VERIFYBATCH']._serialized_end=275
+  _globals['_RESOLVEBATCH']._serialized_start=277
+  _globals['_RESOLVEBATCH']._serialized_end=330
+  _globals['_ABANDONSTEP']._serialized_start=332
+  _globals['_ABANDONSTEP']._serialized_end=362
+  _globals['_VERIFYRESULT']._serialized_start=365
+  _globals['_VERIFYRESULT']._serialized_end=631
+  _globals['_VERIFYRESULTS']._serialized_start=633
+  _globals['_VERIFYRESULTS']._serialized_end=693
+  _globals['_VERIFIERREQUEST']._serialized_start=696
+  _globals['_VERIFIERREQUEST']._serialized_end=951
+  _globals['_VERIFIERRESPONSE']._serialized_start=954
+  _globals['_VERIFIERRESPONSE']._serialized_end=1130
+  _globals['_VERIFIER']._serialized_start=1133
+  _globals['_VERIFIER']._serialized_end=1286
 # @@protoc_insertion_point(module_scope)

@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifyItem(_message.Message):
-    __slots__ = ("seq_id", "draft_token_ids", "draft_probs", "draft_probs_one", "draft_parents")
+    __slots__ = ("seq_id", "draft_token_ids", "draft_probs", "draft_probs_one", "draft_parents", "prefill_tokens")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_ONE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: _containers.RepeatedScalarFieldContainer[float]
     draft_probs_one: bool
     draft_parents: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[str] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[float]] = ..., draft_probs_one: _Optional[bool] = ..., draft_parents: _Optional[_Iterable[int]] = ...) -> None: ...
+    prefill_tokens: int
+    def __init__(self, seq_id: _Optional[str] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[float]] = ..., draft_probs_one: _Optional[bool] = ..., draft_parents: _Optional[_Iterable[int]] = ..., prefill_tokens: _Optional[int] = ...) -> None: ...
 
 class VerifyBatch(_message.Message):
     __slots__ = ("items",)
