@@ -229,10 +229,11 @@ def build_split(args) -> Gateway:
         kv.append(KvBudget("verifier", vinfo.kv.num_blocks, vinfo.kv.block_size))
     drafter = None
     draft_model = ""
+    unreachable: Exception | None = None
     if args.drafter:
         drafter = GrpcDrafter(args.drafter, timeout=args.drafter_timeout, security=internal, keepalive=keepalive)
         try:
-            dinfo = drafter.info(timeout=args.drafter_timeout, wait_for_ready=True)
+            dinfo = drafter.info(timeout=args.drafter_connect_timeout, wait_for_ready=True)
             draft_model = dinfo.model
             if dinfo.vocab_size and dinfo.vocab_size != vinfo.vocab_size:
                 raise ValueError(f"the drafter's vocabulary ({dinfo.vocab_size}) differs from the verifier's "
@@ -245,12 +246,16 @@ def build_split(args) -> Gateway:
         except Exception as e:
             log.warning("gateway: drafter at %s not reachable yet (%s); target-only until it answers", args.drafter,
                         e.details() if hasattr(e, "details") else e)
+            unreachable = e
     spec = spec_config(args, None if drafter is None else draft_model, device=vinfo.device, split=True)
     k = spec.num_speculative_tokens
     costs = None
     if spec.k_policy == "auto" and drafter is not None and k > 0:
         costs = _split_costs(verifier, drafter, vinfo, dinfo if draft_model else None, args.verifier_timeout)
     decoder = SpecDecoder(verifier, drafter if k > 0 else None, spec, max_model_len=vinfo.max_model_len, costs=costs)
+    if unreachable is not None and decoder.drafter is not None:
+        # down from the start: a step probes it (and re-syncs) before any call, and health says so
+        decoder.health.failed(unreachable, decoder.tracks)
     if decoder.drafter is None:
         kv = [b for b in kv if b.name != "drafter"]
     max_num_seqs = args.max_num_seqs

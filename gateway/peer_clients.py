@@ -231,7 +231,8 @@ class GrpcDrafter(_PeerClient, DrafterTraits):
 
     def reachable(self, timeout: float) -> bool:
         try:
-            self.info(timeout=timeout)
+            # wait_for_ready: a channel between reconnect attempts would fail at once, not connect
+            self.info(timeout=timeout, wait_for_ready=True)
         except grpc.RpcError:
             return False
         return True

@@ -28,6 +28,9 @@ def add_arguments(p, name: str) -> None:
         p.add_argument("--verifier-timeout", type=float, default=120.0, help="seconds per verifier call (default 120)")
         p.add_argument("--connect-timeout", type=float, default=300.0,
                        help="seconds to wait at start-up for the verifier to answer (default 300)")
+        p.add_argument("--drafter-connect-timeout", type=float, default=10.0,
+                       help="seconds to wait at start-up for the drafter to answer; past it the gateway serves "
+                            "target-only and the drafter joins when it answers (default 10)")
         add_spec_flags(p)
         add_request_size_flag(p)
         add_grammar_flag(p)

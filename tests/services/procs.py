@@ -29,6 +29,10 @@ TINY_ENGINE = ["--max-model-len", "256", "--max-prefill-tokens", "128", "--threa
 # sequence) would switch it off as soon as two requests overlap. A fixture's own value comes later
 # on the command line and wins.
 SPECULATE_ALWAYS = ["--disable-by-batch-size", "0", "--k-policy", "fixed"]  # tiny drafts cost what the target does: the policy would pick K=0
+# A gateway started beside its drafter waits for it (under load a drafter may take tens of seconds
+# to start; past --drafter-connect-timeout the gateway would begin target-only and its first
+# steps would not speculate).
+DRAFTER_JOINS = ["--drafter-connect-timeout", "240"]
 
 
 _HANDED_OUT: set[int] = set()  # ports free_port gave this test process: never twice
@@ -184,7 +188,8 @@ def start_split(log_dir: Path, target: Path, draft: Path | str | None, max_num_s
                      *TINY_ENGINE, *service_extra], log_dir, vport, free_port(), env=verifier_env, security=security,
         module=verifier_module)
     gw = ["gateway", "--verifier", f"{HOST}:{vport}", "--port", str(gport), "--max-num-seqs", str(max_num_seqs),
-          "--max-queue", str(max_queue), "--drain-timeout", "20", "--drafter-timeout", "2", *SPECULATE_ALWAYS,
+          "--max-queue", str(max_queue), "--drain-timeout", "20", "--drafter-timeout", "2",
+          *DRAFTER_JOINS, *SPECULATE_ALWAYS,
           *gateway_extra]
     if draft is not None:
         dport = free_port()

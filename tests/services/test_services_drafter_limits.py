@@ -11,7 +11,7 @@ import pytest
 
 from specsplit.gateway.generate_client import collect
 from specsplit.v1 import gateway_pb2_grpc
-from tests.services.procs import HOST, SPECULATE_ALWAYS, TINY_ENGINE, ServiceProcess, Stack, free_port, request, \
+from tests.services.procs import HOST, DRAFTER_JOINS, SPECULATE_ALWAYS, TINY_ENGINE, ServiceProcess, Stack, free_port, request, \
     server_info
 
 DRAFTER_LEN = 64
@@ -29,7 +29,7 @@ def short_drafter_stack(tmp_path_factory, tiny_llama, tiny_draft_close):
                     *TINY_ENGINE, "--max-model-len", str(DRAFTER_LEN)], log_dir, dport)
     stack.procs["gateway"] = ServiceProcess(
         "gateway", ["gateway", "--verifier", f"{HOST}:{vport}", "--drafter", f"{HOST}:{dport}", "--port", str(gport),
-                    "--max-num-seqs", "4", "--drafter-timeout", "10", *SPECULATE_ALWAYS, "--num-speculative-tokens", "2"],
+                    "--max-num-seqs", "4", "--drafter-timeout", "10", *DRAFTER_JOINS, *SPECULATE_ALWAYS, "--num-speculative-tokens", "2"],
         log_dir, gport)
     try:
         yield stack.ready()

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from tests.services.procs import HOST, SPECULATE_ALWAYS, ServiceProcess, free_port, generate, request, service_info, start_split, wait_for
+from tests.services.procs import HOST, DRAFTER_JOINS, SPECULATE_ALWAYS, ServiceProcess, free_port, generate, request, service_info, start_split, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +18,7 @@ def shared_stack(tmp_path_factory, tiny_llama, tiny_draft_close):
     port = free_port()
     stack.procs["gateway2"] = ServiceProcess(
         "gateway2", ["gateway", "--verifier", stack["verifier"].address, "--drafter", stack["drafter"].address,
-                     "--port", str(port), "--max-num-seqs", "8", "--drafter-timeout", "2", *SPECULATE_ALWAYS],
+                     "--port", str(port), "--max-num-seqs", "8", "--drafter-timeout", "2", *DRAFTER_JOINS, *SPECULATE_ALWAYS],
         log_dir, port)
     try:
         yield stack.ready()

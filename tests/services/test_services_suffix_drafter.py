@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.services.procs import HOST, SPECULATE_ALWAYS, TINY_ENGINE, ServiceProcess, free_port, generate, request
+from tests.services.procs import HOST, DRAFTER_JOINS, SPECULATE_ALWAYS, TINY_ENGINE, ServiceProcess, free_port, generate, request
 
 K = ("--num-speculative-tokens", "6")
 PROMPT = [5, 9, 13, 17, 21, 25, 29, 33, 37, 41]
@@ -25,7 +25,7 @@ def _stack(log_dir, target, share: str) -> dict[str, ServiceProcess]:
     for name in ("gateway-a", "gateway-b"):
         gport = free_port()
         procs[name] = ServiceProcess(name, ["gateway", "--verifier", f"{HOST}:{vport}", "--drafter", f"{HOST}:{dport}",
-                                            "--port", str(gport), "--no-async-draft", *SPECULATE_ALWAYS, *K],
+                                            "--port", str(gport), "--no-async-draft", *DRAFTER_JOINS, *SPECULATE_ALWAYS, *K],
                                      log_dir, gport, free_port())
     return procs
 

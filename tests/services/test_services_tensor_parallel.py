@@ -23,7 +23,7 @@ import torch
 from specsplit.v1 import gateway_pb2_grpc
 from tests.helpers.logprobs import check_streamed_logprobs
 from tests.helpers.orphans import assert_gone, tp_workers
-from tests.services.procs import HOST, SPECULATE_ALWAYS, TINY_ENGINE, ServiceProcess, Stack, free_port, generate, health, \
+from tests.services.procs import HOST, DRAFTER_JOINS, SPECULATE_ALWAYS, TINY_ENGINE, ServiceProcess, Stack, free_port, generate, health, \
     request, service_info, wait_for
 
 ENDS_WITHIN_S = 5.0
@@ -45,7 +45,7 @@ def tp_stack(tmp_path_factory, tiny_llama):
                                             log_dir, dport)
     stack.procs["gateway"] = ServiceProcess(
         "gateway", ["gateway", "--verifier", v.address, "--drafter", f"{HOST}:{dport}", "--port", str(gport),
-                    "--max-num-seqs", "4", "--drain-timeout", "5", *SPECULATE_ALWAYS], log_dir, gport)
+                    "--max-num-seqs", "4", "--drain-timeout", "5", *DRAFTER_JOINS, *SPECULATE_ALWAYS], log_dir, gport)
     workers: list[int] = []
     try:
         stack.ready()
