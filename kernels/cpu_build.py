@@ -4,6 +4,7 @@ first build (about 25 s). Where there is no ninja or compiler, or the build fail
 None and logs why; the callers fall back to torch's own kernels."""
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -34,6 +35,13 @@ def build(name: str, source: Path, cflags: list[str], what: str, fallback: str):
     try:
         from torch.utils.cpp_extension import load
 
+        # Named after what is compiled and where it lies: torch keys its build cache by name and
+        # rebuilds whenever the path or the text under a name changes, so two checkouts (a clone
+        # for CI beside a working tree) used to take turns rebuilding each other's; now each
+        # source version in each place keeps its own build.
+        key = f"{source.resolve()}\0{chr(0).join(cflags)}\0".encode() + source.read_bytes()
+        digest = hashlib.sha256(key).hexdigest()[:12]
+        name = f"{name}_{digest}"
         clear_stale_build_lock(name)
         return load(name, [str(source)], extra_cflags=cflags, verbose=False)
     except Exception as e:  # a missing header, an old compiler: fall back, say why
