@@ -73,6 +73,20 @@ def test_bias_strided_input_and_dequantized_linear(avx512):
     assert quant_linear.linear(torch.zeros(0, 96), w).shape == (0, 64)
 
 
+@pytest.mark.parametrize("qtype", sorted(TYPES))
+def test_dequantized_linear_in_slices_of_output_rows(qtype):
+    """A weight larger than the slice budget is copied a slice of rows at a time (the last one
+    short): the same function, bias included."""
+    w = random_blocks(qtype, 131, 96, seed=4)
+    bias = torch.randn(131)
+    x = torch.randn(24, 96)
+    expected = quant_linear.reference(x, w, bias)
+    for rows_per_slice in (1, 16, 50, 130):
+        y = quant_linear.dequantized_linear(x, w, bias, chunk_bytes=4 * 96 * rows_per_slice)
+        assert y.shape == (24, 131)
+        torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_split_rows_hold_the_file_bytes():
     for qtype in TYPES:
         w = random_blocks(qtype, 5, 96, seed=6)
