@@ -184,6 +184,8 @@ class Scheduler:
     def _check_fits(self, request: GenerationRequest) -> None:
         need = len(request.prompt_token_ids) + request.max_tokens
         for b in self.kv:
+            if b.name == "drafter" and request.disable_speculation:
+                continue  # it never takes the drafter's cache
             if b.blocks(need) > b.num_blocks:
                 raise RequestError(
                     RequestError.INVALID,
@@ -325,10 +327,21 @@ class Scheduler:
             k = max(k, track.k)
         return step_k_cap(k, req.num_tokens, self.decoder.max_model_len, req.budget)
 
+    def _on_drafter(self, req: Request) -> bool:
+        """Whether the request holds KV on the drafter (or will once the drafter has it): not one
+        that never speculates (disabled, or its track was set target-only for good: k = 0)."""
+        if self.decoder.drafter is None or req.request.disable_speculation:
+            return False
+        track = self.decoder.tracks.get(req.seq_id)
+        return track is None or track.k > 0
+
     def _blocks(self, budget: KvBudget, req: Request) -> int:
-        """Blocks the request holds at the end of the next step's forward on this engine. A
-        pre-drafting drafter (SpecDecoder.async_draft) holds the branch past the k drafts too:
-        the bonus guess and k more."""
+        """Blocks the request holds at the end of the next step's forward on this engine (none on
+        the drafter for a request that never speculates). A pre-drafting drafter
+        (SpecDecoder.async_draft) holds the branch past the k drafts too: the bonus guess and k
+        more."""
+        if budget.name == "drafter" and not self._on_drafter(req):
+            return 0
         k = self._lookahead(req)
         if k and budget.name == "drafter" and self.decoder.async_draft:
             k = min(drafter_reach(k, pre_draft=True), self.decoder.max_model_len - req.num_tokens)

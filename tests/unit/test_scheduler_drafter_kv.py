@@ -1,0 +1,44 @@
+"""The scheduler counts a request against the drafter's KV cache only if it speculates: target-only
+requests (speculation disabled) are admitted by the verifier's cache alone, while speculating ones
+still wait for room on the drafter. Real engines, each on its own cache (as the services are)."""
+from __future__ import annotations
+
+from specsplit.config import EngineConfig, SpecConfig
+from specsplit.factory import build_draft_engine, build_target_engine
+from specsplit.request import GenerationRequest
+from specsplit.scheduler import Scheduler
+from specsplit.spec.decoder import SpecDecoder
+
+PROMPT, NEW = 33, 8  # 41 tokens: 3 blocks of 16 each; the drafter's 7 blocks hold two such
+
+
+def _scheduler(tiny_llama, tiny_draft_close):
+    spec = SpecConfig(num_speculative_tokens=2)
+    target, _ = build_target_engine(EngineConfig(model=str(tiny_llama), max_model_len=64, max_num_seqs=4), spec)
+    drafter, _ = build_draft_engine(
+        EngineConfig(model=str(tiny_draft_close), max_model_len=64, max_num_seqs=4, num_blocks=7), spec)
+    return Scheduler(SpecDecoder(target, drafter, spec, max_model_len=64), eos_token_ids=(), max_num_seqs=4)
+
+
+def _requests(disable: bool):
+    return [GenerationRequest(f"r{i}", tuple(range(5 + i, 5 + i + PROMPT)), NEW, ignore_eos=True,
+                              disable_speculation=disable) for i in range(4)]
+
+
+def _most_running(sched, reqs) -> int:
+    states = [sched.submit(r) for r in reqs]
+    most = 0
+    while sched.has_work:
+        sched.step()
+        most = max(most, len(sched.running))
+    assert all(len(s.output) == NEW for s in states)
+    return most
+
+
+def test_target_only_requests_do_not_wait_for_the_drafters_cache(tiny_llama, tiny_draft_close):
+    sched = _scheduler(tiny_llama, tiny_draft_close)
+    assert {b.name for b in sched.kv} == {"verifier", "drafter"}
+    assert _most_running(sched, _requests(disable=True)) == 4  # before: 2, as if each held drafter KV
+    assert _most_running(sched, _requests(disable=False)) < 4  # speculating ones still wait for the drafter's room
+    for engine in (sched.decoder.verifier, sched.decoder.drafter):
+        assert engine.num_running == 0
