@@ -26,38 +26,16 @@ def ngram_propose(
     compares, early exit at the first full-length match), with the n-gram compared only where the
     last token matches. No per-call O(len**2) work.
     """
-    if k <= 0 or n_min < 1 or n_max < n_min:
+    if k <= 0:
         return []
     tokens = list(token_ids)
-    length = len(tokens)
-    n_max = min(n_max, length - 1)
-    if n_max < n_min:
-        return []
-
-    last = tokens[-1]
-    # best[n] = start of the most recent earlier occurrence of the length-n suffix (found first
-    # while scanning backwards, so the first hit per n is the most recent one).
-    best: dict[int, int] = {}
-    # An occurrence ending at index `end` (exclusive end = end + 1) must end before the suffix
-    # itself does, i.e. end <= length - 2.
-    for end in range(length - 2, -1, -1):
-        if tokens[end] != last:
-            continue
-        # longest n at this position such that tokens[end-n+1 : end+1] == suffix of length n
-        matched = 1
-        while (
-            matched < n_max and end - matched >= 0 and tokens[end - matched] == tokens[-1 - matched]
-        ):
-            matched += 1
-        for n in range(n_min, matched + 1):
-            best.setdefault(n, end - n + 1)
-        if matched >= n_max:
-            break  # nothing later in the scan can beat the most recent full-length match
-    for n in range(n_max, n_min - 1, -1):
-        if n in best:
-            follow = best[n] + n
-            return tokens[follow : follow + k]
-    return []
+    best: tuple[int, int] | None = None  # (length matched, end): the longest, then the most recent
+    for matched, end in _suffix_matches(tokens, n_min, n_max):
+        if best is None or matched > best[0]:
+            best = (matched, end)
+            if matched >= min(n_max, len(tokens) - 1):
+                break  # nothing earlier in the scan can beat the most recent full-length match
+    return [] if best is None else tokens[best[1] + 1: best[1] + 1 + k]
 
 
 def ngram_branches(
@@ -72,23 +50,10 @@ def ngram_branches(
     occurrences of the suffix n-gram, longest n first and, within an n, the most recent first. The
     first is ngram_propose's chain; a later one is kept only where it differs from every earlier
     one (not a prefix of one). [] when nothing matches."""
-    if k <= 0 or max_branches <= 0 or n_min < 1 or n_max < n_min:
+    if k <= 0 or max_branches <= 0:
         return []
     tokens = list(token_ids)
-    length = len(tokens)
-    n_max = min(n_max, length - 1)
-    if n_max < n_min:
-        return []
-    last = tokens[-1]
-    matches: list[tuple[int, int]] = []  # (suffix length matched, end index), scanning backwards
-    for end in range(length - 2, -1, -1):
-        if tokens[end] != last:
-            continue
-        matched = 1
-        while matched < n_max and end - matched >= 0 and tokens[end - matched] == tokens[-1 - matched]:
-            matched += 1
-        if matched >= n_min:
-            matches.append((matched, end))
+    matches = list(_suffix_matches(tokens, n_min, n_max))  # most recent first
     matches.sort(key=lambda m: -m[0])  # stable: the most recent first within a length
     out: list[list[int]] = []
     for _, end in matches:
@@ -98,6 +63,26 @@ def ngram_branches(
             if len(out) >= max_branches:
                 break
     return out
+
+
+def _suffix_matches(token_ids: Sequence[int], n_min: int, n_max: int):
+    """(length matched, end index) of every earlier occurrence of the context's suffix n-gram with
+    n_min <= length (counted up to n_max), scanning backwards: the most recent first. An
+    occurrence must end before the suffix itself does (end <= len - 2). The cost: one backward
+    scan comparing the last token (cheap integer compares), the n-gram only where it matches."""
+    length = len(token_ids)
+    n_max = min(n_max, length - 1)
+    if n_min < 1 or n_max < n_min:
+        return
+    last = token_ids[-1]
+    for end in range(length - 2, -1, -1):
+        if token_ids[end] != last:
+            continue
+        matched = 1
+        while matched < n_max and end - matched >= 0 and token_ids[end - matched] == token_ids[-1 - matched]:
+            matched += 1
+        if matched >= n_min:
+            yield matched, end
 
 
 def ngram_q_rows(

@@ -4,7 +4,7 @@ import time
 
 import torch
 
-from specsplit.sampling.ngram import ngram_propose, ngram_q_rows
+from specsplit.sampling.ngram import ngram_branches, ngram_propose, ngram_q_rows
 
 
 def test_finds_most_recent_longest_match():
@@ -50,3 +50,27 @@ def test_fast_on_long_context():
 def test_q_rows_one_hot():
     q = ngram_q_rows(torch.tensor([[2, 0]]), vocab_size=4)
     assert torch.equal(q, torch.tensor([[[0.0, 0, 1, 0], [1, 0, 0, 0]]]))
+
+
+def _brute_propose(tokens, k, n_min, n_max):
+    """The definition, spelled out: for n from n_max down, the most recent earlier occurrence of
+    the last n tokens wins; the k tokens after it."""
+    for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == suffix:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+def test_propose_equals_the_definition_and_is_the_first_branch():
+    import random
+
+    rng = random.Random(5)
+    for _ in range(2000):
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(0, 30))]
+        k, n_min, n_max = rng.randrange(0, 5), rng.randrange(1, 3), rng.randrange(1, 5)
+        want = _brute_propose(tokens, k, n_min, n_max) if k > 0 and tokens else []
+        assert ngram_propose(tokens, k, n_min, n_max) == want, (tokens, k, n_min, n_max)
+        branches = ngram_branches(tokens, k, 3, n_min, n_max)
+        assert (branches[0] if branches else []) == want
