@@ -11,6 +11,7 @@ from specsplit.factory import build_colocated
 from specsplit.request import GenerationRequest
 from specsplit.scheduler import KvBudget, Scheduler
 from tests.helpers.greedy import assert_greedy_equal_or_tie
+from tests.helpers.prompts import spread_prompt
 
 MAX_LEN = 256
 
@@ -36,10 +37,6 @@ def solo(tiny_llama):
     c.close()
 
 
-def _prompt(i: int, n: int) -> tuple[int, ...]:
-    return tuple(3 + (i * 37 + j * 11) % 250 for j in range(n))
-
-
 @pytest.mark.parametrize("budget,max_tokens", [(None, 12), (32, 12), (None, 1)])
 def test_shared_prefix_is_reused_on_both_engines(tiny_llama, tiny_draft_close, solo, tiny_llama_logits, budget,
                                                   max_tokens):
@@ -49,8 +46,8 @@ def test_shared_prefix_is_reused_on_both_engines(tiny_llama, tiny_draft_close, s
     == the target alone, uncached."""
     c = _colo(tiny_llama, tiny_draft_close)
     try:
-        system = _prompt(1, 96)
-        prompts = [system + _prompt(2, 30), system + _prompt(3, 17), system + _prompt(4, 40)]
+        system = spread_prompt(1, 96)
+        prompts = [system + spread_prompt(2, 30), system + spread_prompt(3, 17), system + spread_prompt(4, 40)]
         sched = Scheduler(c.decoder, c.eos_token_ids, 4, max_num_batched_tokens=budget)
         outs = []
         for i, p in enumerate(prompts):
@@ -74,12 +71,12 @@ def test_concurrent_requests_share_blocks(tiny_llama, tiny_draft_close):
     c = _colo(tiny_llama, tiny_draft_close)
     try:
         bm = c.target.block_manager
-        p = _prompt(5, 64)
+        p = spread_prompt(5, 64)
         sched = Scheduler(c.decoder, c.eos_token_ids, 4)
-        a = sched.submit(GenerationRequest("a", p + _prompt(6, 10), 30, ignore_eos=True))
+        a = sched.submit(GenerationRequest("a", p + spread_prompt(6, 10), 30, ignore_eos=True))
         sched.step()
         sched.step()  # a's prompt is final: registered at this step's verify
-        b = sched.submit(GenerationRequest("b", p + _prompt(7, 5), 30, ignore_eos=True))
+        b = sched.submit(GenerationRequest("b", p + spread_prompt(7, 5), 30, ignore_eos=True))
         sched.step()
         assert bm.block_table(b.seq_id)[:4] == bm.block_table(a.seq_id)[:4]
         while sched.has_work:
@@ -96,7 +93,7 @@ def test_preempted_request_resumes_from_its_cached_blocks(tiny_llama, tiny_draft
     c = _colo(tiny_llama, tiny_draft_close, num_blocks=64, max_len=128)
     try:
         sched = Scheduler(c.decoder, c.eos_token_ids, 8, kv=[KvBudget("verifier", 12, 16), KvBudget("drafter", 12, 16)])
-        reqs = sched.run([GenerationRequest(f"p{i}", _prompt(i, 16), 80, ignore_eos=True) for i in range(5)])
+        reqs = sched.run([GenerationRequest(f"p{i}", spread_prompt(i, 16), 80, ignore_eos=True) for i in range(5)])
         assert sched.preemptions > 0
         assert c.target.block_manager.prefix_hit_tokens > 0
         for r in reqs:

@@ -18,6 +18,7 @@ from specsplit.sampling.logprobs import PROMPT_LOGITS_ROWS
 from specsplit.sampling.params import SamplingParams
 from specsplit.scheduler import Scheduler
 from tests.helpers.logprobs import TOL
+from tests.helpers.prompts import spread_prompt
 
 MAX_LEN = 160
 
@@ -44,10 +45,6 @@ def spec_close(tiny_llama, tiny_draft_close):
     colo = _colo(tiny_llama, tiny_draft_close)
     yield colo
     colo.close()
-
-
-def _prompt(i: int, n: int) -> tuple[int, ...]:
-    return tuple(3 + (i * 37 + j * 11) % 250 for j in range(n))
 
 
 def check_prompt_logprobs(model, prompt, lps, n: int) -> None:
@@ -89,7 +86,7 @@ def test_prompt_logprobs_match_the_target_and_leave_the_output_alone(spec_close,
     free = _free(colo)
 
     def reqs(ask):
-        return [GenerationRequest(f"p{i}", _prompt(i, n), 12, params, ignore_eos=True,
+        return [GenerationRequest(f"p{i}", spread_prompt(i, n), 12, params, ignore_eos=True,
                                   prompt_logprobs=(i % 3 if ask and i != 4 else None)) for i, n in enumerate(lens)]
 
     plain, _ = _stream(Scheduler(colo.decoder, colo.eos_token_ids, decode=None), reqs(False))
@@ -109,7 +106,7 @@ def test_prompt_logprobs_match_the_target_and_leave_the_output_alone(spec_close,
 def test_max_tokens_0_scores_the_prompt_only(spec_close, hf_target):
     colo = spec_close
     free = _free(colo)
-    prompt = _prompt(9, 40)
+    prompt = spread_prompt(9, 40)
     req = GenerationRequest("score", prompt, 0, prompt_logprobs=2)
     (r,), events = _stream(Scheduler(colo.decoder, colo.eos_token_ids, decode=None), [req])
     assert r.output == [] and r.finish_reason == "length"
@@ -124,7 +121,7 @@ def test_a_preempted_request_is_scored_once(tiny_llama, tiny_draft_close, hf_tar
     each with its prompt scored once and the same tokens as alone."""
     colo = _colo(tiny_llama, tiny_draft_close, num_blocks=14)
     try:
-        reqs = [GenerationRequest(f"q{i}", _prompt(i, 30), 40, ignore_eos=True, prompt_logprobs=1) for i in range(5)]
+        reqs = [GenerationRequest(f"q{i}", spread_prompt(i, 30), 40, ignore_eos=True, prompt_logprobs=1) for i in range(5)]
         sched = Scheduler(colo.decoder, colo.eos_token_ids, decode=None)
         live, events = _stream(sched, reqs)
         assert sched.preemptions > 0
@@ -142,7 +139,7 @@ def test_the_engine_scores_at_the_first_verify_only(spec_close):
     """TargetEngine: the first verify's result carries the prompt's logprobs, the next none; a
     verify that was abandoned keeps the prompt's KV valid (the next verify's tokens are the same)."""
     eng = spec_close.decoder.verifier
-    prompt = _prompt(3, PROMPT_LOGITS_ROWS + 5)
+    prompt = spread_prompt(3, PROMPT_LOGITS_ROWS + 5)
     eng.add([SeqAdd("a", prompt, prompt_logprobs=0), SeqAdd("b", prompt)])
     try:
         first = eng.verify([VerifyRequest("a"), VerifyRequest("b")])

@@ -15,6 +15,7 @@ from specsplit.factory import build_colocated
 from specsplit.request import GenerationRequest
 from specsplit.scheduler import Scheduler
 from tests.helpers.greedy import assert_greedy_equal_or_tie
+from tests.helpers.prompts import spread_prompt
 
 MAX_LEN = 256
 
@@ -46,10 +47,6 @@ def solo(tiny_llama):
 
     yield run
     c.close()
-
-
-def _prompt(i: int, n: int) -> tuple[int, ...]:
-    return tuple(3 + (i * 37 + j * 11) % 250 for j in range(n))
 
 
 def _free(c) -> tuple[int, int]:
@@ -90,11 +87,11 @@ def test_long_prompt_is_prefilled_in_pieces_while_a_stream_decodes(colo, solo, t
     colo.decoder.verifier = recorder
     try:
         sched = Scheduler(colo.decoder, colo.eos_token_ids, 4, max_num_batched_tokens=budget)
-        running = sched.submit(GenerationRequest("running", _prompt(1, 12), 80, ignore_eos=True))
+        running = sched.submit(GenerationRequest("running", spread_prompt(1, 12), 80, ignore_eos=True))
         for _ in range(3):
             sched.step()
         assert running.output, "the running stream decodes before the long prompt arrives"
-        long = sched.submit(GenerationRequest("long", _prompt(2, 200), 16, ignore_eos=True))
+        long = sched.submit(GenerationRequest("long", spread_prompt(2, 200), 16, ignore_eos=True))
         sched.step()  # admits it and computes its first piece
         long_id = long.seq_id
         draft_seq = colo.drafter.seqs[long_id]
@@ -128,7 +125,7 @@ def test_several_prompts_share_the_budget_oldest_first(colo, solo, tiny_llama_lo
     colo.decoder.verifier = recorder
     try:
         sched = Scheduler(colo.decoder, colo.eos_token_ids, 8, max_num_batched_tokens=64)
-        reqs = sched.run([GenerationRequest(f"p{i}", _prompt(10 + i, 120), 12, ignore_eos=True) for i in range(4)])
+        reqs = sched.run([GenerationRequest(f"p{i}", spread_prompt(10 + i, 120), 12, ignore_eos=True) for i in range(4)])
     finally:
         colo.decoder.verifier = recorder.inner
     for step in recorder.steps:
@@ -145,7 +142,7 @@ def test_cancel_mid_prefill_frees_everything(colo):
     """A request aborted between its pieces: released on both engines, every block back."""
     before = _free(colo)
     sched = Scheduler(colo.decoder, colo.eos_token_ids, 4, max_num_batched_tokens=32)
-    req = sched.submit(GenerationRequest("c", _prompt(3, 180), 20, ignore_eos=True))
+    req = sched.submit(GenerationRequest("c", spread_prompt(3, 180), 20, ignore_eos=True))
     sched.step()
     sched.step()
     t = colo.decoder.tracks[req.seq_id]
@@ -175,9 +172,9 @@ def test_feature_drafter_gets_each_piece_of_features(tiny_llama, solo, tiny_llam
     fd = c.drafter.model if hasattr(c.drafter, "model") else c.drafter
     try:
         sched = Scheduler(c.decoder, c.eos_token_ids, 4, max_num_batched_tokens=40)
-        running = sched.submit(GenerationRequest("running", _prompt(4, 10), 60, ignore_eos=True))
+        running = sched.submit(GenerationRequest("running", spread_prompt(4, 10), 60, ignore_eos=True))
         sched.step()
-        long = sched.submit(GenerationRequest("long", _prompt(5, 170), 16, ignore_eos=True))
+        long = sched.submit(GenerationRequest("long", spread_prompt(5, 170), 16, ignore_eos=True))
         committed = []
         while sched.has_work:
             sched.step()
