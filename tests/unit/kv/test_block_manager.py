@@ -114,7 +114,9 @@ def test_released_blocks_stay_cached_until_evicted_lru():
         bm.cache_prefix(sid, p, 3)
         bm.free(sid)
     assert bm.num_free_blocks == 4 and bm.num_cached_blocks == 2
+    assert bm.num_used_blocks == 0  # used + free = all (the metrics' two states)
     bm.allocate("x", 4, [9, 9, 9, 9])  # 2 fresh blocks: the 2 never-registered ones
+    assert bm.num_used_blocks == 2 and bm.num_free_blocks == 2
     assert bm.num_cached_blocks == 2
     bm.append("x", 2)  # one more: evicts the oldest cached block ("old"'s)
     assert bm.num_cached_blocks == 1

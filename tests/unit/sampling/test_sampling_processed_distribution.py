@@ -32,7 +32,18 @@ K = 3
 
 
 class _Blocks:
-    def allocate(self, seq_id, n):
+    """The block manager's surface an engine calls; a table runner has no KV and caches nothing."""
+
+    def allocate(self, seq_id, n, token_ids=None) -> int:
+        return 0  # tokens of a cached prefix: none
+
+    def cache_prefix(self, seq_id, token_ids, num_tokens):
+        pass
+
+    def has(self, seq_id) -> bool:
+        return False
+
+    def grow_to(self, seq_id, num_tokens):
         pass
 
 
