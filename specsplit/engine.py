@@ -498,11 +498,7 @@ class TargetEngine(_EngineBase, VerifierTraits):
             parts: list[torch.Tensor] = []
             for a in range(0, end, PROMPT_LOGITS_ROWS):
                 b = min(end, a + PROMPT_LOGITS_ROWS)
-                item = ForwardItem(r.seq_id, a, s.tokens[a:b], b - a)
-                got: list = []
-                rows = self.runner.forward([item], s.feature_layers, got)[0] if s.feature_layers \
-                    else self.runner.forward([item])[0]  # [b - a, V]
-                parts.extend(got)
+                rows = self._forward([ForwardItem(r.seq_id, a, s.tokens[a:b], b - a)], s.feature_layers, parts)[0]  # [b - a, V]
                 out.extend(token_logprobs(rows, s.tokens[a + 1:b + 1], [n] * (b - a)))
                 del rows
             lps[i], at[i] = tuple(out), end
