@@ -362,7 +362,9 @@ class SpecDecoder:
         prompt_logprobs = {r.seq_id: r.prompt_logprobs for r in results if r.prompt_logprobs is not None}
         verified = time.perf_counter()
         self._time_verify(verified - t0, sum(len(r.draft_token_ids) + 1 for r in reqs))
-        if self.recalibration is not None:
+        # a verify that computed prompt tokens (a first step, a prompt piece) is not a decode step:
+        # its time says nothing about the table's (batch, rows) shapes
+        if self.recalibration is not None and not any(self.tracks[r.seq_id].prefill_left for r in reqs):
             self.recalibration.observe(len(reqs), max(len(r.draft_token_ids) + 1 for r in reqs), verified - t0)
         branches = self._join_predraft(started)
         stats.draft_wait_s += time.perf_counter() - verified
