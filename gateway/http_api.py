@@ -409,11 +409,14 @@ class _EventStream(StreamingResponse):
         self.lives = lives
 
     async def __call__(self, scope, receive, send) -> None:
-        try:
+        with _aborting(self.lives):
             await super().__call__(scope, receive, send)
-        finally:
-            for live in self.lives:
-                live.close()
+
+
+def _close(lives: list[_Live]) -> None:
+    """Abort every choice's request (a no-op for one already finished)."""
+    for live in lives:
+        live.close()
 
 
 @contextmanager
@@ -421,8 +424,7 @@ def _aborting(lives: list[_Live]):
     try:
         yield lives
     finally:
-        for live in lives:
-            live.close()
+        _close(lives)
 
 
 def _nth_choice(msg: gateway_pb2.GenerateRequest, i: int, n: int) -> gateway_pb2.GenerateRequest:
@@ -620,8 +622,7 @@ def create_app(backend: HttpBackend) -> FastAPI:
             for i in range(n):
                 lives.append(await submit_one(_nth_choice(msg, i, n), default_max, http_request))
         except BaseException:
-            for live in lives:
-                live.close()
+            _close(lives)
             raise
         return lives
 
@@ -650,8 +651,7 @@ def create_app(backend: HttpBackend) -> FastAPI:
                     raise api_error(status_of(ev.error))
                 out.append(ev)
         except BaseException:
-            for live in lives:
-                live.close()
+            _close(lives)
             raise
         return out
 
