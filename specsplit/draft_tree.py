@@ -63,8 +63,9 @@ def ancestor_mask(parents: Sequence[int]) -> torch.Tensor:
 
 def runner_up(logits: torch.Tensor) -> tuple[float, int]:
     """logits [V] of one draft position -> (top-1 probability, the second most likely index)."""
-    top = torch.topk(logits.float(), 2)
-    p1 = float(torch.softmax(logits.float(), dim=-1)[top.indices[0]])
+    x = logits.float()
+    top = torch.topk(x, 2)
+    p1 = float(torch.exp(top.values[0] - torch.logsumexp(x, dim=-1)))  # softmax at the top-1, no [V] output
     return p1, int(top.indices[1])
 
 

@@ -204,6 +204,19 @@ def ingest_chain(s, new: Sequence[int], pending: Sequence[int] = ()) -> int:
     return matched
 
 
+def chain_proposal(seq_id: str, new: Sequence[int], q_x: Sequence[float] | None,
+                   alternatives: Sequence[tuple[float, int]] | None, tree_nodes: int) -> Proposal:
+    """What a model drafter proposes after drafting the chain `new`: the chain with each sampled
+    draft's q(x) (q_x None: greedy), or, where it collected `alternatives` (per draft: top-1
+    probability, runner-up id) for a tree, the chain plus runner-up leaves
+    (draft_tree.chain_with_leaves). Leaves are proposed, never kept: no KV, no q rows."""
+    if alternatives is not None:
+        tree = chain_with_leaves(new, alternatives, tree_nodes)
+        if not tree.is_chain:
+            return Proposal(seq_id, tree.tokens, None, tree.parents)
+    return Proposal(seq_id, tuple(new), tuple(q_x) if q_x is not None else None)
+
+
 def fetch_q_rows(get, fetch: Sequence[RowRequest]) -> list[QRow]:
     """The requested q rows (get: seq_id -> the drafter's sequence): position j is the j-th draft
     past the sequence's final tokens. Nothing is dropped here: a sampled draft's q row lives with
@@ -766,11 +779,7 @@ class DraftEngine(_EngineBase, DrafterTraits):
             new = s.drafted[len(r.pending_drafts):]
             sampled = bool(rows.get(i))
             s.q_rows.extend(rows[i] if sampled else [None] * len(new))  # [V] per draft, kept with the chain
-            tree = chain_with_leaves(new, alternatives[i], r.tree_nodes) if i in alternatives else None
-            if tree is not None and not tree.is_chain:  # leaves are proposed, never kept: no KV, no q rows
-                out.append(Proposal(r.seq_id, tree.tokens, None, tree.parents))
-                continue
-            out.append(Proposal(r.seq_id, tuple(new), tuple(q_x[i]) if sampled else None))
+            out.append(chain_proposal(r.seq_id, new, q_x[i] if sampled else None, alternatives.get(i), r.tree_nodes))
         return out
 
     def _prefill(self, pieces: list[tuple[ProposeRequest, _Seq]]) -> None:

@@ -34,8 +34,9 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from specsplit.draft_tree import chain_with_leaves, runner_up, tree_eligible
-from specsplit.engine import EngineError, check_propose, check_seq_adds, fetch_q_rows, ingest_chain, sample_drafts
+from specsplit.draft_tree import runner_up, tree_eligible
+from specsplit.engine import (EngineError, chain_proposal, check_propose, check_seq_adds, fetch_q_rows, ingest_chain,
+                              sample_drafts)
 from specsplit.models.eagle3 import DraftCache, Eagle3Head
 from specsplit.protocols import DrafterTraits, Proposal, ProposeRequest, QRow, RowRequest, SeqAdd
 from specsplit.sampling.params import SamplingParams
@@ -186,11 +187,8 @@ class FeatureDrafter(DrafterTraits):
                 pos += 1
         sampled = bool(rows)
         s.q_rows.extend(rows if sampled else [None] * len(new))
-        if leaves:  # the chain (all the drafter keeps) plus runner-up leaves where it was unsure
-            tree = chain_with_leaves(new, alternatives, leaves)
-            if not tree.is_chain:
-                return Proposal(r.seq_id, tree.tokens, None, tree.parents)
-        return Proposal(r.seq_id, tuple(new), tuple(q_x) if sampled else None)
+        # the chain (all the drafter keeps), plus runner-up leaves where it was unsure
+        return chain_proposal(r.seq_id, new, q_x if sampled else None, alternatives if leaves else None, leaves)
 
     def _full_logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [1, H] -> [1, V] float32 logits, -inf outside the draft vocabulary (q = 0 there)."""
