@@ -88,19 +88,22 @@ class TreeValue:
 
 
 def tree_nodes(costs: StepCosts | None, batch: int, k: int, expected: float, value: float, max_nodes: int,
-               margin: float = 0.03) -> int:
+               margin: float = 0.03, fixed_s: float = 0.0) -> int:
     """The sizing rule of draft trees: how many branch nodes each of `batch` sequences adds to its
     chain of k drafts. With n nodes a step verifies k + 1 + n rows per sequence and is expected to
-    emit expected + n * value tokens (expected: E(k) of the chain, value: TreeValue.value); n is the
-    one in 0..max_nodes with the most tokens per second of verify, and 0 (no tree) unless that beats
-    the chain by `margin` (the calibration's noise). Without calibrated costs: max_nodes (the flag
-    alone decides). On a CPU where a verify row costs ~30-40% of a step, a node must be accepted
-    about that often to pay, so a typical tree there is no tree."""
+    emit expected + n * value tokens (expected: E(k) of the chain, value: TreeValue.value); the
+    step's other costs, the same with or without a tree (drafting the chain -- leaves need no draft
+    forward --, the network), are `fixed_s` (KPolicy.step_time less the chain's verify). n is the one
+    in 0..max_nodes with the most tokens per second of step, and 0 (no tree) unless that beats the
+    chain by `margin` (the calibration's noise). Without calibrated costs: max_nodes (the flag alone
+    decides). On a CPU where a verify row costs ~30-40% of a step, a node must be accepted about
+    that often to pay, so a typical tree there is no tree."""
     if max_nodes <= 0 or k <= 0:
         return 0
     if costs is None or not costs.verify:
         return max_nodes
-    rate = [(expected + n * value) / max(1e-12, costs.verify_rows_s(batch, k + 1 + n)) for n in range(max_nodes + 1)]
+    rate = [(expected + n * value) / max(1e-12, fixed_s + costs.verify_rows_s(batch, k + 1 + n))
+            for n in range(max_nodes + 1)]
     n = max(range(len(rate)), key=lambda i: (rate[i], -i))
     return n if rate[n] >= rate[0] * (1.0 + margin) else 0
 

@@ -312,7 +312,9 @@ class SpecDecoder:
             return 0
         if self.policy is None:
             return most
-        return tree_nodes(self.policy.costs, batch, k, t.acceptance.expected_tokens(k), self.tree_value.value, most)
+        costs = self.policy.costs
+        fixed = max(0.0, self.policy.step_time(batch, k) - costs.verify_rows_s(batch, k + 1))  # drafting, network
+        return tree_nodes(costs, batch, k, t.acceptance.expected_tokens(k), self.tree_value.value, most, fixed_s=fixed)
 
     def _prefill_pieces(self, plan: _Plan) -> list[ProposeRequest]:
         """The drafter computes the same prompt pieces as the verifier, in the same steps, so its

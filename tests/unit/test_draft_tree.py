@@ -130,6 +130,10 @@ def test_tree_sizing_rule():
     assert tree_nodes(_costs(0.35), 1, 3, expected=2.0, value=value, max_nodes=4) == 0
     # rows nearly free (a memory-bound accelerator): the whole budget
     assert tree_nodes(_costs(0.001), 1, 3, expected=2.0, value=value, max_nodes=4) == 4
+    # rows at 6% of a verify: a node worth 0.1 tokens does not pay on the verify alone, but it does
+    # where drafting and the network cost as much as the verify again (they do not grow with leaves)
+    assert tree_nodes(_costs(0.06), 1, 3, expected=2.0, value=value, max_nodes=4) == 0
+    assert tree_nodes(_costs(0.06), 1, 3, expected=2.0, value=value, max_nodes=4, fixed_s=1.0) == 4
     # past the calibrated rows the cost is extrapolated, never cheaper
     assert _costs(0.1).verify_rows_s(1, 8) == pytest.approx(1.7)
     # the flag alone without costs; nothing without a budget or a chain
