@@ -23,14 +23,20 @@ def tiny_llama(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def tiny_llama_logits(tiny_llama):
-    """tiny_llama's next-token logits after a context (transformers, fp32): what certifies a greedy
-    difference as a near-tie (tests/helpers/greedy.py)."""
+def hf_target(tiny_llama):
+    """tiny_llama as a transformers model (fp32, eval): the reference for logprobs and greedy ties."""
     from transformers import AutoModelForCausalLM
 
+    return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_logits(hf_target):
+    """tiny_llama's next-token logits after a context (transformers, fp32): what certifies a greedy
+    difference as a near-tie (tests/helpers/greedy.py)."""
     from tests.helpers.greedy import hf_next_logits
 
-    return hf_next_logits(AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval())
+    return hf_next_logits(hf_target)
 
 
 @pytest.fixture(scope="session")

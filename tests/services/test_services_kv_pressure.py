@@ -48,21 +48,11 @@ def stacks(tmp_path_factory, tiny_llama, tiny_draft_close):
 @pytest.fixture(scope="module")
 def solo(tiny_llama):
     """Greedy tokens of the target alone, one request at a time, with room for 512 tokens."""
-    from specsplit.config import EngineConfig, SpecConfig
-    from specsplit.factory import build_colocated
-    from specsplit.request import GenerationRequest
-    from specsplit.scheduler import Scheduler
+    from tests.helpers.colocated import greedy_alone, tiny_colocated
 
-    colo = build_colocated(EngineConfig(model=str(tiny_llama), max_model_len=512, max_prefill_tokens=128,
-                                        max_num_seqs=1, num_blocks=64), None, SpecConfig(num_speculative_tokens=0),
-                           show_progress=False)
-
-    def run(ids):
-        (req,) = Scheduler(colo.decoder, colo.eos_token_ids, 1).run(
-            [GenerationRequest("solo", tuple(ids), NEW, ignore_eos=True)])
-        return req.output
-
-    yield run
+    colo = tiny_colocated(tiny_llama, None, 512, max_num_seqs=1, max_prefill_tokens=128, num_blocks=64)
+    run = greedy_alone(colo)
+    yield lambda ids: run(ids, NEW)
     colo.close()
 
 

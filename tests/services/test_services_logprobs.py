@@ -7,18 +7,10 @@ from __future__ import annotations
 
 import grpc
 import pytest
-import torch
 
 from specsplit.v1 import gateway_pb2_grpc
 from tests.helpers.logprobs import check_streamed_logprobs as _check
 from tests.services.procs import request
-
-
-@pytest.fixture(scope="module")
-def hf_target(tiny_llama):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
 
 
 def _stream(address, req) -> list:

@@ -18,13 +18,6 @@ from tests.services.procs import free_port, http_call, request, start_colocated,
 
 
 @pytest.fixture(scope="module")
-def hf_target(tiny_llama):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
 def colocated_http(tmp_path_factory, tiny_llama, tiny_draft_close):
     """`specsplit serve` with the HTTP API (the session's colocated stack has none)."""
     stack = start_colocated(tmp_path_factory.mktemp("colocated-http-logs"), tiny_llama, tiny_draft_close,

@@ -7,14 +7,12 @@ logprob per token."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-from specsplit.config import EngineConfig, SpecConfig
-from specsplit.factory import build_colocated
 from specsplit.request import GenerationRequest
 from specsplit.sampling.params import SamplingParams
 from specsplit.scheduler import Scheduler
 from specsplit.protocols import VerifierTraits
+from tests.helpers.colocated import tiny_colocated
 from tests.helpers.drafters import LosesRows
 from tests.helpers.logprobs import TOL, reference_logprobs
 
@@ -22,20 +20,7 @@ MAX_LEN = 128
 
 
 def _colo(target, draft, k=3, num_blocks=None, max_num_seqs=8):
-    kw = dict(max_model_len=MAX_LEN, max_num_seqs=max_num_seqs, max_prefill_tokens=64)
-    if num_blocks:
-        kw["num_blocks"] = num_blocks
-    tc = EngineConfig(model=str(target), **kw)
-    dc = EngineConfig(model=str(draft), **kw) if draft else None
-    return build_colocated(tc, dc, SpecConfig(num_speculative_tokens=k if draft else 0, disable_by_batch_size=0),
-                           show_progress=False)
-
-
-@pytest.fixture(scope="module")
-def hf_target(tiny_llama):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    return tiny_colocated(target, draft, MAX_LEN, k=k, num_blocks=num_blocks, max_num_seqs=max_num_seqs)
 
 
 def _check(model, req, n):

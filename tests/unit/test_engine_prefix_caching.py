@@ -10,6 +10,7 @@ from specsplit.config import EngineConfig, SpecConfig
 from specsplit.factory import build_colocated
 from specsplit.request import GenerationRequest
 from specsplit.scheduler import KvBudget, Scheduler
+from tests.helpers.colocated import greedy_alone
 from tests.helpers.greedy import assert_greedy_equal_or_tie
 from tests.helpers.prompts import spread_prompt
 
@@ -27,13 +28,7 @@ def _colo(target, draft, num_blocks=96, prefix_caching=True, max_len=MAX_LEN):
 @pytest.fixture(scope="module")
 def solo(tiny_llama):
     c = _colo(tiny_llama, None, prefix_caching=False)
-
-    def run(prompt, max_tokens):
-        (req,) = Scheduler(c.decoder, c.eos_token_ids, 1).run(
-            [GenerationRequest("solo", tuple(prompt), max_tokens, ignore_eos=True)])
-        return req.output
-
-    yield run
+    yield greedy_alone(c)
     c.close()
 
 

@@ -10,34 +10,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specsplit.config import EngineConfig, SpecConfig
-from specsplit.factory import build_colocated
 from specsplit.protocols import SeqAdd, VerifyRequest
 from specsplit.request import GenerationRequest, RequestError, validate, Limits
 from specsplit.sampling.logprobs import PROMPT_LOGITS_ROWS
 from specsplit.sampling.params import SamplingParams
 from specsplit.scheduler import Scheduler
+from tests.helpers.colocated import tiny_colocated
 from tests.helpers.logprobs import TOL
 from tests.helpers.prompts import spread_prompt
 
 MAX_LEN = 160
 
 
-def _colo(target, draft, k=3, num_blocks=None):
-    kw = dict(max_model_len=MAX_LEN, max_num_seqs=8, max_prefill_tokens=64)
-    if num_blocks:
-        kw["num_blocks"] = num_blocks
-    tc = EngineConfig(model=str(target), **kw)
-    dc = EngineConfig(model=str(draft), **kw) if draft else None
-    return build_colocated(tc, dc, SpecConfig(num_speculative_tokens=k if draft else 0, disable_by_batch_size=0),
-                           show_progress=False)
-
-
-@pytest.fixture(scope="module")
-def hf_target(tiny_llama):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+def _colo(target, draft, k=3, num_blocks=None, max_num_seqs=8):
+    return tiny_colocated(target, draft, MAX_LEN, k=k, num_blocks=num_blocks, max_num_seqs=max_num_seqs)
 
 
 @pytest.fixture(scope="module")

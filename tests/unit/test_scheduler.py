@@ -14,6 +14,7 @@ from specsplit.config import EngineConfig, SpecConfig
 from specsplit.factory import build_colocated
 from specsplit.request import GenerationRequest, RequestError
 from specsplit.scheduler import KvBudget, Observer, Scheduler
+from tests.helpers.colocated import greedy_alone
 
 MAX_LEN = 128
 BLOCKS = 12  # x 16 tokens = 192 tokens per cache: two requests of 96 tokens fill it
@@ -46,17 +47,7 @@ def tiniest(tiny_llama, tiny_draft_close):
 def solo(tiny_llama):
     """solo(prompt, max_tokens) -> greedy tokens of the target alone, one request at a time."""
     colo = _colo(tiny_llama, None, 64)
-    cache: dict = {}
-
-    def run(prompt, max_tokens):
-        key = (tuple(prompt), max_tokens)
-        if key not in cache:
-            (req,) = Scheduler(colo.decoder, colo.eos_token_ids, 1).run(
-                [GenerationRequest("solo", tuple(prompt), max_tokens, ignore_eos=True)])
-            cache[key] = req.output
-        return cache[key]
-
-    yield run
+    yield greedy_alone(colo)
     colo.close()
 
 

@@ -14,6 +14,7 @@ from specsplit.config import EngineConfig, SpecConfig
 from specsplit.factory import build_colocated
 from specsplit.request import GenerationRequest
 from specsplit.scheduler import Scheduler
+from tests.helpers.colocated import greedy_alone
 from tests.helpers.greedy import assert_greedy_equal_or_tie
 from tests.helpers.prompts import spread_prompt
 
@@ -39,13 +40,7 @@ def colo(request, tiny_llama, tiny_draft_close):
 def solo(tiny_llama):
     """solo(prompt, max_tokens) -> greedy tokens of the target alone, its prompt in one piece."""
     c = _colo(tiny_llama, None)
-
-    def run(prompt, max_tokens):
-        (req,) = Scheduler(c.decoder, c.eos_token_ids, 1).run(
-            [GenerationRequest("solo", tuple(prompt), max_tokens, ignore_eos=True)])
-        return req.output
-
-    yield run
+    yield greedy_alone(c)
     c.close()
 
 
