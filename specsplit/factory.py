@@ -27,7 +27,7 @@ from specsplit.engine import DraftEngine, NgramDrafter, TargetEngine
 from specsplit.engine_build import (DRAFTER, NGRAM, VERIFIER, ModelService, allocate_engine, check_model_len, kv_shape,
                                     load_for, profile_steps)
 from specsplit.feature_drafter import FeatureDrafter, calibrate_feature_drafter, head_bytes, load_feature_drafter
-from specsplit.hybrid_drafter import LOOKUPS, HybridDrafter, split_draft_name
+from specsplit.hybrid_drafter import FEATURE_NGRAM_MIN, LOOKUPS, HybridDrafter, split_draft_name
 from specsplit.suffix_drafter import SuffixDrafter
 from specsplit.kv.profiler import MemoryPlan, MemoryProfiler, ServicePlan
 from specsplit.models.gguf_native import QuantEmbedding
@@ -217,9 +217,12 @@ def with_lookup(engine: DraftEngine, hybrid: str | None, spec: SpecConfig) -> Dr
         return engine
     # A feature drafter drafts as many tokens as the step asks (cheap, and accepted far more often
     # than the small model draft that --draft-model-tokens caps).
-    model_tokens = 0 if isinstance(engine, FeatureDrafter) else spec.draft_model_tokens
+    feature = isinstance(engine, FeatureDrafter)
+    model_tokens = 0 if feature else spec.draft_model_tokens
+    # ... and is right more often than a short prompt-lookup match (hybrid_drafter.FEATURE_NGRAM_MIN)
+    ngram_min = max(spec.ngram_min, FEATURE_NGRAM_MIN) if feature else spec.ngram_min
     suffix = lookup_drafter("suffix", spec, engine.vocab_size, engine.max_model_len) if hybrid == "suffix" else None
-    return HybridDrafter(engine, spec.ngram_min, spec.ngram_max, model_tokens, suffix=suffix)
+    return HybridDrafter(engine, ngram_min, max(spec.ngram_max, ngram_min), model_tokens, suffix=suffix)
 
 
 def draft_engine_and_plan(cfg: EngineConfig, spec: SpecConfig, show_progress: bool, allocate: bool, vocab_size: int | None = None):

@@ -17,6 +17,9 @@ teacher-forced predictions), with a draft forward at 0.1 of a target forward and
 cost (bf16 on this AMX CPU), predicts 1.17x for the model alone (best K=1), 1.26x for lookup
 alone (best K=3) and 1.43x for both (lookup K=3, model 1 token).
 
+Before an EAGLE-3 head the lookup needs a longer match (FEATURE_NGRAM_MIN): the head is right
+more often than a short match.
+
 Sampled requests always use the model: its q rows are what the rejection sampler needs, and
 mixing a one-hot lookup draft into a sampled step would change nothing about losslessness but
 would need per-position q bookkeeping the wire does not carry. Greedy output stays the
@@ -35,6 +38,14 @@ from specsplit.sampling.params import SamplingParams
 from specsplit.suffix_drafter import SuffixDrafter
 
 LOOKUPS = ("ngram", "suffix")  # the drafters that need no model (alone, or after MODEL+)
+# Before an EAGLE-3 head (a feature drafter), prompt lookup goes first only on a match of this
+# many tokens or more. Measured (fifth session, SmolLM2-135M + the shipped head, K=3, greedy, 64
+# tokens, held-out ShareGPT prompts 17-40 with the chat template, tools/hybrid_acceptance.py): a
+# 1-token match fired at 42% of steps and its drafts were accepted 0.74 per step against the
+# head's 0.76, so it cost steps (854 vs 795 with the head alone); from 3 tokens it fires at 11%,
+# is accepted 1.94 per step there, and the run takes the fewest steps (777). The small draft
+# model, weaker than a 1-token match, keeps SpecConfig.ngram_min (1).
+FEATURE_NGRAM_MIN = 3
 SUFFIX_FIRES = 1.0  # MODEL+suffix: the suffix draft wins when its expected accepted count reaches this
 
 

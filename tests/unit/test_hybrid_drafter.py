@@ -92,3 +92,35 @@ def test_model_drafts_at_most_model_tokens_lookup_up_to_k(tiny_llama, model_toke
     assert engine.lookup_steps == 1 and engine.model_steps == 1
     engine.release(["fresh", "repeats"])
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_before_an_eagle3_head_lookup_needs_a_longer_match(tiny_llama, tmp_path):
+    """MODEL+ngram over a feature drafter: a match shorter than FEATURE_NGRAM_MIN tokens leaves the
+    drafting to the head; a longer one is still looked up. The small draft model keeps 1."""
+    import torch
+
+    from specsplit.hybrid_drafter import FEATURE_NGRAM_MIN
+    from specsplit.protocols import ProposeRequest, SeqAdd
+    from tests.helpers.eagle3 import write_tiny_head
+
+    head = write_tiny_head(tmp_path / "head", torch.arange(3, 200))
+    colo = _colo(tiny_llama, head, 3)
+    try:
+        hybrid = colo.drafter
+        assert isinstance(hybrid, HybridDrafter) and hybrid.ngram_min == FEATURE_NGRAM_MIN == 3
+        short = (40, 41, 42, 9, 50, 51, 9)  # '9' occurred before, '51 9' did not
+        long = (40, 41, 42, 9, 50, 41, 42, 9)  # '41 42 9' occurred before: 50 41 42 follow it
+        hybrid.add([SeqAdd("short", short), SeqAdd("long", long)])
+        feats = torch.randn(8, hybrid.model.feature_size)
+        a, b = hybrid.propose([ProposeRequest("short", (), 3, features=feats[:7], features_start=0),
+                               ProposeRequest("long", (), 3, features=feats, features_start=0)])
+        assert b.token_ids == (50, 41, 42) and hybrid.lookup_steps == 1  # the long match is looked up
+        assert hybrid.model_steps == 1 and len(a.token_ids) == 3  # the head drafts past a 1-token match
+        hybrid.release(["short", "long"])
+    finally:
+        colo.close()
+    small = _colo(tiny_llama, tiny_llama, 3)
+    try:
+        assert small.drafter.ngram_min == 1
+    finally:
+        small.close()
