@@ -97,6 +97,11 @@ class SpecConfig:
     # may add to their chain each step (0 = chains only). With the auto K policy the calibrated
     # verify cost sizes it (k_policy.tree_nodes), 0 included. Lockstep only (not with async_draft).
     tree_nodes: int = 0
+    # A feature drafter (EAGLE-3 head) ends a greedy chain before the draft at which the product of
+    # its top-1 probabilities so far falls below this (it always drafts one): where the head is
+    # unsure, a draft would cost a verify row it rarely repays. 0 = always the step's K. The
+    # servers' default: defaults.DEFAULT_DRAFT_STOP (--draft-stop).
+    draft_stop: float = 0.0
 
     def enabled_for(self, num_running: int) -> bool:
         if self.num_speculative_tokens <= 0:

@@ -78,6 +78,7 @@ def _feature_drafter(cfg: EngineConfig, spec: SpecConfig, embedding=None, num_ta
         plan.services[DRAFTER].dtype = str(cfg.dtype).replace("torch.", "")
     if spec.k_policy == "auto" and spec.num_speculative_tokens > 0:
         drafter.step_costs = calibrate_feature_drafter(drafter, cfg.max_num_seqs)
+    drafter.stop_below = spec.draft_stop
     return drafter
 
 

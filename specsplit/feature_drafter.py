@@ -71,6 +71,9 @@ class FeatureDrafter(DrafterTraits):
         self.max_model_len = max_model_len
         self.seqs: dict[str, _FSeq] = {}
         self.step_costs = None  # calibration.StepCosts (factory.build_feature_drafter)
+        # a greedy chain ends where the product of the head's top-1 probabilities falls below this
+        # (SpecConfig.draft_stop; 0: always k)
+        self.stop_below = 0.0
 
     # ---- what the step needs to know --------------------------------------------------------
     @property
@@ -171,12 +174,16 @@ class FeatureDrafter(DrafterTraits):
         rows: list[torch.Tensor] = []
         leaves = r.tree_nodes if tree_eligible(s.params) and not r.pending_drafts else 0
         alternatives: list[tuple[float, int]] = []  # per draft: (top-1 probability, runner-up id)
+        sure = 1.0  # product of the chain's top-1 probabilities (greedy)
         for j in range(r.k):
             if s.params.greedy:  # the argmax over the draft vocabulary is the one over all (q = 0 elsewhere)
                 sub = self.head.logits(h)[0]  # [Vd]
                 t = int(self.head.draft_ids[sub.argmax()])
-                if leaves:
+                if leaves or self.stop_below > 0:
                     p1, alt = runner_up(sub)
+                    sure *= p1
+                    if j > 0 and sure < self.stop_below:
+                        break  # unsure from here on: the verify row would rarely pay (SpecConfig.draft_stop)
                     alternatives.append((p1, int(self.head.draft_ids[alt])))
             else:
                 t = sample_drafts([s], [self._full_logits(h)], {0: q_x}, {0: rows}, [0])[0]

@@ -7,7 +7,7 @@ import re
 # The defaults and the namespace -> config conversions live one layer down, in specsplit.defaults,
 # so the services and the gateway use them without importing the CLI; re-exported here for the parsers.
 from specsplit.defaults import (DEFAULT_SUFFIX_CACHE_TOKENS, SUFFIX_SHARE_MODES, DEFAULT_DRAFT_MODEL_TOKENS, DEFAULT_K_HYBRID, DEFAULT_K_MODEL, DEFAULT_K_NGRAM,  # noqa: F401
-                                DISABLE_BY_BATCH_SIZE_CPU, DISABLE_BY_BATCH_SIZE_OTHER, DEFAULT_K_POLICY, K_POLICIES, default_disable_by_batch_size,
+                                DISABLE_BY_BATCH_SIZE_CPU, DISABLE_BY_BATCH_SIZE_OTHER, DEFAULT_K_POLICY, K_POLICIES, DEFAULT_DRAFT_STOP, default_disable_by_batch_size,
                                 default_k_for, disable_by_batch_size, engine_config, spec_config)
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
@@ -33,6 +33,17 @@ def nonneg_int(text: str) -> int:
     v = int(text)
     if v < 0:
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text}")
+    return v
+
+
+def unit_float(text: str) -> float:
+    """A probability: a number in [0, 1]."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text}") from None
+    if not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text}")
     return v
 
 
@@ -90,6 +101,9 @@ def add_spec_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-model-tokens", type=nonneg_int, default=DEFAULT_DRAFT_MODEL_TOKENS,
                    help="with --draft MODEL+ngram: the model drafts at most N of the K tokens, prompt lookup up "
                         "to K (0 = K; default %(default)s)")
+    g.add_argument("--draft-stop", type=unit_float, default=DEFAULT_DRAFT_STOP, metavar="P",
+                   help="an EAGLE-3 draft ends a greedy chain where the product of its top-1 probabilities falls "
+                        "below P (it drafts at least one; 0 = always K; default %(default)s)")
     g.add_argument("--suffix-cache-tokens", type=nonneg_int, default=DEFAULT_SUFFIX_CACHE_TOKENS,
                    help="--draft suffix / MODEL+suffix: finished output tokens the drafter keeps to draft from, "
                         "oldest dropped first (default %(default)s, about 10 bytes each; 0 = none)")

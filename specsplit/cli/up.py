@@ -109,7 +109,7 @@ def _spec_flags(args) -> list[str]:
     k = spec_config(args, args.draft).num_speculative_tokens
     out = ["--num-speculative-tokens", str(k), "--draft-model-tokens", str(args.draft_model_tokens),
            "--k-policy", args.k_policy, "--suffix-cache-tokens", str(args.suffix_cache_tokens),
-           "--suffix-share", args.suffix_share]
+           "--suffix-share", args.suffix_share, "--draft-stop", str(args.draft_stop)]
     if getattr(args, "async_draft", None) is not None:  # else the gateway's default (on; off with --tree-nodes)
         out += ["--async-draft" if args.async_draft else "--no-async-draft"]
     if getattr(args, "tree_nodes", 0):

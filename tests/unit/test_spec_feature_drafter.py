@@ -160,3 +160,54 @@ def test_feature_drafter_sampling_keeps_the_target_distribution(tiny_llama, tmp_
     assert pvalue > 1e-3 and tv < 0.12, (pvalue, tv)
     _assert_released(colo)
     colo.close()
+
+
+@pytest.mark.parametrize("stop", [0.0, 0.3, 1.0])
+def test_a_greedy_chain_stops_where_the_head_is_unsure(tiny_llama, tiny_llama_logits, tiny_head, reference, stop):
+    """SpecConfig.draft_stop: a greedy chain ends before the draft at which the product of the
+    head's top-1 probabilities falls below it (one draft at least); output stays the target's."""
+    from specsplit.draft_tree import runner_up
+    from specsplit.protocols import ProposeRequest
+
+    colo = _colo(tiny_llama, tiny_head, 3)
+    fd = _feature_drafter(colo)
+    fd.stop_below = stop
+    states = Scheduler(colo.decoder, colo.eos_token_ids, 16).run(_requests(4, seed=4))
+    for req, s, ref in zip(_requests(4, seed=4), states, reference(4)):
+        assert_greedy_equal_or_tie(ref, tiny_llama_logits, s.output, prompt=req.prompt_token_ids)
+    steps, proposed = sum(s.speculative_steps for s in states), sum(s.proposed for s in states)
+    assert steps > 0
+    if stop == 1.0:
+        assert proposed == steps  # never sure enough for a second draft
+    elif stop == 0.0:
+        assert proposed > 2 * steps  # K = 3 but where the request's last tokens leave fewer
+    # one chain, checked against the rule itself
+    prompt = tuple(range(5, 30))
+    fd.add([SeqAdd("c", prompt, SamplingParams())])
+    feats = torch.randn(len(prompt), fd.feature_size)
+    (p,) = fd.propose([ProposeRequest("c", (), 3, features=feats, features_start=0)])
+    fd.release(["c"])
+    fd.add([SeqAdd("c", prompt, SamplingParams())])
+    fd.stop_below = 0.0
+    (full,) = fd.propose([ProposeRequest("c", (), 3, features=feats, features_start=0)])
+    fd.release(["c"])
+    assert p.token_ids == full.token_ids[:len(p.token_ids)] and len(full.token_ids) == 3
+    assert not fd.seqs
+    colo2 = _colo(tiny_llama, tiny_head, 3)
+    try:
+        d = _feature_drafter(colo2)
+        d.add([SeqAdd("c", prompt, SamplingParams())])
+        d._commit_features(d.seqs["c"], feats, 0)
+        h, sure, expect = d.seqs["c"].last_h, 1.0, 0
+        seq = d.seqs["c"]
+        for j, t in enumerate(full.token_ids):
+            sure *= runner_up(d.head.logits(h)[0])[0]
+            if j > 0 and sure < stop:
+                break
+            expect += 1
+            h = d.head.extend(seq.cache, h, d._embed(torch.tensor([t])).to(h.dtype), seq.next_pos + j)
+        assert len(p.token_ids) == expect
+    finally:
+        colo2.close()
+    _assert_released(colo)
+    colo.close()
