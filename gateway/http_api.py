@@ -54,7 +54,7 @@ from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specsplit.gateway.scheduler_thread import status_of
-from specsplit.gateway.service import GatewayServicer
+from specsplit.gateway.service import MAX_CHOICES, GatewayServicer
 from specsplit.gateway.tools import ToolError, ToolPlan, parse_calls, plan_tools, render_messages
 from specsplit.v1 import common_pb2, gateway_pb2
 from specsplit.rpc.security import ServerSecurity
@@ -65,7 +65,6 @@ from specsplit.sampling.params import MAX_LOGIT_BIAS_ENTRIES
 log = logging.getLogger(__name__)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-MAX_CHOICES = 16  # n at most: each choice is a request of its own to the scheduler
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default (the gRPC API's is 0, greedy)
 SHUTDOWN_GRACE_S = 5.0
 
@@ -444,20 +443,6 @@ def _aborting(lives: list[_Live]):
         _close(lives)
 
 
-def _nth_choice(msg: gateway_pb2.GenerateRequest, i: int, n: int) -> gateway_pb2.GenerateRequest:
-    """Choice i of n: an independent sample of the same request (its own request to the scheduler;
-    a seeded one draws with seed + i, so the n choices of a seed are reproducible and choice 0 is
-    the seed's own stream)."""
-    if n == 1:
-        return msg
-    out = gateway_pb2.GenerateRequest()
-    out.CopyFrom(msg)
-    out.request_id = f"{msg.request_id}-{i}"
-    if msg.HasField("seed"):
-        out.seed = (msg.seed + i) % 2**64
-    return out
-
-
 def _usage_of(usages: list[dict | None]) -> dict | None:
     """n choices' usage: the prompt once (as OpenAI counts it), the completions' tokens summed."""
     if any(u is None for u in usages):
@@ -627,34 +612,27 @@ def create_app(backend: HttpBackend) -> FastAPI:
 
     async def submit(body: _Body, msg: gateway_pb2.GenerateRequest, logprobs: int | None, default_max: bool,
                      http_request: Request) -> list[_Live]:
-        """The gRPC servicer's steps for each of the n choices: checks, tokenization, build_request,
-        the scheduler. A choice refused (a full server) closes the ones submitted before it."""
+        """The gRPC servicer's n choices (GenerateRequest.n, GatewayServicer.submit_choices: checks,
+        tokenization, build_request, the scheduler), one _Live each. A choice refused (a full
+        server) aborts the ones submitted before it."""
         check_model(body.model)
         _check_unsupported(body)
         if logprobs is not None:
             msg.logprobs = logprobs
-        n = body.n or 1
-        lives: list[_Live] = []
-        try:
-            for i in range(n):
-                lives.append(await submit_one(_nth_choice(msg, i, n), default_max, http_request))
-        except BaseException:
-            _close(lives)
-            raise
-        return lives
+        msg.n = body.n or 1
 
-    async def submit_one(msg: gateway_pb2.GenerateRequest, default_max: bool, http_request: Request) -> _Live:
         def prepare(msg: gateway_pb2.GenerateRequest, ids: list[int]) -> None:
             if default_max:  # chat without max_tokens: the rest of the context
                 msg.max_tokens = max(1, limits.max_model_len - len(ids))
 
-        live = _Live(scheduler, http_request)
-        live.ignore_eos = msg.ignore_eos
+        lives = [_Live(scheduler, http_request) for _ in range(msg.n)]
         try:
-            live.request = await servicer.submit(msg, live.sink, prepare)
+            requests = await servicer.submit_choices(msg, [live.sink for live in lives], prepare)
         except ServiceError as e:
             raise api_error(e) from None
-        return live
+        for live, req in zip(lives, requests):
+            live.request, live.ignore_eos = req, msg.ignore_eos
+        return lives
 
     async def first_events(lives: list[_Live]) -> list[Event]:
         """Wait for each choice's first event before answering: an error before any token is a
