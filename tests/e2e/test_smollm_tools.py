@@ -8,7 +8,8 @@ official `openai` client, and lossless under speculation.
   * "none" gives plain content; a multi-turn conversation with an assistant's tool_calls and a
     tool message is accepted;
   * bad tools / tool_choice / messages are a 400 naming the field;
-  * greedy, colocated: speculative (n-gram; the target as its own unconstrained draft) == target-only
+  * greedy, colocated: speculative (n-gram; the target as its own unconstrained draft; the EAGLE-3
+    head + n-gram, the head masked by the grammar) == target-only
     for tool_choice "required" (the same prompt rendering and grammar the HTTP API builds), up to a
     certified near-tie of the constrained target (tests/helpers/greedy.py).
 """
@@ -33,6 +34,7 @@ openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
 MODEL = "smollm2-135m"
+EAGLE3 = "smollm2-135m-eagle3+ngram"  # serve's default draft: the head masks its drafts with the grammar
 
 
 def _fn(name: str, description: str, properties: dict, required: list[str]) -> dict:
@@ -151,7 +153,7 @@ def greedy_runs():
     plan = plan_tools(TOOLS, "required")
     params = SamplingParams(grammar=Grammar("json_schema", plan.grammar_text()))
     out = {}
-    for draft, k in ((None, 0), ("ngram", 4), (MODEL, 4)):
+    for draft, k in ((None, 0), ("ngram", 4), (MODEL, 4), (EAGLE3, 4)):
         dc = None if draft is None else EngineConfig(model=draft, **ENGINE)
         colo = build_colocated(EngineConfig(model=MODEL, **ENGINE), dc, SpecConfig(num_speculative_tokens=k),
                                show_progress=False)
@@ -169,7 +171,7 @@ def greedy_runs():
     return out
 
 
-@pytest.mark.parametrize("draft", ["ngram", MODEL])
+@pytest.mark.parametrize("draft", ["ngram", MODEL, EAGLE3])
 def test_speculative_tool_call_equals_target_only(greedy_runs, draft):
     prompts, ref, _ = greedy_runs[None]
     _, outs, proposed = greedy_runs[draft]
