@@ -18,6 +18,9 @@ max_model_len for chat. Extensions: top_k, ignore_eos. n (1..16) choices: indepe
 request of its own to the scheduler (a seeded request's choice i draws with seed + i). Completions
 take echo: the prompt's text, and with logprobs its tokens' (the first null), from the verifier's
 prefill (GenerateRequest.prompt_logprobs); max_tokens 0 with echo scores the prompt only.
+Chat takes OpenAI's function calling: tools and tool_choice (none, auto, required, a named
+function; the last two forced through the structured-output grammar), assistant tool_calls and
+tool messages in the conversation; the answer parsed back into tool_calls (gateway/tools.py).
 
 Errors are OpenAI's JSON, {"error": {"message", "type", "param", "code"}}, with the HTTP status
 of the RequestError kind (invalid_argument 400, resource_exhausted 429, unavailable 503, other
@@ -51,7 +54,8 @@ from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specsplit.gateway.scheduler_thread import status_of
-from specsplit.gateway.service import GatewayServicer
+from specsplit.gateway.service import MAX_CHOICES, GatewayServicer
+from specsplit.gateway.tools import ToolError, ToolPlan, parse_calls, plan_tools, render_messages
 from specsplit.v1 import common_pb2, gateway_pb2
 from specsplit.rpc.security import ServerSecurity
 from specsplit.rpc.wire import ServiceError
@@ -61,7 +65,6 @@ from specsplit.sampling.params import MAX_LOGIT_BIAS_ENTRIES
 log = logging.getLogger(__name__)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-MAX_CHOICES = 16  # n at most: each choice is a request of its own to the scheduler
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default (the gRPC API's is 0, greedy)
 SHUTDOWN_GRACE_S = 5.0
 
@@ -143,6 +146,8 @@ class ChatMessageBody(BaseModel):
 
     role: str
     content: str | list[dict] | None = None
+    tool_calls: list | None = None  # an assistant's calls (rendered as <tool_call> blocks: gateway/tools.py)
+    tool_call_id: str | None = None  # a tool message's answer to that call
 
 
 class ChatBody(_Body):
@@ -150,7 +155,8 @@ class ChatBody(_Body):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    tools: list | None = None
+    tools: list | None = None  # function tools (gateway/tools.py)
+    tool_choice: str | dict | None = None  # "none" | "auto" | "required" | {"type": "function", "function": {"name"}}
 
 
 def _check_unsupported(body: _Body) -> None:
@@ -161,9 +167,19 @@ def _check_unsupported(body: _Body) -> None:
             raise _invalid("suffix is not supported", "suffix")
         if body.best_of not in (None, 1):
             raise _invalid("best_of must be 1", "best_of")
-    if isinstance(body, ChatBody):
-        if body.tools:
-            raise _invalid("tools are not supported", "tools")
+
+
+def _tool_plan(body: ChatBody) -> ToolPlan | None:
+    """tools + tool_choice, checked; a forced call (required, a named function) cannot take a
+    response_format too (it is its own grammar)."""
+    try:
+        plan = plan_tools(body.tools, body.tool_choice)
+    except ToolError as e:
+        raise _invalid(str(e), e.param) from None
+    if plan is not None and plan.forced and (body.response_format or {}).get("type", "text") != "text":
+        raise _invalid(f"response_format cannot be combined with tool_choice {plan.mode!r}: the call's own schema "
+                       "constrains the output (send one of them)", "response_format")
+    return plan
 
 
 RESPONSE_FORMATS = ("text", "json_object", "json_schema", "regex", "ebnf")
@@ -427,20 +443,6 @@ def _aborting(lives: list[_Live]):
         _close(lives)
 
 
-def _nth_choice(msg: gateway_pb2.GenerateRequest, i: int, n: int) -> gateway_pb2.GenerateRequest:
-    """Choice i of n: an independent sample of the same request (its own request to the scheduler;
-    a seeded one draws with seed + i, so the n choices of a seed are reproducible and choice 0 is
-    the seed's own stream)."""
-    if n == 1:
-        return msg
-    out = gateway_pb2.GenerateRequest()
-    out.CopyFrom(msg)
-    out.request_id = f"{msg.request_id}-{i}"
-    if msg.HasField("seed"):
-        out.seed = (msg.seed + i) % 2**64
-    return out
-
-
 def _usage_of(usages: list[dict | None]) -> dict | None:
     """n choices' usage: the prompt once (as OpenAI counts it), the completions' tokens summed."""
     if any(u is None for u in usages):
@@ -610,34 +612,27 @@ def create_app(backend: HttpBackend) -> FastAPI:
 
     async def submit(body: _Body, msg: gateway_pb2.GenerateRequest, logprobs: int | None, default_max: bool,
                      http_request: Request) -> list[_Live]:
-        """The gRPC servicer's steps for each of the n choices: checks, tokenization, build_request,
-        the scheduler. A choice refused (a full server) closes the ones submitted before it."""
+        """The gRPC servicer's n choices (GenerateRequest.n, GatewayServicer.submit_choices: checks,
+        tokenization, build_request, the scheduler), one _Live each. A choice refused (a full
+        server) aborts the ones submitted before it."""
         check_model(body.model)
         _check_unsupported(body)
         if logprobs is not None:
             msg.logprobs = logprobs
-        n = body.n or 1
-        lives: list[_Live] = []
-        try:
-            for i in range(n):
-                lives.append(await submit_one(_nth_choice(msg, i, n), default_max, http_request))
-        except BaseException:
-            _close(lives)
-            raise
-        return lives
+        msg.n = body.n or 1
 
-    async def submit_one(msg: gateway_pb2.GenerateRequest, default_max: bool, http_request: Request) -> _Live:
         def prepare(msg: gateway_pb2.GenerateRequest, ids: list[int]) -> None:
             if default_max:  # chat without max_tokens: the rest of the context
                 msg.max_tokens = max(1, limits.max_model_len - len(ids))
 
-        live = _Live(scheduler, http_request)
-        live.ignore_eos = msg.ignore_eos
+        lives = [_Live(scheduler, http_request) for _ in range(msg.n)]
         try:
-            live.request = await servicer.submit(msg, live.sink, prepare)
+            requests = await servicer.submit_choices(msg, [live.sink for live in lives], prepare)
         except ServiceError as e:
             raise api_error(e) from None
-        return live
+        for live, req in zip(lives, requests):
+            live.request, live.ignore_eos = req, msg.ignore_eos
+        return lives
 
     async def first_events(lives: list[_Live]) -> list[Event]:
         """Wait for each choice's first event before answering: an error before any token is a
@@ -830,10 +825,22 @@ def create_app(backend: HttpBackend) -> FastAPI:
         if not body.messages:
             raise _invalid("messages must hold at least one message", "messages")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        plan = _tool_plan(body)
         msg = _generate_request(body, rid, 1 if max_tokens is None else max_tokens)
-        for i, m in enumerate(body.messages):
-            msg.messages.append(gateway_pb2.ChatMessage(role=_utf8(m.role, f"messages[{i}].role", "messages"),
-                                                        content=_utf8(_content(m, i), f"messages[{i}].content", "messages")))
+        if plan is not None and plan.forced:  # the call through the structured-output grammar
+            try:
+                msg.grammar.CopyFrom(common_pb2.Grammar(json_schema=plan.grammar_text()))
+            except ToolError as e:
+                raise _invalid(str(e), e.param) from None
+        turns = [{"role": m.role, "content": _content(m, i), "tool_calls": m.tool_calls}
+                 for i, m in enumerate(body.messages)]
+        try:
+            turns = render_messages(turns, plan)
+        except ToolError as e:
+            raise _invalid(str(e), e.param) from None
+        for i, m in enumerate(turns):
+            msg.messages.append(gateway_pb2.ChatMessage(role=_utf8(m["role"], f"messages[{i}].role", "messages"),
+                                                        content=_utf8(m["content"], f"messages[{i}].content", "messages")))
         lives = await submit(body, msg, logprobs, max_tokens is None, http_request)
         firsts = await first_events(lives)
 
@@ -847,9 +854,38 @@ def create_app(backend: HttpBackend) -> FastAPI:
         def lp_of(ev: Event):
             return _chat_logprobs(ev.logprobs, tok) if logprobs is not None and ev.logprobs is not None else None
 
+        def answer(text: str, finish: str | None) -> tuple[dict, str | None]:
+            """A choice's text -> its message's content / tool_calls, and its finish_reason."""
+            if plan is None:
+                return {"content": text}, finish
+            content, calls = parse_calls(text, plan)
+            if not calls:
+                return {"content": content}, finish
+            return {"content": content, "tool_calls": calls}, "tool_calls" if finish == "stop" else finish
+
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
             started = [False] * len(lives)
+            held: list[list[Event]] = [[] for _ in lives]  # with tools: each choice's events, parsed at its end
+
+            def tool_chunks(i: int, ev: Event) -> list[dict]:
+                """With tools the answer is held back and parsed when it ends: one delta with the
+                content or the calls (OpenAI's delta.tool_calls, each with its index), then the finish."""
+                held[i].append(ev)
+                if ev.finish_reason is None:
+                    return []
+                evs = held[i]
+                fields, finish = answer("".join(e.text for e in evs), ev.finish_reason)
+                lps = [c for e in evs if (x := lp_of(e)) for c in x["content"]]
+                lp = {"content": lps, "refusal": None} if logprobs is not None else None
+                delta: dict = {"content": fields["content"]} if fields["content"] is not None else {}
+                if "tool_calls" in fields:
+                    delta["tool_calls"] = [{"index": j, **c} for j, c in enumerate(fields["tool_calls"])]
+                out = []
+                if delta:
+                    out.append(envelope([{"index": i, "delta": delta, "logprobs": lp, "finish_reason": None}], chunk=True))
+                out.append(envelope([{"index": i, "delta": {}, "logprobs": None, "finish_reason": finish}], chunk=True))
+                return out
 
             def chunks(i: int, ev: Event) -> list[dict]:
                 out = []
@@ -857,6 +893,8 @@ def create_app(backend: HttpBackend) -> FastAPI:
                     started[i] = True
                     out.append(envelope([{"index": i, "delta": {"role": "assistant", "content": ""},
                                           "logprobs": None, "finish_reason": None}], chunk=True))
+                if plan is not None and plan.renders:
+                    return out + tool_chunks(i, ev)
                 if ev.text or ev.token_ids:
                     out.append(envelope([{"index": i, "delta": {"content": ev.text}, "logprobs": lp_of(ev),
                                           "finish_reason": None}], chunk=True))
@@ -871,8 +909,9 @@ def create_app(backend: HttpBackend) -> FastAPI:
             lp = None
             if logprobs is not None and any(ev.logprobs is not None for ev in evs):
                 lp = {"content": [c for ev in evs if (x := lp_of(ev)) for c in x["content"]], "refusal": None}
-            message = {"role": "assistant", "content": "".join(ev.text for ev in evs), "refusal": None}
-            choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": evs[-1].finish_reason})
+            fields, finish = answer("".join(ev.text for ev in evs), evs[-1].finish_reason)
+            message = {"role": "assistant", **fields, "refusal": None}
+            choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish})
         return envelope(choices, _usage(_usage_of([evs[-1].usage for evs in collected])))
 
     @app.exception_handler(ClientGone)

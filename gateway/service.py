@@ -37,9 +37,11 @@ SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 # tokenized (no tokenizer in use here makes tokens that long; the gRPC limit caps bytes anyway).
 MAX_PROMPT_CHARS_PER_TOKEN = 64
 MAX_CHAT_MESSAGES = 256
+MAX_CHOICES = 16  # GenerateRequest.n (and the HTTP API's n) at most: each choice is a request of its own
 MAX_ROLE_CHARS = 32
 
-__all__ = ["Limits", "SERVICE_NAME", "GatewayServicer", "Tokenizer", "build_request", "request_from_pb", "response_pb"]
+__all__ = ["Limits", "MAX_CHOICES", "SERVICE_NAME", "GatewayServicer", "Tokenizer", "build_request", "choices_of",
+           "nth_choice", "request_from_pb", "response_pb"]
 
 
 def _invalid(message: str) -> ServiceError:
@@ -121,6 +123,28 @@ def check_before_tokenizing(msg: gateway_pb2.GenerateRequest, limits: Limits) ->
         )
 
 
+def choices_of(msg: gateway_pb2.GenerateRequest) -> int:
+    """How many choices a request asks for (n; 0 = 1). INVALID_ARGUMENT above MAX_CHOICES."""
+    n = msg.n or 1
+    if n > MAX_CHOICES:
+        raise _invalid(f"n must be in [1, {MAX_CHOICES}], got {n}")
+    return n
+
+
+def nth_choice(msg: gateway_pb2.GenerateRequest, i: int) -> gateway_pb2.GenerateRequest:
+    """Choice i of a request's n: an independent sample of the same request (its own request to
+    the scheduler; a seeded one draws with seed + i, so the n choices of a seed are reproducible
+    and choice 0 is the seed's own stream). One choice: the request itself."""
+    if (msg.n or 1) == 1:
+        return msg
+    out = gateway_pb2.GenerateRequest()
+    out.CopyFrom(msg)
+    out.request_id = f"{msg.request_id}-{i}"
+    if msg.HasField("seed"):
+        out.seed = (msg.seed + i) % 2**64
+    return out
+
+
 def build_request(msg: gateway_pb2.GenerateRequest, ids: list[int]) -> GenerationRequest:
     """GenerateRequest + its prompt ids -> GenerationRequest (the Scheduler validates it)."""
     # top_p is optional: unset (or 0, what a proto3 client without `optional` sends) means 1.0
@@ -168,9 +192,9 @@ def checked_request(msg: gateway_pb2.GenerateRequest, ids: list[int], limits: Li
     return req
 
 
-def response_pb(ev: Event) -> gateway_pb2.GenerateResponse:
+def response_pb(ev: Event, index: int = 0) -> gateway_pb2.GenerateResponse:
     msg = gateway_pb2.GenerateResponse(token_ids=ev.token_ids, text=ev.text, finish_reason=ev.finish_reason or "",
-                                       proposed_draft_tokens=ev.proposed, accepted_draft_tokens=ev.accepted)
+                                       proposed_draft_tokens=ev.proposed, accepted_draft_tokens=ev.accepted, index=index)
     if ev.logprobs:
         msg.logprobs.extend(logprobs_to_pb(ev.logprobs))
     if ev.prompt_logprobs:
@@ -255,6 +279,23 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 raise ServiceError(grpc.StatusCode.UNAVAILABLE, DRAINING_MESSAGE)
             return self.scheduler.submit(req, sink)
 
+    async def submit_choices(self, msg: gateway_pb2.GenerateRequest, sinks: list[Callable[[Event], None]],
+                             prepare: Callable[[gateway_pb2.GenerateRequest, list[int]], None] | None = None) -> list:
+        """The n choices of a request (one sink each, len(sinks) == choices_of(msg)), each through
+        `submit`, the one place both APIs build them. A choice refused (a full server, a drain) or a
+        caller that goes away aborts the ones submitted before it. Returns their Requests."""
+        n = choices_of(msg)
+        assert len(sinks) == n, (len(sinks), n)
+        live: list = []
+        try:
+            for i, sink in enumerate(sinks):
+                live.append(await self.submit(nth_choice(msg, i), sink, prepare))
+        except BaseException:
+            for req in live:
+                self.scheduler.abort(req)
+            raise
+        return live
+
     async def admit(self, req: GenerationRequest) -> None:
         """Admission work before the scheduler: compile the request's grammar (cached by its text,
         on the compiler's threads, at most --grammar-timeout seconds). ServiceError(INVALID_ARGUMENT)."""
@@ -270,35 +311,39 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise _invalid(str(e)) from None
 
     async def Generate(self, request, context):
+        """One stream for the request's n choices, their messages interleaved as they come (each
+        names its choice: GenerateResponse.index); it ends when every choice has finished. An error
+        in any choice aborts the others and ends the stream with its status."""
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue[Event] = asyncio.Queue()
+        events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
 
-        def sink(ev: Event) -> None:
-            try:
-                loop.call_soon_threadsafe(events.put_nowait, ev)
-            except RuntimeError:  # the loop is closed: nobody is listening any more
-                pass
+        def sink_of(i: int) -> Callable[[Event], None]:
+            def sink(ev: Event) -> None:
+                try:
+                    loop.call_soon_threadsafe(events.put_nowait, (i, ev))
+                except RuntimeError:  # the loop is closed: nobody is listening any more
+                    pass
+            return sink
 
         try:
-            live = await self.submit(request, sink)
+            lives = await self.submit_choices(request, [sink_of(i) for i in range(choices_of(request))])
         except ServiceError as e:
             await context.abort(e.code, e.message)
-        finished = False
+        finished = [False] * len(lives)
         try:
-            while True:
-                ev = await events.get()
+            while not all(finished):
+                i, ev = await events.get()
                 if ev.error is not None:
-                    finished = True
+                    finished[i] = True
                     err = status_of(ev.error)
                     await context.abort(err.code, err.message)
                 if ev.finish_reason is not None:
-                    finished = True
-                yield response_pb(ev)
-                if finished:
-                    return
+                    finished[i] = True
+                yield response_pb(ev, i)
         finally:
-            if not finished:  # cancelled, deadline, or the client went away
-                self.scheduler.abort(live)
+            for live, done in zip(lives, finished):
+                if not done:  # cancelled, deadline, the client went away, or another choice failed
+                    self.scheduler.abort(live)
 
     async def GetServerInfo(self, request, context):
         return await self.server_info()

@@ -309,8 +309,10 @@ def build_colocated(
         emb = t.loaded.model.embed_tokens
         # a GGUF target's quantized embedding is shared as the module (no dense fp32 copy)
         embedding = emb if isinstance(emb, QuantEmbedding) else emb.weight
-        drafter = with_lookup(_feature_drafter(replace(draft, max_model_len=target.max_model_len), spec, embedding,
-                                                t.loaded.config.num_layers, plan), hybrid, spec)
+        feature = _feature_drafter(replace(draft, max_model_len=target.max_model_len), spec, embedding,
+                                   t.loaded.config.num_layers, plan)
+        feature.grammars = verifier.grammars  # drafts from the grammar's mask too (one compiler, one cache)
+        drafter = with_lookup(feature, hybrid, spec)
     elif draft is not None:
         drafter = lookup_drafter(draft.model, spec, t.loaded.config.vocab_size, target.max_model_len)
     decoder = colocated_decoder(verifier, drafter, spec, target.max_model_len)

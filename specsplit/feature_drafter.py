@@ -24,6 +24,13 @@ or after a restart until the next verify) it proposes nothing and the step decod
 Drafts are drawn from q = the head's distribution over its draft vocabulary (the target's ids
 outside it get q = 0) under the request's temperature / top-k / top-p, with the same keyed random
 numbers and coupled sampling as the model drafter, so rejection sampling stays lossless.
+
+Structured output: with a compiler (`grammars`; colocated, the verifier's), a sequence with a
+grammar drafts from the head's logits masked by its matcher after the tokens and the chain so far
+(q is that masked distribution, so rejection sampling stays exact), as the model drafter does: its
+drafts stay in the grammar instead of being cut by the verifier. Where the grammar allows no token
+of the draft vocabulary, the chain ends there; where the matcher cannot follow (a chain it refuses),
+the draft is unmasked and the verifier cuts. Such sequences draft chains, no tree leaves.
 """
 from __future__ import annotations
 
@@ -39,6 +46,7 @@ from specsplit.engine import (EngineError, chain_proposal, check_propose, check_
                               sample_drafts)
 from specsplit.models.eagle3 import DraftCache, Eagle3Head
 from specsplit.protocols import DrafterTraits, Proposal, ProposeRequest, QRow, RowRequest, SeqAdd
+from specsplit.sampling.grammar import GrammarCompiler, GrammarError, GrammarState, apply_masks
 from specsplit.sampling.params import SamplingParams
 from specsplit.sampling.rng import SeqRandom
 
@@ -56,9 +64,12 @@ class _FSeq:
     last_h: torch.Tensor | None = None  # [1, H] head output at the last committed entry
     drafted: list[int] = field(default_factory=list)  # the chain of drafts past `tokens`
     q_rows: list = field(default_factory=list)  # per chain draft: [V] q row (sampled) or None
+    prompt_len: int = 0  # tokens before the output (a resumed sequence's generated ones excluded)
+    grammar: GrammarState | None = None  # the request's matcher (structured output), with a compiler
 
 
 class FeatureDrafter(DrafterTraits):
+    grammars: GrammarCompiler | None = None  # structured output: drafts follow the grammar's mask
     """EAGLE-3 drafting; implements the Drafter protocol (specsplit.protocols)."""
 
     side = "drafter"
@@ -106,7 +117,13 @@ class FeatureDrafter(DrafterTraits):
     def add(self, seqs: Sequence[SeqAdd]) -> None:
         check_seq_adds(seqs, self.seqs, self.side, self.vocab_size, self.max_model_len)
         for s in seqs:
-            self.seqs[s.seq_id] = _FSeq(list(s.prompt_token_ids), s.params, SeqRandom(s.params.seed, self.side))
+            seq = self.seqs[s.seq_id] = _FSeq(list(s.prompt_token_ids), s.params, SeqRandom(s.params.seed, self.side),
+                                              prompt_len=len(s.prompt_token_ids) - s.generated)
+            if self.grammars is not None and s.params.grammar is not None:
+                try:
+                    seq.grammar = self.grammars.state(s.params.grammar)
+                except GrammarError as e:
+                    log.info("drafter: sequence %r drafts without its grammar's mask: %s", s.seq_id, e)
 
     def release(self, seq_ids: Sequence[str], finished: bool = False) -> None:
         for seq_id in seq_ids:
@@ -172,11 +189,21 @@ class FeatureDrafter(DrafterTraits):
         new: list[int] = []
         q_x: list[float] = []
         rows: list[torch.Tensor] = []
-        leaves = r.tree_nodes if tree_eligible(s.params) and not r.pending_drafts else 0
+        leaves = r.tree_nodes if tree_eligible(s.params) and not r.pending_drafts and s.grammar is None else 0
         alternatives: list[tuple[float, int]] = []  # per draft: (top-1 probability, runner-up id)
         sure = 1.0  # product of the chain's top-1 probabilities (greedy)
         for j in range(r.k):
-            if s.params.greedy:  # the argmax over the draft vocabulary is the one over all (q = 0 elsewhere)
+            mask = self._mask(s)
+            if mask is not None:  # the grammar's tokens only (q is the masked distribution)
+                full = self._full_logits(h)
+                apply_masks(full, mask)
+                if not bool(torch.isfinite(full).any()):
+                    break  # nothing in the draft vocabulary continues the grammar: the chain ends
+                if s.params.greedy:
+                    t = int(full[0].argmax())
+                else:
+                    t = sample_drafts([s], [full], {0: q_x}, {0: rows}, [0])[0]
+            elif s.params.greedy:  # the argmax over the draft vocabulary is the one over all (q = 0 elsewhere)
                 sub = self.head.logits(h)[0]  # [Vd]
                 t = int(self.head.draft_ids[sub.argmax()])
                 if leaves or self.stop_below > 0:
@@ -196,6 +223,18 @@ class FeatureDrafter(DrafterTraits):
         s.q_rows.extend(rows if sampled else [None] * len(new))
         # the chain (all the drafter keeps), plus runner-up leaves where it was unsure
         return chain_proposal(r.seq_id, new, q_x if sampled else None, alternatives if leaves else None, leaves)
+
+    @staticmethod
+    def _mask(s: _FSeq) -> torch.Tensor | None:
+        """The bitmask [1, W] of the tokens the sequence's grammar allows after its output and chain;
+        None: no grammar, or a chain the matcher refuses (unmasked: the verifier cuts)."""
+        if s.grammar is None:
+            return None
+        try:
+            s.grammar.sync(s.tokens[s.prompt_len:] + s.drafted)
+            return s.grammar.masks(())[1]
+        except GrammarError:
+            return None
 
     def _full_logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [1, H] -> [1, V] float32 logits, -inf outside the draft vocabulary (q = 0 there)."""

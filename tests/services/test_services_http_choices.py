@@ -1,8 +1,10 @@
-"""`n` > 1 on the HTTP API through a real split stack (tiny pair, speculation on): greedy n
-choices are n copies of the target's greedy completion; seeded n choices are reproducible, choice
-0 is the seed's own n = 1 completion and choice i is seed + i's (chat's choices: the same code,
+"""`n` > 1 on the HTTP API and on gRPC (GenerateRequest.n, the same GatewayServicer.submit_choices)
+through a real split stack (tiny pair, speculation on): greedy n choices are n copies of the
+target's greedy completion; seeded n choices are reproducible, choice 0 is the seed's own n = 1
+completion and choice i is seed + i's (chat's choices: the same code,
 tests/unit/gateway/test_http_api.py; this target has no chat template); every choice's
-request ends and frees its KV; n outside [1, 16] is a 400."""
+request ends and frees its KV; n outside [1, 16] is a 400 / INVALID_ARGUMENT. On gRPC the choices'
+messages interleave on one stream, each naming its choice (GenerateResponse.index)."""
 from __future__ import annotations
 
 import json
@@ -68,3 +70,45 @@ def test_n_out_of_range_is_400(split_stack, prompts, n):
                             {"model": _model(split_stack), "prompt": prompts[0], "max_tokens": 2, "n": n})
     err = json.loads(raw)["error"]
     assert status == 400 and err["param"] == "n" and "n must be in [1, 16]" in err["message"]
+
+
+# ---- gRPC ------------------------------------------------------------------------------------
+def _grpc_choices(stack, **kw) -> dict[int, dict]:
+    """Each choice's tokens, finish_reason and usage, from one Generate stream."""
+    out: dict[int, dict] = {}
+    with grpc.insecure_channel(stack.gateway) as ch:
+        for r in gateway_pb2_grpc.GatewayStub(ch).Generate(gateway_pb2.GenerateRequest(**kw), timeout=60):
+            c = out.setdefault(r.index, {"tokens": [], "finish": None, "usage": None})
+            assert c["finish"] is None, f"choice {r.index} sent a message after its last"
+            c["tokens"] += list(r.token_ids)
+            if r.finish_reason:
+                c["finish"], c["usage"] = r.finish_reason, r.usage
+    return out
+
+
+def test_grpc_greedy_n_choices_are_the_target_s_completion(split_stack, prompts):
+    ids = prompts[3]
+    out = _grpc_choices(split_stack, prompt_token_ids=ids, max_tokens=12, n=3, ignore_eos=True)
+    (one,) = _grpc_choices(split_stack, prompt_token_ids=ids, max_tokens=12, ignore_eos=True).values()
+    assert sorted(out) == [0, 1, 2]
+    for c in out.values():
+        assert c["tokens"] == one["tokens"] and len(c["tokens"]) == 12 and c["finish"] == "length"
+        assert c["usage"].completion_tokens == 12 and c["usage"].prompt_tokens == len(ids)
+    assert wait_for(lambda: _idle(split_stack), 10.0) is not None
+
+
+def test_grpc_seeded_n_choices_are_each_seed_s_own(split_stack, prompts):
+    ids = prompts[7]
+    kw = dict(prompt_token_ids=ids, max_tokens=10, temperature=1.0, ignore_eos=True)
+    out = _grpc_choices(split_stack, seed=123, n=3, **kw)
+    for i in range(3):
+        (alone,) = _grpc_choices(split_stack, seed=123 + i, **kw).values()
+        assert out[i]["tokens"] == alone["tokens"]
+    assert len({tuple(c["tokens"]) for c in out.values()}) > 1
+    assert wait_for(lambda: _idle(split_stack), 10.0) is not None
+
+
+def test_grpc_n_out_of_range_is_invalid_argument(split_stack, prompts):
+    with pytest.raises(grpc.RpcError) as err:
+        _grpc_choices(split_stack, prompt_token_ids=prompts[0], max_tokens=2, n=17)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "n must be in [1, 16], got 17" in err.value.details()

@@ -128,3 +128,40 @@ def test_resumed_sequence_matcher_takes_its_generated_tokens(tiny_llama):
         resumed += res.token_ids
     assert resumed == emitted
     colo.close()
+
+
+@pytest.mark.parametrize("vocab", [256, 200], ids=["full-vocab", "subset-vocab"])
+def test_eagle3_head_drafts_inside_the_grammar(tiny_llama, tiny_llama_logits, references, tmp_path, vocab):
+    """The EAGLE-3 feature drafter masks its drafts with the request's grammar (colocated, the
+    verifier's compiler): every chain it proposes is one the grammar takes after the output so far,
+    and the output is still the target's. With a draft vocabulary that lacks the grammar's next
+    tokens (ids >= 200 here: the large words), the chain ends there instead."""
+    from tests.helpers.eagle3 import write_tiny_head
+
+    head = write_tiny_head(tmp_path, torch.arange(3, vocab))
+    params = CASES["grammar"]
+    reqs = _requests(params)
+    tc = EngineConfig(model=str(tiny_llama), max_model_len=MAX_LEN, max_num_seqs=8)
+    colo = build_colocated(tc, EngineConfig(model=str(head), max_model_len=MAX_LEN, max_num_seqs=8),
+                           SpecConfig(num_speculative_tokens=3, k_policy="fixed"), show_progress=False)
+    fd = colo.drafter
+    assert fd.grammars is colo.target.grammars
+    chains = []
+    propose = fd.propose
+
+    def recording(preqs):
+        out = propose(preqs)
+        for r in preqs:
+            s = fd.seqs[r.seq_id]
+            chains.append(s.tokens[s.prompt_len:] + s.drafted)
+        return out
+
+    fd.propose = recording
+    states = Scheduler(colo.decoder, colo.eos_token_ids, 8).run(reqs)
+    assert sum(s.proposed for s in states) > 0 and chains
+    for chain in chains:
+        references["compiler"].state(params.grammar).sync(chain)  # GrammarError on a draft outside it
+    for req, s, r in zip(reqs, states, references["grammar"]):
+        f = constrained_next_logits(tiny_llama_logits, params, len(req.prompt_token_ids), references["compiler"])
+        assert_greedy_equal_or_tie(r, f, s.output, prompt=req.prompt_token_ids)
+    colo.close()

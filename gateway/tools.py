@@ -1,0 +1,273 @@
+"""OpenAI function calling (`tools`, `tool_choice`) for the chat API: the functions rendered into
+the conversation, the grammar that forces a call, and the generated text parsed back into
+`tool_calls`. No HTTP here: gateway/http_api.py calls these and turns ToolError into a 400.
+
+Rendering. A chat template that takes `tools` would render them itself; SmolLM2-135M-Instruct's
+does not (it ignores the argument), so the gateway renders them, for every model, in the
+Hermes / Qwen2.5 style that small instruct models have seen most:
+
+  * a system block listing each function's JSON (name, description, parameters) inside
+    <tools></tools> and asking for <tool_call>{"name": ..., "arguments": {...}}</tool_call>; it is
+    appended to the conversation's first system message, or is the first message when there is
+    none (which replaces the template's default system prompt);
+  * an assistant message's `tool_calls` become its <tool_call> blocks after its content;
+  * a `role: "tool"` message becomes a user turn holding <tool_response>...</tool_response>.
+
+tool_choice:
+
+  "none"      no functions rendered, no grammar, no parsing: a plain answer;
+  "auto"      the functions rendered; the answer parsed for calls (default when tools are sent);
+  "required"  and {"type": "function", "function": {"name": ...}}: the functions rendered and the
+              output forced through the structured-output grammar (a JSON schema): one JSON object
+              {"name": <an allowed name>, "arguments": <that function's parameters schema>}, so the
+              answer is always one call whose arguments match the schema (unless max_tokens cuts it:
+              finish_reason "length", the text as content).
+
+Parsing: <tool_call>{...}</tool_call> blocks (the last one may be unterminated at the stop token),
+or an answer that is one bare JSON object {"name": <a known function>, "arguments": {...}}; a call
+whose JSON does not parse or names an unknown function stays text. Calls found: `tool_calls` with
+ids "call_<24 hex>", `arguments` as a JSON string, the remaining text as `content` (null when
+none) and finish_reason "tool_calls" (a stopped answer; a cut one keeps "length").
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import uuid
+
+from specsplit.sampling.params import MAX_GRAMMAR_CHARS
+
+MAX_TOOLS = 64
+MAX_TOOL_NAME_CHARS = 64  # OpenAI's rule: a-z, A-Z, 0-9, underscores and dashes, at most 64
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+TOOL_CHOICES = ("none", "auto", "required")
+
+__all__ = ["MAX_TOOLS", "ToolError", "ToolPlan", "plan_tools", "render_messages", "parse_calls", "call_id"]
+
+
+class ToolError(ValueError):
+    """A bad tools / tool_choice / message field: an HTTP 400 naming `param`."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclasses.dataclass(frozen=True)
+class Function:
+    name: str
+    description: str
+    parameters: dict  # a JSON schema of the arguments object
+
+    def spec(self) -> dict:
+        out = {"name": self.name}
+        if self.description:
+            out["description"] = self.description
+        out["parameters"] = self.parameters
+        return {"type": "function", "function": out}
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolPlan:
+    """What a request's tools and tool_choice mean: the functions, the mode and (forced modes) the
+    names allowed."""
+
+    functions: tuple[Function, ...]
+    mode: str  # "none" | "auto" | "required" | "named"
+    allowed: tuple[str, ...] = ()
+
+    @property
+    def renders(self) -> bool:
+        return self.mode != "none" and bool(self.functions)
+
+    @property
+    def forced(self) -> bool:
+        return self.mode in ("required", "named")
+
+    def schema(self) -> dict:
+        """The JSON schema of a forced call: {"name": <allowed>, "arguments": <its parameters>}."""
+        by_name = {f.name: f for f in self.functions}
+        branches = [{"type": "object", "properties": {"name": {"const": name}, "arguments": _arguments(by_name[name])},
+                     "required": ["name", "arguments"], "additionalProperties": False} for name in self.allowed]
+        return branches[0] if len(branches) == 1 else {"anyOf": branches}
+
+    def grammar_text(self) -> str:
+        """The forced call's schema as the json_schema grammar's text (bounded like any other)."""
+        text = json.dumps(self.schema())
+        if len(text) > MAX_GRAMMAR_CHARS:
+            raise ToolError(f"the tools' parameter schemas make a {len(text)}-character grammar for tool_choice "
+                            f"{self.mode}; at most {MAX_GRAMMAR_CHARS} are allowed (fewer or smaller tools)", "tools")
+        return text
+
+
+def _arguments(f: Function) -> dict:
+    p = dict(f.parameters) if f.parameters else {"type": "object", "properties": {}}
+    p.setdefault("type", "object")
+    return p
+
+
+def _functions(tools: list) -> tuple[Function, ...]:
+    if not isinstance(tools, list):
+        raise ToolError("tools must be a list of {\"type\": \"function\", \"function\": {...}}", "tools")
+    if len(tools) > MAX_TOOLS:
+        raise ToolError(f"tools has {len(tools)} entries; at most {MAX_TOOLS} are allowed", "tools")
+    out, seen = [], set()
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(t.get("function"), dict):
+            raise ToolError(f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., "parameters": '
+                            '{...}}}} (only function tools are supported)', "tools")
+        fn = t["function"]
+        name = fn.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise ToolError(f"tools[{i}].function.name must be 1 to {MAX_TOOL_NAME_CHARS} characters of a-z, A-Z, 0-9, "
+                            f"_ and -, got {name!r}", "tools")
+        if name in seen:
+            raise ToolError(f"tools[{i}].function.name {name!r} is given twice; function names must be unique", "tools")
+        seen.add(name)
+        description = fn.get("description") or ""
+        if not isinstance(description, str):
+            raise ToolError(f"tools[{i}].function.description must be a string", "tools")
+        params = fn.get("parameters")
+        if params is None:
+            params = {}
+        if not isinstance(params, dict):
+            raise ToolError(f"tools[{i}].function.parameters must be a JSON schema object, got {type(params).__name__}",
+                            "tools")
+        size = len(json.dumps(params))
+        if size > MAX_GRAMMAR_CHARS:
+            raise ToolError(f"tools[{i}].function.parameters is {size} characters; at most {MAX_GRAMMAR_CHARS} are "
+                            "allowed (simplify the schema)", "tools")
+        out.append(Function(name, description, params))
+    return tuple(out)
+
+
+def plan_tools(tools: list | None, tool_choice) -> ToolPlan | None:
+    """A request's tools and tool_choice, checked (ToolError names the field); None: neither sent."""
+    if not tools:
+        if tool_choice is None or tool_choice == "none":
+            return None
+        raise ToolError("tool_choice needs tools: send the functions the model may call in tools", "tool_choice")
+    functions = _functions(tools)
+    if tool_choice is None:
+        tool_choice = "auto"
+    if isinstance(tool_choice, str):
+        if tool_choice not in TOOL_CHOICES:
+            raise ToolError(f"tool_choice must be one of {', '.join(TOOL_CHOICES)} or "
+                            f'{{"type": "function", "function": {{"name": ...}}}}, got {tool_choice!r}', "tool_choice")
+        allowed = tuple(f.name for f in functions) if tool_choice == "required" else ()
+        return ToolPlan(functions, tool_choice, allowed)
+    fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(tool_choice, dict) or tool_choice.get("type", "function") != "function" or not isinstance(name, str):
+        raise ToolError('tool_choice as an object must be {"type": "function", "function": {"name": ...}}', "tool_choice")
+    if name not in {f.name for f in functions}:
+        raise ToolError(f"tool_choice names the function {name!r}, which is not in tools "
+                        f"({', '.join(f.name for f in functions)})", "tool_choice")
+    return ToolPlan(functions, "named", (name,))
+
+
+# ---- rendering -------------------------------------------------------------------------------
+def system_block(functions: tuple[Function, ...]) -> str:
+    listed = "\n".join(json.dumps(f.spec(), ensure_ascii=False) for f in functions)
+    return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+            "You are provided with function signatures within <tools></tools> XML tags:\n"
+            f"<tools>\n{listed}\n</tools>\n\n"
+            "For each function call, return a json object with function name and arguments within "
+            "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+            '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+
+
+def _call_text(call, where: str) -> str:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise ToolError(f'{where} must be {{"id": ..., "type": "function", "function": {{"name": ..., '
+                        '"arguments": "<JSON text>"}}}}', "messages")
+    args = fn.get("arguments", "{}")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            raise ToolError(f"{where}.function.arguments is not JSON text: {args[:80]!r}", "messages") from None
+    return "<tool_call>\n" + json.dumps({"name": fn["name"], "arguments": args}, ensure_ascii=False) + "\n</tool_call>"
+
+
+def render_messages(messages: list[dict], plan: ToolPlan | None) -> list[dict]:
+    """OpenAI chat messages ({"role", "content", "tool_calls"?, "tool_call_id"?}, content as text)
+    -> the role/content turns the chat template takes, with the functions and calls rendered."""
+    out = []
+    for i, m in enumerate(messages):
+        role, content = m["role"], m.get("content") or ""
+        if role == "tool":
+            out.append({"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"})
+            continue
+        calls = m.get("tool_calls")
+        if calls:
+            if role != "assistant":
+                raise ToolError(f"messages[{i}].tool_calls is only allowed on assistant messages, not {role!r}", "messages")
+            if not isinstance(calls, list):
+                raise ToolError(f"messages[{i}].tool_calls must be a list", "messages")
+            parts = [content] if content else []
+            parts += [_call_text(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(calls)]
+            content = "\n".join(parts)
+        out.append({"role": role, "content": content})
+    if plan is not None and plan.renders:
+        block = system_block(plan.functions)
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": (out[0]["content"] + "\n\n" + block).lstrip()}
+        else:
+            out.insert(0, {"role": "system", "content": block})
+    return out
+
+
+# ---- parsing ---------------------------------------------------------------------------------
+_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _call(obj, names: frozenset[str]) -> dict | None:
+    if not isinstance(obj, dict) or obj.get("name") not in names:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return {"id": call_id(), "type": "function",
+            "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
+
+
+def _json(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def parse_calls(text: str, plan: ToolPlan) -> tuple[str | None, list[dict]]:
+    """The generated text -> (content, tool_calls). No calls found: (text, [])."""
+    if not plan.renders:
+        return text, []
+    names = frozenset(plan.allowed or [f.name for f in plan.functions])
+    whole = _call(_json(text.strip()), names)
+    if whole is not None:
+        return None, [whole]
+    calls, rest, last = [], [], 0
+    for m in _BLOCK.finditer(text):
+        call = _call(_json(m.group(1).strip()), names)
+        if call is None:
+            continue
+        calls.append(call)
+        rest.append(text[last:m.start()])
+        last = m.end()
+    if not calls:
+        return text, []
+    rest.append(text[last:])
+    content = "".join(rest).strip()
+    return content or None, calls
