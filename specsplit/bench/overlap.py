@@ -25,7 +25,7 @@ import torch
 
 from specsplit.bench.arms import Arm, ArmResult, Timing, colocated_arm, run_interleaved
 from specsplit.config import EngineConfig, SpecConfig, parse_dtype
-from specsplit.defaults import DEFAULT_DRAFT_MODEL_TOKENS, default_k_for
+from specsplit.defaults import DEFAULT_DRAFT_MODEL_TOKENS, DEFAULT_DRAFT_STOP, default_k_for
 from specsplit.factory import build_colocated
 
 
@@ -103,10 +103,10 @@ def run(args, prompts_of: Callable, progress: Callable[[], None] | None = None) 
     k = default_k_for(draft)
     base = build_colocated(cfg(args.target), None, SpecConfig(num_speculative_tokens=0), show_progress=False)
     prompts = prompts_of(base)
-    lock = build_colocated(cfg(args.target), cfg(draft), SpecConfig(num_speculative_tokens=k, k_policy="auto",
+    lock = build_colocated(cfg(args.target), cfg(draft), SpecConfig(num_speculative_tokens=k, k_policy="auto", draft_stop=DEFAULT_DRAFT_STOP,
                            draft_model_tokens=DEFAULT_DRAFT_MODEL_TOKENS), show_progress=False)
     # One process, pre-drafting on a second thread (one torch thread each, so two cores).
-    colo_async = build_colocated(cfg(args.target), cfg(draft), SpecConfig(num_speculative_tokens=k, k_policy="auto",
+    colo_async = build_colocated(cfg(args.target), cfg(draft), SpecConfig(num_speculative_tokens=k, k_policy="auto", draft_stop=DEFAULT_DRAFT_STOP,
                                  draft_model_tokens=DEFAULT_DRAFT_MODEL_TOKENS, async_draft=True), show_progress=False)
     vcpu, dcpu = _pinning()
     common = dict(dtype=dtype, max_model_len=args.max_model_len, max_num_seqs=max(top, 1), threads=1)

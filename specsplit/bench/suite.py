@@ -23,6 +23,7 @@ from tqdm import tqdm
 from specsplit.bench.arms import ArmResult, colocated_arm, hf_arm, run_interleaved, run_specsplit
 from specsplit.bench.costs import measure_costs, predicted_speedup
 from specsplit.config import EngineConfig, SpecConfig, parse_dtype
+from specsplit.defaults import DEFAULT_DRAFT_STOP
 from specsplit.factory import build_colocated
 from specsplit.models.registry import ASSETS_DIR, DRAFT_ALIAS, sharegpt_json_path
 
@@ -216,7 +217,7 @@ class Bench:
 
         policy_k = default_k_for(self.served_draft)
         policy_colo = build_colocated(self._cfg(a.target, dtype), self._cfg(self.served_draft, dtype),
-                                      SpecConfig(num_speculative_tokens=policy_k, k_policy="auto"), show_progress=False)
+                                      SpecConfig(num_speculative_tokens=policy_k, k_policy="auto", draft_stop=DEFAULT_DRAFT_STOP), show_progress=False)
         model_draft = draft if draft not in (None, "ngram") else None
         if model_draft is not None:
             self.costs = measure_costs(colos[model_draft], prompts[0], self.ks)
@@ -233,7 +234,7 @@ class Bench:
         also_policy = {}  # --also-draft: their default configuration too, interleaved
         for other in getattr(a, "also_draft", []):
             colo = build_colocated(self._cfg(a.target, dtype), self._cfg(other, dtype),
-                                   SpecConfig(num_speculative_tokens=default_k_for(other), k_policy="auto"),
+                                   SpecConfig(num_speculative_tokens=default_k_for(other), k_policy="auto", draft_stop=DEFAULT_DRAFT_STOP),
                                    show_progress=False)
             also_policy[other] = colo
             arms.append(colocated_arm(f"specsplit colocated {other} policy K<={default_k_for(other)}", colo,
@@ -336,7 +337,7 @@ class Bench:
             False: build_colocated(self._cfg(a.target, dtype, top), None, SpecConfig(num_speculative_tokens=0),
                                    show_progress=False),
             True: build_colocated(self._cfg(a.target, dtype, top), self._cfg(draft, dtype, top),
-                                  SpecConfig(num_speculative_tokens=k, disable_by_batch_size=threshold, k_policy="auto"),
+                                  SpecConfig(num_speculative_tokens=k, disable_by_batch_size=threshold, k_policy="auto", draft_stop=DEFAULT_DRAFT_STOP),
                                   show_progress=False),
         }
         for spec_on, colo in colos.items():
