@@ -22,6 +22,10 @@ class Track:
     # (Re-)added to the drafter and not yet drafted for: its next propose prefills the whole context
     # there (the step's deadline for that call allows for it).
     fresh: bool = True
+    # Tokens the drafter holds for this sequence but has not computed (a re-sync re-adds the whole
+    # context); with `unsent`, what its next propose would have to compute. Past the step's
+    # catch-up budget the sequence catches up in pieces, target-only meanwhile (spec/decoder.py).
+    behind: int = 0
     acceptance: Acceptance = field(default_factory=Acceptance)  # per position, for the K policy
     # Chunked prefill: prompt tokens the verifier has not computed yet (the whole prompt at add).
     # The scheduler hands out pieces of it (SpecDecoder.step's `prefill`); 0 once a step emitted.
@@ -52,4 +56,5 @@ class Track:
         """The drafter failed: it no longer knows this sequence (re-added on re-sync)."""
         self.on_drafter = False
         self.unsent = []
+        self.behind = 0
         self.feats = None
