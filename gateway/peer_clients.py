@@ -51,6 +51,7 @@ class RemoteError(wire.ServiceError):
         super().__init__(code, message)
         self.broken = broken
         self.kind = code.name.lower()  # as a RequestError names it (specsplit.spec.drafter_health.refused)
+        self.timed_out = False  # no answer within the call's deadline
 
 
 class _Ended:
@@ -169,7 +170,9 @@ class _PeerClient:
                 self._retry_at = time.monotonic() + min(30.0, 2.0 ** (self._timeouts - 1))
             if lost:
                 log.warning("%s stream at %s broke (%s); its %d sequences are gone", self.role, self.address, e, lost)
-            raise self._unavailable(str(e)) from None
+            err = self._unavailable(str(e))
+            err.timed_out = e.timed_out  # a missed deadline: the peer is late, not gone (drafter_health probes at once)
+            raise err from None
         self._timeouts = 0
         self._network_s += max(0.0, time.perf_counter() - t0 - resp.compute_s)
         if resp.HasField("error"):

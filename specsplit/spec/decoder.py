@@ -122,6 +122,7 @@ class SpecDecoder:
         self._probes = 0  # probe steps so far: which sequence drafts in the next one
         self._verify_s: float | None = None  # average seconds per verify call
         self._verify_token_s: float | None = None  # ... per token it scored
+        self._draft_token_s: float | None = None  # the drafter's seconds per token it computed
         self.tree_value = TreeValue()  # what a branch node of a draft tree gained so far
         if costs is not None and costs.verify and spec.k_policy == "auto":
             # A hybrid's model drafts at most model_tokens a step (0: all k, as a feature drafter does)
@@ -176,7 +177,8 @@ class SpecDecoder:
             k = 0  # this sequence alone: the drafter would refuse it (and a refusal reads as the drafter failing)
         layers = self.feature_layers if k > 0 else ()
         self.verifier.add([replace(seq, feature_layers=layers)] if layers else [seq])
-        track = Track(add=seq, k=k, tokens=list(seq.prompt_token_ids), prefill_left=len(seq.prompt_token_ids))
+        track = Track(add=seq, k=k, tokens=list(seq.prompt_token_ids), prefill_left=len(seq.prompt_token_ids),
+                      behind=len(seq.prompt_token_ids))
         self.tracks[seq.seq_id] = track
         if self.drafter_up and k > 0:
             try:
@@ -346,7 +348,7 @@ class SpecDecoder:
         """Whether the drafter must catch up with this sequence before it drafts for it: it was
         re-added and has not computed it yet, or more than a step's catch-up went unsent
         (speculation was off a while)."""
-        return t.behind > 0 or len(t.unsent) > CATCH_UP_TOKENS
+        return t.catch_up or len(t.unsent) > CATCH_UP_TOKENS
 
     def _catch_up_pieces(self, ids: list[str], plan: _Plan) -> list[ProposeRequest]:
         """Lagging sequences' next pieces (k = 0, the chunked-prefill piece of ProposeRequest), at
@@ -369,24 +371,26 @@ class SpecDecoder:
     def _propose(self, reqs: list[ProposeRequest]) -> dict[str, Proposal]:
         if not reqs:
             return {}
+        t0 = time.perf_counter()
         try:
             proposals = self.drafter.propose(reqs)
         except Exception as e:
             self._drafter_failed(e)
             return {}
+        self._time_draft(reqs, time.perf_counter() - t0)
         for r in reqs:
             self.tracks[r.seq_id].unsent = []
         return self._received(reqs, proposals)
 
     def _received(self, asks: list[ProposeRequest], proposals) -> dict[str, Proposal]:
         """The drafter answered `asks` (just in time or pre-drafted): their sequences are in its KV
-        now (no longer fresh), and its proposals that are safe to verify, by seq_id."""
+        now (what it computed of them), and its proposals that are safe to verify, by seq_id."""
         for a in asks:
             t = self.tracks.get(a.seq_id)
             if t is not None:
-                t.fresh = False
                 # a draft computed everything before it; a piece up to prefill_tokens of it
                 t.behind = 0 if a.k > 0 else max(0, t.behind + len(a.new_token_ids) - a.prefill_tokens)
+                t.catch_up = t.catch_up and t.behind > 0
         return checked_proposals(asks, proposals, self.tracks, self.verifier.vocab_size, self._hold_now)
 
     # ---- phase 3: verify (and pre-draft the next step meanwhile) ----------------------------
@@ -568,7 +572,8 @@ class SpecDecoder:
         """The deadline of the drafter's next call (None until a verify has been timed). A step's
         own few tokens (the last emitted ones, the drafts being verified) are in the verify time
         already; only what comes on top is allowed for per token: a piece (at most a prompt piece
-        or CATCH_UP_TOKENS), a fresh sequence's context, tokens left unsent past a step's worth."""
+        or CATCH_UP_TOKENS), what the drafter has not computed of a sequence (`behind`: a prompt it
+        was not given in pieces), tokens left unsent past a step's worth."""
         if self._verify_s is None or self.drafter is None:
             return
         step_tokens = self.spec.num_speculative_tokens + 1
@@ -576,9 +581,22 @@ class SpecDecoder:
         for a in asks:
             t = self.tracks[a.seq_id]
             ingest += max(0, len(a.new_token_ids) - step_tokens)
-            ingest += a.prefill_tokens or (len(t.tokens) if t.fresh else t.behind)
+            ingest += a.prefill_tokens or t.behind
+        per_token = self._draft_token_s if self._draft_token_s is not None else self._verify_token_s
         self.drafter.deadline_s = (max(DRAFT_DEADLINE_FLOOR_S, DRAFT_DEADLINE_FACTOR * self._verify_s)
-                                   + ingest * self._verify_token_s)
+                                   + ingest * per_token)
+
+    def _time_draft(self, asks: Sequence[ProposeRequest], seconds: float) -> None:
+        """The drafter's own seconds per token it computed (an average of its answered just-in-time
+        calls): what the deadline allows per token of a piece or a prompt (a drafter's tokens cost
+        what its model costs, not what the target's do)."""
+        tokens = sum(len(a.new_token_ids) + len(a.pending_drafts) + a.k + a.prefill_tokens
+                     + (self.tracks[a.seq_id].behind if a.seq_id in self.tracks and a.k > 0 else 0) for a in asks)
+        per_token = seconds / max(1, tokens)
+        if self._draft_token_s is None:
+            self._draft_token_s = per_token
+        else:
+            self._draft_token_s += _EMA * (per_token - self._draft_token_s)
 
     # ---- drafter health --------------------------------------------------------------------
     def _drafter_failed(self, error: Exception) -> None:

@@ -41,6 +41,7 @@ class DrafterHealth:
         self._next_try = 0.0
         self._stale: set[str] = set()  # may still be on the drafter since it failed
         self._probe: Future | None = None  # the GetInfo in flight while down
+        self._probe_at = 0.0  # when it began
         self.readds = 0  # add calls that re-synced sequences
 
     @property
@@ -52,7 +53,9 @@ class DrafterHealth:
         if self.down_since is None:
             log.warning("drafter failed (%s); continuing target-only, retrying every %.1fs", error, self.retry_s)
             self.down_since = self._clock()
-        self._next_try = self._clock() + self.retry_s
+        # Late (it missed a deadline): probe at once, off the step thread, so it is back as soon as
+        # it answers; otherwise (gone, or it answered wrongly) not before retry_s.
+        self._next_try = self._clock() + (0.0 if getattr(error, "timed_out", False) else self.retry_s)
         for t in tracks.values():
             if t.on_drafter:
                 # A failed call may have failed only for us (a timeout, one bad reply): the drafter
@@ -91,6 +94,7 @@ class DrafterHealth:
             if self._clock() < self._next_try:
                 return False
             self._probe = self.drafter.probe(PROBE_S)
+            self._probe_at = self._clock()
         if not self._probe.done():
             return False
         probe, self._probe = self._probe, None
@@ -98,8 +102,8 @@ class DrafterHealth:
             ok = bool(probe.result())
         except Exception:
             ok = False
-        if not ok:
-            self._next_try = self._clock() + self.retry_s
+        if not ok:  # retry_s after this probe began: a hung drafter is probed without a pause between
+            self._next_try = self._probe_at + self.retry_s
         return ok
 
     def _readd(self, tracks: dict[str, Track]) -> None:
@@ -128,8 +132,8 @@ class DrafterHealth:
         for t in took:
             t.on_drafter = True
             t.unsent = []
-            t.fresh = True
             t.behind = len(t.tokens) if model else 0
+            t.catch_up = model
 
     def _add_all(self, tracks: list[Track]) -> list[Track]:
         """Give the drafter these sequences in one call; if it refuses that call, one by one, and
