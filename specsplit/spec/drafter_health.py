@@ -50,12 +50,17 @@ class DrafterHealth:
 
     def failed(self, error: Exception, tracks: dict[str, Track]) -> None:
         """A drafter call failed: every sequence goes on target-only until the re-sync."""
+        late = getattr(error, "timed_out", False)
         if self.down_since is None:
-            log.warning("drafter failed (%s); continuing target-only, retrying every %.1fs", error, self.retry_s)
+            if late:  # slow or hung, not broken: no step waits for it again until a probe says it answers
+                log.warning("drafter late (%s); its drafts are dropped, continuing target-only while it is probed "
+                            "off the step thread", error)
+            else:
+                log.warning("drafter failed (%s); continuing target-only, retrying every %.1fs", error, self.retry_s)
             self.down_since = self._clock()
-        # Late (it missed a deadline): probe at once, off the step thread, so it is back as soon as
-        # it answers; otherwise (gone, or it answered wrongly) not before retry_s.
-        self._next_try = self._clock() + (0.0 if getattr(error, "timed_out", False) else self.retry_s)
+        # Late: probe at once (off the step thread), so it is back as soon as it answers; otherwise
+        # (gone, or it answered wrongly) not before retry_s.
+        self._next_try = self._clock() + (0.0 if late else self.retry_s)
         for t in tracks.values():
             if t.on_drafter:
                 # A failed call may have failed only for us (a timeout, one bad reply): the drafter
