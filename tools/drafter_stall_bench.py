@@ -13,7 +13,7 @@ step, their ratio, whether the tokens equal the reference, the drafts accepted a
 (the gateway's specsplit_draft_tokens_accepted_total) and the catch-up pieces it sent
 (specsplit_drafter_catch_up_pieces_total).
 
-    python tools/drafter_stall_bench.py --stall-s 20 --max-tokens 2400
+    python tools/drafter_stall_bench.py --stall-s 20 --max-tokens 2400   # needs psutil (as the tests do)
 
 Timing goals live here, never in tests (docs/testing.md).
 """

@@ -14,8 +14,10 @@ hidden states) is kept here: q rows live on the drafter with its chain of drafts
 (specsplit.engine), p rows on the verifier until resolve.
 
 Speculation is off for a step when the batch is larger than `disable_by_batch_size`, when a
-request asked for none, or while the drafter is unreachable (spec/drafter_health.py: every stream
-goes on target-only, with the same greedy tokens, and the drafter is re-synced when it answers).
+request asked for none, or while the drafter is unreachable or late (spec/drafter_health.py: every
+stream goes on target-only, with the same greedy tokens, and the drafter is re-synced when it
+answers); a sequence the drafter must catch up with (re-synced, or unsent past CATCH_UP_TOKENS)
+decodes target-only while it is sent its tokens in bounded pieces (_catch_up_pieces).
 """
 from __future__ import annotations
 
