@@ -21,6 +21,7 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
 import grpc
@@ -50,6 +51,7 @@ class RemoteError(wire.ServiceError):
         super().__init__(code, message)
         self.broken = broken
         self.kind = code.name.lower()  # as a RequestError names it (specsplit.spec.drafter_health.refused)
+        self.timed_out = False  # no answer within the call's deadline
 
 
 class _Ended:
@@ -168,7 +170,9 @@ class _PeerClient:
                 self._retry_at = time.monotonic() + min(30.0, 2.0 ** (self._timeouts - 1))
             if lost:
                 log.warning("%s stream at %s broke (%s); its %d sequences are gone", self.role, self.address, e, lost)
-            raise self._unavailable(str(e)) from None
+            err = self._unavailable(str(e))
+            err.timed_out = e.timed_out  # a missed deadline: the peer is late, not gone (drafter_health probes at once)
+            raise err from None
         self._timeouts = 0
         self._network_s += max(0.0, time.perf_counter() - t0 - resp.compute_s)
         if resp.HasField("error"):
@@ -185,12 +189,15 @@ class _PeerClient:
         self._live.update(s.seq_id for s in seqs)
 
     def release(self, seq_ids: Sequence[str], finished: bool = False) -> None:
+        self._release(seq_ids, finished)
+
+    def _release(self, seq_ids: Sequence[str], finished: bool, timeout: float | None = None) -> None:
         """Never fails for a lost connection: the service freed those sequences itself."""
         ids = [s for s in seq_ids if s in self._live]
         if not ids or self._stream is None:
             return
         try:
-            self._request(release=common_pb2.Release(seq_ids=ids, finished=finished))
+            self._request(timeout, release=common_pb2.Release(seq_ids=ids, finished=finished))
         except RemoteError as e:
             if not e.broken:
                 raise
@@ -222,6 +229,7 @@ class GrpcDrafter(_PeerClient, DrafterTraits):
         self.feature_layers: tuple[int, ...] = ()
         self.max_model_len: int | None = None  # its --max-model-len, also from GetInfo
         self.deadline_s: float | None = None
+        self._probes: ThreadPoolExecutor | None = None  # the thread probe() asks GetInfo on
 
     def info(self, timeout: float = 5.0, wait_for_ready: bool = False) -> common_pb2.ServiceInfo:
         info = super().info(timeout, wait_for_ready)
@@ -235,10 +243,33 @@ class GrpcDrafter(_PeerClient, DrafterTraits):
             self.info(timeout=timeout, wait_for_ready=True)
         except grpc.RpcError:
             return False
+        # It answers: the back-off after missed deadlines (in _request) has done its job
+        self._timeouts, self._retry_at = 0, 0.0
         return True
+
+    def probe(self, timeout: float) -> Future:
+        """GetInfo on the probe thread (GetInfo is a unary call beside the Session stream, so it
+        never races the step thread's calls on that stream)."""
+        if self._probes is None:
+            self._probes = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter-probe")
+        return self._probes.submit(self.reachable, timeout)
+
+    def close(self) -> None:
+        if self._probes is not None:
+            self._probes.shutdown(wait=False, cancel_futures=True)
+        super().close()
 
     def _deadline(self) -> float:
         return self.timeout if self.deadline_s is None else min(self.timeout, self.deadline_s)
+
+    def add(self, seqs: Sequence[SeqAdd]) -> None:
+        """Under the step's deadline too (an add is the tokens' ids, no compute: the drafter
+        computes them in the proposes after it): a hung drafter costs one bounded wait here too."""
+        self._request(self._deadline(), add=wire.seq_adds_to_pb(seqs))
+        self._live.update(s.seq_id for s in seqs)
+
+    def release(self, seq_ids: Sequence[str], finished: bool = False) -> None:
+        self._release(seq_ids, finished, self._deadline())
 
     def propose(self, reqs: Sequence[ProposeRequest]) -> list[Proposal]:
         self._check_live(r.seq_id for r in reqs)

@@ -74,6 +74,8 @@ class _Metrics(Observer):
             metrics.DRAFT_WAIT.observe(st.draft_wait_s)
         if st.tree_nodes:
             metrics.TREE_NODES.inc(st.tree_nodes)
+        if st.catch_up_pieces:
+            metrics.CATCH_UP_PIECES.inc(st.catch_up_pieces)
         if st.proposed:
             metrics.DRAFT_PROPOSED.inc(st.proposed)
             metrics.DRAFT_ACCEPTED.inc(st.accepted)

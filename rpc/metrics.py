@@ -11,6 +11,8 @@ Served over HTTP by `start_metrics_server` when a service gets --metrics-port. N
   specsplit_step_seconds{phase}                     gateway: draft, verify (engine time), network, total
   specsplit_sequences{service,state}                running / waiting sequences
   specsplit_drafter_up                              gateway: 0 while decoding target-only after a drafter failure
+  specsplit_drafter_catch_up_pieces_total           gateway: bounded pieces the drafter computed to catch up with a
+                                                    sequence (after a re-sync, or after speculation was off)
   specsplit_branches_total{outcome}                 gateway, pre-drafting: branches that came true (hit) or not (miss);
                                                     hit rate = hit / (hit + miss); branches per step = total / steps
   specsplit_draft_wait_seconds                      gateway, pre-drafting: per step, the time the verifier waited for drafts
@@ -57,6 +59,8 @@ BRANCHES = Counter("specsplit_branches", "Pre-drafted branches by outcome (hit: 
 DRAFT_WAIT = Histogram("specsplit_draft_wait_seconds", "Per step: seconds the verifier waited for drafts (pre-drafting)",
                        buckets=_STEP_BUCKETS)
 DRAFTER_UP = Gauge("specsplit_drafter_up", "1 while speculation can use the drafter")
+CATCH_UP_PIECES = Counter("specsplit_drafter_catch_up_pieces", "Bounded catch-up pieces sent to the drafter "
+                          "(a re-synced sequence, or one after speculation was off)")
 ENGINE_SECONDS = Histogram("specsplit_engine_seconds", "Engine time per session message", ["service", "op"],
                            buckets=_STEP_BUCKETS)
 

@@ -18,6 +18,7 @@ with Drafter.fetch_rows after the verifier says which position that is.
 """
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, Sequence
 
@@ -155,9 +156,16 @@ class DrafterTraits:
     deadline_s: float | None = None
 
     def reachable(self, timeout: float) -> bool:
-        """Whether it answers now (a remote drafter: GetInfo within `timeout`); checked before a
-        re-sync, so a hung drafter costs the step one short probe, not a re-sync's full timeout."""
+        """Whether it answers now (a remote drafter: GetInfo within `timeout`)."""
         return True
+
+    def probe(self, timeout: float) -> "Future[bool]":
+        """`reachable`, answered off the step thread: a remote drafter runs it on a thread of its
+        own, so a hung drafter never holds a step (spec/drafter_health.py checks the future without
+        waiting). In-process drafters answer at once."""
+        done: Future[bool] = Future()
+        done.set_result(self.reachable(timeout))
+        return done
 
 
 class VerifierTraits:
@@ -230,3 +238,4 @@ class StepStats:
     draft_wait_s: float = 0.0
     feature_rows: int = 0  # target feature rows handed to a feature drafter this step
     tree_nodes: int = 0  # branch nodes of draft trees verified this step (beyond their main chains)
+    catch_up_pieces: int = 0  # catch-up pieces sent to the drafter this step (spec/decoder.py)

@@ -14,8 +14,10 @@ hidden states) is kept here: q rows live on the drafter with its chain of drafts
 (specsplit.engine), p rows on the verifier until resolve.
 
 Speculation is off for a step when the batch is larger than `disable_by_batch_size`, when a
-request asked for none, or while the drafter is unreachable (spec/drafter_health.py: every stream
-goes on target-only, with the same greedy tokens, and the drafter is re-synced when it answers).
+request asked for none, or while the drafter is unreachable or late (spec/drafter_health.py: every
+stream goes on target-only, with the same greedy tokens, and the drafter is re-synced when it
+answers); a sequence the drafter must catch up with (re-synced, or unsent past CATCH_UP_TOKENS)
+decodes target-only while it is sent its tokens in bounded pieces (_catch_up_pieces).
 """
 from __future__ import annotations
 
@@ -51,12 +53,20 @@ from specsplit.spec.track import IDLE_FEATURE_ROWS, MAX_FEATURE_ROWS, Track
 log = logging.getLogger("specsplit.spec")
 
 # A remote drafter's deadline per call, from what verifying costs (an exponential average of the
-# verify calls): DRAFT_DEADLINE_FACTOR verifies, at least DRAFT_DEADLINE_FLOOR_S, plus the verify's
-# cost per token for each token the drafter must ingest first (a prompt, after a re-sync). A drafter
-# slower than that cannot pay for itself; a hung one costs the step this long, then the step goes on
-# target-only (spec/drafter_health.py). Capped by the client's own --drafter-timeout.
-DRAFT_DEADLINE_FACTOR = 2.0
-DRAFT_DEADLINE_FLOOR_S = 0.25
+# verify calls): DRAFT_DEADLINE_FACTOR verifies, at least DRAFT_DEADLINE_FLOOR_S (a loopback gRPC
+# round trip of a small propose and the services' scheduling, with room: docs/services.md), plus the
+# verify's cost per token for each token the drafter must compute first (a catch-up piece, a
+# prompt). A drafter slower than one verify cannot pay for itself; a hung one costs the step this
+# long, once: the call's stream is cancelled, the drafter is down (spec/drafter_health.py: later
+# steps go on target-only without calling it, a probe runs off the step thread, and it is re-synced
+# when it answers). Capped by the client's own --drafter-timeout.
+DRAFT_DEADLINE_FACTOR = 1.0
+DRAFT_DEADLINE_FLOOR_S = 0.02
+# The most tokens the drafter computes a step to catch up (all sequences together): a re-added
+# sequence (after a re-sync), or one with more unsent tokens than this (speculation was off a
+# while), is sent its tokens in pieces of at most this many across steps, decoding target-only
+# until the drafter has computed them all; then it drafts again.
+CATCH_UP_TOKENS = 64
 _EMA = 0.2  # weight of the newest verify call in the average
 
 
@@ -114,6 +124,7 @@ class SpecDecoder:
         self._probes = 0  # probe steps so far: which sequence drafts in the next one
         self._verify_s: float | None = None  # average seconds per verify call
         self._verify_token_s: float | None = None  # ... per token it scored
+        self._draft_token_s: float | None = None  # the drafter's seconds per token it computed
         self.tree_value = TreeValue()  # what a branch node of a draft tree gained so far
         if costs is not None and costs.verify and spec.k_policy == "auto":
             # A hybrid's model drafts at most model_tokens a step (0: all k, as a feature drafter does)
@@ -168,7 +179,8 @@ class SpecDecoder:
             k = 0  # this sequence alone: the drafter would refuse it (and a refusal reads as the drafter failing)
         layers = self.feature_layers if k > 0 else ()
         self.verifier.add([replace(seq, feature_layers=layers)] if layers else [seq])
-        track = Track(add=seq, k=k, tokens=list(seq.prompt_token_ids), prefill_left=len(seq.prompt_token_ids))
+        track = Track(add=seq, k=k, tokens=list(seq.prompt_token_ids), prefill_left=len(seq.prompt_token_ids),
+                      behind=len(seq.prompt_token_ids))
         self.tracks[seq.seq_id] = track
         if self.drafter_up and k > 0:
             try:
@@ -254,7 +266,7 @@ class SpecDecoder:
         A sequence whose last step was abandoned verifies none this step (skip_held=False: it is
         still asked, so the drafter catches up; checked_proposals drops its drafts)."""
         if not t.on_drafter or t.k <= 0 or (skip_held and t.seq_id in self._hold_now) \
-                or plan.only not in (None, t.seq_id) or t.seq_id in plan.chunks:
+                or plan.only not in (None, t.seq_id) or t.seq_id in plan.chunks or self._lagging(t):
             return 0
         budget = plan.budgets.get(t.seq_id)
         return step_k_cap(min(t.k, plan.k), len(t.tokens) + extra, self._drafting_len(),
@@ -278,6 +290,10 @@ class SpecDecoder:
                 self._set_deadline(pieces)
                 self._propose(pieces)
             return {}
+        catch_up = self._catch_up_pieces(ids, plan)
+        stats.catch_up_pieces += len(catch_up)
+        stats.feature_rows += sum(a.features.shape[0] for a in catch_up if a.features is not None)
+        pieces += catch_up
         proposals = {}
         for s, p in ready.items():
             k = self._k_for(self.tracks[s], plan, extra=0) if s in self.tracks else 0
@@ -332,24 +348,53 @@ class SpecDecoder:
                                            prefill_tokens=n))
         return asks
 
+    def _lagging(self, t: Track) -> bool:
+        """Whether the drafter must catch up with this sequence before it drafts for it: it was
+        re-added and has not computed it yet, or more than a step's catch-up went unsent
+        (speculation was off a while)."""
+        return t.catch_up or len(t.unsent) > CATCH_UP_TOKENS
+
+    def _catch_up_pieces(self, ids: list[str], plan: _Plan) -> list[ProposeRequest]:
+        """Lagging sequences' next pieces (k = 0, the chunked-prefill piece of ProposeRequest), at
+        most CATCH_UP_TOKENS this step over all of them; the rest wait for later steps."""
+        budget, asks = CATCH_UP_TOKENS, []
+        for s in ids:
+            t = self.tracks[s]
+            if budget <= 0:
+                break
+            if not t.on_drafter or t.k <= 0 or s in plan.chunks or not self._lagging(t):
+                continue
+            n = min(budget, t.behind + len(t.unsent))
+            feats, start = t.take_features()
+            asks.append(ProposeRequest(s, tuple(t.unsent), 0, features=feats, features_start=start, prefill_tokens=n))
+            budget -= n
+        if asks:
+            log.debug("drafter catch-up: %d pieces, %d tokens", len(asks), CATCH_UP_TOKENS - budget)
+        return asks
+
     def _propose(self, reqs: list[ProposeRequest]) -> dict[str, Proposal]:
         if not reqs:
             return {}
+        t0 = time.perf_counter()
         try:
             proposals = self.drafter.propose(reqs)
         except Exception as e:
             self._drafter_failed(e)
             return {}
+        self._time_draft(reqs, time.perf_counter() - t0)
         for r in reqs:
             self.tracks[r.seq_id].unsent = []
         return self._received(reqs, proposals)
 
     def _received(self, asks: list[ProposeRequest], proposals) -> dict[str, Proposal]:
         """The drafter answered `asks` (just in time or pre-drafted): their sequences are in its KV
-        now (no longer fresh), and its proposals that are safe to verify, by seq_id."""
+        now (what it computed of them), and its proposals that are safe to verify, by seq_id."""
         for a in asks:
-            if a.seq_id in self.tracks:
-                self.tracks[a.seq_id].fresh = False
+            t = self.tracks.get(a.seq_id)
+            if t is not None:
+                # a draft computed everything before it; a piece up to prefill_tokens of it
+                t.behind = 0 if a.k > 0 else max(0, t.behind + len(a.new_token_ids) - a.prefill_tokens)
+                t.catch_up = t.catch_up and t.behind > 0
         return checked_proposals(asks, proposals, self.tracks, self.verifier.vocab_size, self._hold_now)
 
     # ---- phase 3: verify (and pre-draft the next step meanwhile) ----------------------------
@@ -528,14 +573,34 @@ class SpecDecoder:
             self._verify_token_s += _EMA * (per_token - self._verify_token_s)
 
     def _set_deadline(self, asks: Sequence[ProposeRequest]) -> None:
-        """The deadline of the drafter's next call (None until a verify has been timed)."""
+        """The deadline of the drafter's next call (None until a verify has been timed). A step's
+        own few tokens (the last emitted ones, the drafts being verified) are in the verify time
+        already; only what comes on top is allowed for per token: a piece (at most a prompt piece
+        or CATCH_UP_TOKENS), what the drafter has not computed of a sequence (`behind`: a prompt it
+        was not given in pieces), tokens left unsent past a step's worth."""
         if self._verify_s is None or self.drafter is None:
             return
-        ingest = sum(len(a.new_token_ids) + len(a.pending_drafts)
-                     + (a.prefill_tokens or (len(self.tracks[a.seq_id].tokens) if self.tracks[a.seq_id].fresh else 0))
-                     for a in asks)
+        step_tokens = self.spec.num_speculative_tokens + 1
+        ingest = 0
+        for a in asks:
+            t = self.tracks[a.seq_id]
+            ingest += max(0, len(a.new_token_ids) - step_tokens)
+            ingest += a.prefill_tokens or t.behind
+        per_token = self._draft_token_s if self._draft_token_s is not None else self._verify_token_s
         self.drafter.deadline_s = (max(DRAFT_DEADLINE_FLOOR_S, DRAFT_DEADLINE_FACTOR * self._verify_s)
-                                   + ingest * self._verify_token_s)
+                                   + ingest * per_token)
+
+    def _time_draft(self, asks: Sequence[ProposeRequest], seconds: float) -> None:
+        """The drafter's own seconds per token it computed (an average of its answered just-in-time
+        calls): what the deadline allows per token of a piece or a prompt (a drafter's tokens cost
+        what its model costs, not what the target's do)."""
+        tokens = sum(len(a.new_token_ids) + len(a.pending_drafts) + a.k + a.prefill_tokens
+                     + (self.tracks[a.seq_id].behind if a.seq_id in self.tracks and a.k > 0 else 0) for a in asks)
+        per_token = seconds / max(1, tokens)
+        if self._draft_token_s is None:
+            self._draft_token_s = per_token
+        else:
+            self._draft_token_s += _EMA * (per_token - self._draft_token_s)
 
     # ---- drafter health --------------------------------------------------------------------
     def _drafter_failed(self, error: Exception) -> None:

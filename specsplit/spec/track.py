@@ -19,9 +19,13 @@ class Track:
     tokens: list[int]  # prompt + every emitted token
     unsent: list[int] = field(default_factory=list)  # emitted, not yet sent to the drafter
     on_drafter: bool = False
-    # (Re-)added to the drafter and not yet drafted for: its next propose prefills the whole context
-    # there (the step's deadline for that call allows for it).
-    fresh: bool = True
+    # Tokens the drafter holds for this sequence but has not computed: the prompt at add (less the
+    # prompt pieces it computed), the whole context after a re-sync; 0 once it drafted. What its
+    # next propose must compute beyond a step's own tokens (the step's deadline allows for it).
+    behind: int = 0
+    # Re-added by a re-sync: catching up in pieces, target-only, until `behind` is computed
+    # (spec/decoder.py CATCH_UP_TOKENS).
+    catch_up: bool = False
     acceptance: Acceptance = field(default_factory=Acceptance)  # per position, for the K policy
     # Chunked prefill: prompt tokens the verifier has not computed yet (the whole prompt at add).
     # The scheduler hands out pieces of it (SpecDecoder.step's `prefill`); 0 once a step emitted.
@@ -52,4 +56,6 @@ class Track:
         """The drafter failed: it no longer knows this sequence (re-added on re-sync)."""
         self.on_drafter = False
         self.unsent = []
+        self.behind = 0
+        self.catch_up = False
         self.feats = None
