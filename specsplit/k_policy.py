@@ -3,10 +3,14 @@
 Vocabulary:
   a_j     the acceptance rate of draft position j given positions 0..j-1 were accepted, estimated
           online per request (a Beta prior plus that request's own counts).
-  E(k)    expected tokens a step emits with k drafts: 1 + a_0 + a_0 a_1 + ... (the bonus or
-          recovered token always comes).
-  T(k)    the step's time: the verifier's calibrated forward of k+1 rows per sequence at this
-          batch size, plus drafting (k model tokens, or `model_tokens` of them when prompt lookup
+  d_j     the chance that a drafter asked for k > j drafts drafts position j (a drafter may stop
+          early: an EAGLE-3 head where it is unsure, SpecConfig.draft_stop; prompt lookup where its
+          match runs out); 1 until a request's drafter is seen to stop.
+  E(k)    expected tokens a step emits with k drafts: 1 + c_0 a_0 + c_0 a_0 c_1 a_1 + ... with
+          c_j = d_j / d_{j-1} (the bonus or recovered token always comes).
+  R(k)    verify rows per sequence: 1 + d_0 + ... + d_{k-1}.
+  T(k)    the step's time: the verifier's calibrated forward of R(k) rows per sequence at this
+          batch size (interpolated between whole rows), plus drafting (k model tokens, or `model_tokens` of them when prompt lookup
           drafts first), plus the network round trips in split mode.
           With asynchronous pre-drafting (specsplit.spec) drafting is paid only when some
           sequence's pre-drafted branch missed: with probability 1 - prod_s h_s(k), where
@@ -34,8 +38,17 @@ class Acceptance:
     prior_weight: float = 2.0
     tried: list[int] = field(default_factory=list)  # steps that verified position j (all before it accepted)
     accepted: list[int] = field(default_factory=list)
+    asked: list[int] = field(default_factory=list)  # steps whose drafter was asked for position j (k > j)
+    drafted: list[int] = field(default_factory=list)  # of those, steps whose drafter drafted it
 
-    def update(self, num_drafts: int, num_accepted: int) -> None:
+    def update(self, num_drafts: int, num_accepted: int, asked: int = 0) -> None:
+        """A verified step: num_drafts drafted (asked: the k they were asked for, at least that)."""
+        for j in range(max(asked, num_drafts)):
+            if j >= len(self.asked):
+                self.asked.append(0)
+                self.drafted.append(0)
+            self.asked[j] += 1
+            self.drafted[j] += int(j < num_drafts)
         for j in range(min(num_drafts, num_accepted + 1)):
             if j >= len(self.tried):
                 self.tried.append(0)
@@ -47,6 +60,16 @@ class Acceptance:
         tried = self.tried[j] if j < len(self.tried) else 0
         acc = self.accepted[j] if j < len(self.accepted) else 0
         return (acc + self.prior_rate * self.prior_weight) / (tried + self.prior_weight)
+
+    def drafted_rate(self, j: int) -> float:
+        """d_j: the chance position j is drafted when asked for (a prior of one full chain)."""
+        asked = self.asked[j] if j < len(self.asked) else 0
+        drafted = self.drafted[j] if j < len(self.drafted) else 0
+        return (drafted + 1.0) / (asked + 1.0)
+
+    def expected_rows(self, k: int) -> float:
+        """R(k): verify rows per sequence when k drafts are asked for."""
+        return 1.0 + sum(self.drafted_rate(j) for j in range(k))
 
     def branch_hit(self, k: int) -> float:
         """The chance that a pre-drafted branch comes true: k drafts accepted, then the bonus
@@ -60,9 +83,11 @@ class Acceptance:
         return p
 
     def expected_tokens(self, k: int) -> float:
-        total, p = 1.0, 1.0
+        total, p, before = 1.0, 1.0, 1.0
         for j in range(k):
-            p *= self.rate(j)
+            d = self.drafted_rate(j)
+            p *= min(1.0, d / before) * self.rate(j)
+            before = d
             total += p
         return total
 
@@ -126,20 +151,30 @@ class KPolicy:
         self._since_probe = 0
         self.probing = False  # the last choice was a probe: the caller drafts for one sequence only
 
-    def step_time(self, batch: int, k: int, hit: float = 0.0) -> float:
+    def step_time(self, batch: int, k: int, hit: float = 0.0, rows: float | None = None) -> float:
         """Seconds of one step: the verify call, and with k > 0 the propose call (split mode: one
         network round trip each). hit: the chance that no sequence needs drafting just in time
-        (asynchronous pre-drafting; 0 in lockstep)."""
-        verify = self.costs.verify_s(batch, k + 1) + self.costs.network_s
+        (asynchronous pre-drafting; 0 in lockstep). rows: verify rows per sequence (R(k); default
+        k + 1); a drafter that stops early also computes fewer draft forwards (about R(k))."""
+        rows = float(k + 1) if rows is None else min(float(k + 1), max(1.0, rows))
+        verify = self._verify_s(batch, rows) + self.costs.network_s
         t = verify
         if k > 0:
-            drafted = (k if self.model_tokens is None else min(k, self.model_tokens)) * self.model_fraction
+            drafted = (min(k, rows) if self.model_tokens is None else min(k, rows, self.model_tokens)) * self.model_fraction
             just_in_time = drafted * self.costs.draft_s(batch) + self.costs.network_s
             if not self.async_draft:
                 return t + just_in_time
             ahead = (1 + k) * self.costs.draft_s(batch) + self.costs.network_s
             t += (1.0 - hit) * just_in_time + max(0.0, ahead - verify)
         return t
+
+    def _verify_s(self, batch: int, rows: float) -> float:
+        """The calibrated verify at a fractional rows per sequence: linear between whole rows."""
+        lo = int(rows)
+        if rows == lo:
+            return self.costs.verify_s(batch, lo)
+        a, b = self.costs.verify_s(batch, lo), self.costs.verify_s(batch, lo + 1)
+        return a + (b - a) * (rows - lo)
 
     def rates(self, accs: list[Acceptance], caps: list[int] | None = None) -> list[float]:
         """Expected tokens per second of the batch for k = 0..max_k."""
@@ -151,7 +186,8 @@ class KPolicy:
             if self.async_draft:
                 for a, c in zip(accs, caps):
                     hit *= a.branch_hit(min(k, c))
-            out.append(sum(a.expected_tokens(min(k, c)) for a, c in zip(accs, caps)) / self.step_time(b, k, hit))
+            rows = sum(a.expected_rows(min(k, c)) for a, c in zip(accs, caps)) / max(b, 1)
+            out.append(sum(a.expected_tokens(min(k, c)) for a, c in zip(accs, caps)) / self.step_time(b, k, hit, rows))
         return out
 
     def choose(self, accs: list[Acceptance], caps: list[int] | None = None) -> int:

@@ -283,6 +283,9 @@ class SpecDecoder:
         """This step's checked proposals: the pre-drafted branches that came true, cut to each
         sequence's k now, and just-in-time drafts for the rest."""
         ready = self.predraft.take_ready() if self.predraft is not None else {}
+        for s in ids:
+            if s in self.tracks:
+                self.tracks[s].asked = 0
         pieces = self._prefill_pieces(plan)
         stats.feature_rows += sum(a.features.shape[0] for a in pieces if a.features is not None)
         if plan.k <= 0:
@@ -299,11 +302,13 @@ class SpecDecoder:
             k = self._k_for(self.tracks[s], plan, extra=0) if s in self.tracks else 0
             if k > 0:
                 proposals[s] = Proposal(s, p.token_ids[:k], None if p.probs is None else p.probs[:k])
+                self.tracks[s].asked = k
         asks = []
         for s in ids:
             t = self.tracks[s]
             k = 0 if s in proposals else self._k_for(t, plan, extra=0, skip_held=False)
             if k > 0:
+                t.asked = k
                 feats, start = t.take_features()
                 asks.append(ProposeRequest(s, tuple(t.unsent), k, features=feats, features_start=start,
                                            tree_nodes=self._tree_nodes(t, k, len(ids))))
@@ -313,6 +318,9 @@ class SpecDecoder:
         proposals.update(self._propose(asks + pieces))
         for a in pieces:  # a prompt piece drafts nothing
             proposals.pop(a.seq_id, None)
+        for a in asks:  # no answer (the drafter failed, or was late): nothing to count as its choice
+            if a.seq_id not in proposals:
+                self.tracks[a.seq_id].asked = 0
         stats.draft_s = time.perf_counter() - t0
         if self.async_draft and asks:
             stats.draft_wait_s = stats.draft_s  # drafted just in time: the verifier waited
@@ -546,8 +554,9 @@ class SpecDecoder:
                 along = next((j for j in range(min(chain, len(emitted))) if emitted[j] != tree.tokens[j]), min(chain, len(emitted)))
                 self.tree_value.update(len(tree) - chain, res.num_accepted - min(along, res.num_accepted))
                 stats.tree_nodes += len(tree) - chain
-            if req.draft_token_ids:
-                track.acceptance.update(depth, res.num_accepted)
+            if req.draft_token_ids or track.asked:  # asked and drafted fewer (or none): counted too
+                track.acceptance.update(depth, res.num_accepted, asked=track.asked)
+            track.asked = 0
             stats.proposed += len(req.draft_token_ids)
             stats.accepted += res.num_accepted
             for j in range(res.num_accepted):

@@ -27,6 +27,7 @@ class Track:
     # (spec/decoder.py CATCH_UP_TOKENS).
     catch_up: bool = False
     acceptance: Acceptance = field(default_factory=Acceptance)  # per position, for the K policy
+    asked: int = 0  # the k this step's drafter call asked for (0: none); counted with the step's acceptance
     # Chunked prefill: prompt tokens the verifier has not computed yet (the whole prompt at add).
     # The scheduler hands out pieces of it (SpecDecoder.step's `prefill`); 0 once a step emitted.
     prefill_left: int = 0

@@ -55,6 +55,27 @@ def test_acceptance_counts_positions_conditionally():
     assert a.expected_tokens(2) == pytest.approx(1 + a.rate(0) + a.rate(0) * a.rate(1))
 
 
+def test_a_drafter_that_stops_early_is_priced_by_the_rows_it_drafts():
+    """Asked for 3, an EAGLE-3 head that stops after 2 where unsure (--draft-stop) verifies about
+    3 rows, not 4, and position 2 is rarely there to accept: K=3 costs what K=2 does in the
+    verify, and the policy no longer prices rows the drafter does not send."""
+    full, stops = Acceptance(), Acceptance()
+    for _ in range(40):
+        full.update(3, 2, asked=3)
+        stops.update(2, 2, asked=3)
+    assert full.expected_rows(3) == pytest.approx(4.0)
+    assert stops.drafted == [40, 40, 0] and stops.expected_rows(3) == pytest.approx(3 + 1 / 41)
+    assert stops.expected_tokens(3) == pytest.approx(stops.expected_tokens(2)
+                                                     + (1 / 41) * stops.rate(0) * stops.rate(1) * stops.rate(2))
+    policy = KPolicy(_costs([1.0, 1.35, 1.7, 2.05], draft=0.0), max_k=3)
+    assert policy.step_time(1, 3, rows=stops.expected_rows(3)) == pytest.approx(1.7 + 0.35 / 41)
+    assert policy.step_time(1, 3, rows=4.0) == policy.step_time(1, 3) == pytest.approx(2.05)
+    # expensive rows (35% of a step each), a head right 90% of the time: priced by the rows it
+    # drafts, asking for 3 is as good as asking for 2 (the chain stops there anyway)
+    rates = policy.rates([stops])
+    assert rates[3] == pytest.approx(rates[2], rel=0.02)
+
+
 @pytest.mark.parametrize("rate", [0.0, 0.3, 0.6, 0.9])
 @pytest.mark.parametrize("v", [[1.0, 1.05, 1.1, 1.15, 1.2], [1.0, 1.7, 2.2, 2.4, 2.6], [1.0, 1.2, 1.5, 2.5, 3.0]])
 @pytest.mark.parametrize("batch", [1, 4])
