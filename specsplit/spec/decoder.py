@@ -61,7 +61,7 @@ log = logging.getLogger("specsplit.spec")
 # steps go on target-only without calling it, a probe runs off the step thread, and it is re-synced
 # when it answers). Capped by the client's own --drafter-timeout.
 DRAFT_DEADLINE_FACTOR = 1.0
-DRAFT_DEADLINE_FLOOR_S = 0.02
+DRAFT_DEADLINE_FLOOR_S = 0.05
 # The most tokens the drafter computes a step to catch up (all sequences together): a re-added
 # sequence (after a re-sync), or one with more unsent tokens than this (speculation was off a
 # while), is sent its tokens in pieces of at most this many across steps, decoding target-only
