@@ -21,8 +21,8 @@ from specsplit.request import GenerationRequest
 from specsplit.sampling.params import Grammar, SamplingParams
 from specsplit.scheduler import Scheduler
 from tests.helpers.greedy import assert_greedy_equal_or_tie, native_next_logits
-from tests.helpers.structured import constrained_next_logits
-from tests.services.procs import HOST, ServiceProcess, free_port, http_call
+from tests.helpers.structured import constrained_next_logits, serve_smollm_http
+from tests.services.procs import HOST, http_call
 
 pytestmark = [pytest.mark.smollm, pytest.mark.slow]
 
@@ -87,17 +87,7 @@ def test_json_schema_output_is_valid_json(runs):
 
 @pytest.fixture(scope="module")
 def http_server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("structured-http")
-    port, http_port = free_port(), free_port()
-    proc = ServiceProcess("serve", ["serve", "--target", "smollm2-135m", "--draft", "ngram", "--port", str(port),
-                                    "--http-port", str(http_port), "--max-model-len", "256", "--max-num-seqs", "2",
-                                    "--threads", "1", "--grammar-timeout", "30"], root, port)
-    proc.serving(300)
-    proc.http_port = http_port
-    try:
-        yield proc
-    finally:
-        assert proc.stop() == 0, proc.log_tail()
+    yield from serve_smollm_http(tmp_path_factory.mktemp("structured-http"), 256)
 
 
 def _post(srv, body: dict) -> tuple[int, dict]:

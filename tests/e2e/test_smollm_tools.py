@@ -26,8 +26,8 @@ from specsplit.request import GenerationRequest
 from specsplit.sampling.params import Grammar, SamplingParams
 from specsplit.scheduler import Scheduler
 from tests.helpers.greedy import assert_greedy_equal_or_tie, native_next_logits
-from tests.helpers.structured import constrained_next_logits
-from tests.services.procs import HOST, ServiceProcess, free_port
+from tests.helpers.structured import constrained_next_logits, serve_smollm_http
+from tests.services.procs import HOST
 
 pytestmark = [pytest.mark.smollm, pytest.mark.slow]
 openai = pytest.importorskip("openai")
@@ -57,17 +57,7 @@ ENGINE = dict(max_model_len=1024, max_prefill_tokens=256, max_num_seqs=2)
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tools-http")
-    port, http_port = free_port(), free_port()
-    proc = ServiceProcess("serve", ["serve", "--target", MODEL, "--draft", "ngram", "--port", str(port),
-                                    "--http-port", str(http_port), "--max-model-len", "1024", "--max-num-seqs", "2",
-                                    "--threads", "1", "--grammar-timeout", "30"], root, port)
-    proc.serving(300)
-    proc.http_port = http_port
-    try:
-        yield proc
-    finally:
-        assert proc.stop() == 0, proc.log_tail()
+    yield from serve_smollm_http(tmp_path_factory.mktemp("tools-http"), 1024)
 
 
 @pytest.fixture(scope="module")
