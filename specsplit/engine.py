@@ -217,6 +217,31 @@ def chain_proposal(seq_id: str, new: Sequence[int], q_x: Sequence[float] | None,
     return Proposal(seq_id, tuple(new), tuple(q_x) if q_x is not None else None)
 
 
+def draft_grammar(grammars: GrammarCompiler | None, seq_id: str, params: SamplingParams) -> GrammarState | None:
+    """A drafter's matcher for a request's grammar (best effort: None without a compiler, without
+    a grammar, or where it does not compile here; the verifier then cuts the drafts)."""
+    if grammars is None or params.grammar is None:
+        return None
+    try:
+        return grammars.state(params.grammar)
+    except GrammarError as e:
+        log.info("drafter: sequence %r drafts without its grammar's mask: %s", seq_id, e)
+        return None
+
+
+def draft_mask(grammar: GrammarState | None, generated: Sequence[int]) -> torch.Tensor | None:
+    """The bitmask [1, W] of the tokens a drafter's grammar allows after `generated` (the output and
+    the chain so far); None: no grammar, or a chain the matcher refuses (e.g. a lookup's drafts),
+    drafted unmasked this time."""
+    if grammar is None:
+        return None
+    try:
+        grammar.sync(generated)
+        return grammar.masks(())[1]
+    except GrammarError:
+        return None
+
+
 def fetch_q_rows(get, fetch: Sequence[RowRequest]) -> list[QRow]:
     """The requested q rows (get: seq_id -> the drafter's sequence): position j is the j-th draft
     past the sequence's final tokens. Nothing is dropped here: a sampled draft's q row lives with
@@ -710,26 +735,17 @@ class DraftEngine(_EngineBase, DrafterTraits):
 
     def add(self, seqs: Sequence[SeqAdd]) -> None:
         super().add(seqs)
-        if self.grammars is None:
-            return
         for a in seqs:
-            if a.params.grammar is not None:
-                try:
-                    self.seqs[a.seq_id].grammar = self.grammars.state(a.params.grammar)
-                except GrammarError as e:
-                    log.info("drafter: sequence %r drafts without its grammar's mask: %s", a.seq_id, e)
+            self.seqs[a.seq_id].grammar = draft_grammar(self.grammars, a.seq_id, a.params)
 
     def _process(self, s: _Seq, logits: torch.Tensor) -> torch.Tensor:
         """logits [1, V] of the next draft of `s`: penalized from its tokens and chain (as the
         verifier does), then masked by its grammar there."""
         generated = s.tokens[s.prompt_len:] + s.drafted
         rows = penalize(logits, s.params, s.tokens[:s.prompt_len], generated)  # a float32 copy
-        if s.grammar is not None:
-            try:
-                s.grammar.sync(generated)
-                apply_masks(rows, s.grammar.masks(())[1])
-            except GrammarError:
-                pass  # a chain the grammar refuses (e.g. a lookup's drafts): unmasked this time
+        mask = draft_mask(s.grammar, generated)
+        if mask is not None:
+            apply_masks(rows, mask)
         return rows
 
     def propose(self, reqs: Sequence[ProposeRequest]) -> list[Proposal]:

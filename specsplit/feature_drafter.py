@@ -42,11 +42,11 @@ import torch
 import torch.nn.functional as F
 
 from specsplit.draft_tree import runner_up, tree_eligible
-from specsplit.engine import (EngineError, chain_proposal, check_propose, check_seq_adds, fetch_q_rows, ingest_chain,
-                              sample_drafts)
+from specsplit.engine import (EngineError, chain_proposal, check_propose, check_seq_adds, draft_grammar, draft_mask,
+                              fetch_q_rows, ingest_chain, sample_drafts)
 from specsplit.models.eagle3 import DraftCache, Eagle3Head
 from specsplit.protocols import DrafterTraits, Proposal, ProposeRequest, QRow, RowRequest, SeqAdd
-from specsplit.sampling.grammar import GrammarCompiler, GrammarError, GrammarState, apply_masks
+from specsplit.sampling.grammar import GrammarCompiler, GrammarState, apply_masks
 from specsplit.sampling.params import SamplingParams
 from specsplit.sampling.rng import SeqRandom
 
@@ -69,8 +69,9 @@ class _FSeq:
 
 
 class FeatureDrafter(DrafterTraits):
-    grammars: GrammarCompiler | None = None  # structured output: drafts follow the grammar's mask
     """EAGLE-3 drafting; implements the Drafter protocol (specsplit.protocols)."""
+
+    grammars: GrammarCompiler | None = None  # structured output: drafts follow the grammar's mask
 
     side = "drafter"
 
@@ -117,13 +118,9 @@ class FeatureDrafter(DrafterTraits):
     def add(self, seqs: Sequence[SeqAdd]) -> None:
         check_seq_adds(seqs, self.seqs, self.side, self.vocab_size, self.max_model_len)
         for s in seqs:
-            seq = self.seqs[s.seq_id] = _FSeq(list(s.prompt_token_ids), s.params, SeqRandom(s.params.seed, self.side),
-                                              prompt_len=len(s.prompt_token_ids) - s.generated)
-            if self.grammars is not None and s.params.grammar is not None:
-                try:
-                    seq.grammar = self.grammars.state(s.params.grammar)
-                except GrammarError as e:
-                    log.info("drafter: sequence %r drafts without its grammar's mask: %s", s.seq_id, e)
+            self.seqs[s.seq_id] = _FSeq(list(s.prompt_token_ids), s.params, SeqRandom(s.params.seed, self.side),
+                                        prompt_len=len(s.prompt_token_ids) - s.generated,
+                                        grammar=draft_grammar(self.grammars, s.seq_id, s.params))
 
     def release(self, seq_ids: Sequence[str], finished: bool = False) -> None:
         for seq_id in seq_ids:
@@ -228,13 +225,7 @@ class FeatureDrafter(DrafterTraits):
     def _mask(s: _FSeq) -> torch.Tensor | None:
         """The bitmask [1, W] of the tokens the sequence's grammar allows after its output and chain;
         None: no grammar, or a chain the matcher refuses (unmasked: the verifier cuts)."""
-        if s.grammar is None:
-            return None
-        try:
-            s.grammar.sync(s.tokens[s.prompt_len:] + s.drafted)
-            return s.grammar.masks(())[1]
-        except GrammarError:
-            return None
+        return draft_mask(s.grammar, s.tokens[s.prompt_len:] + s.drafted)
 
     def _full_logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [1, H] -> [1, V] float32 logits, -inf outside the draft vocabulary (q = 0 there)."""
