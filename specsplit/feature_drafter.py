@@ -35,6 +35,7 @@ the draft is unmasked and the verifier cuts. Such sequences draft chains, no tre
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -309,37 +310,52 @@ def use_cpu_kernels(head: Eagle3Head) -> None:
         m.keep(table)
         return m
 
+    def pick(w: torch.Tensor) -> Linear:
+        return (quantized(w) if quantize_layer else None) or fast(w)
+
     layer = head.midlayer
-    head.fc = fast(head.fc.weight)
+    quantize_layer = os.environ.get("SPECSPLIT_DRAFT_Q8", "1") != "0"
+    head.fc = pick(head.fc.weight)
     for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-        setattr(layer, name, fast(getattr(layer, name).weight))
-    quant = quantized_head(head.lm_head)
+        setattr(layer, name, pick(getattr(layer, name).weight))
+    quant = quantized(head.lm_head)
     if quant is not None:
         head.head_linear, head.lm_head = quant, None  # the blocks hold it now
     else:
         head.head_linear = fast(head.lm_head)
+    log.info("EAGLE-3 head on the CPU kernels: lm head %s, layer %s", "Q8_0" if quant is not None else "fp32",
+             "Q8_0" if isinstance(layer.qkv_proj, Linear) and layer.qkv_proj.quant is not None else "fp32")
 
 
-def quantized_head(lm_head: torch.Tensor):
-    """The head [draft_vocab, H] as Q8_0 blocks through kernels/quant_linear, or None (not fp32 on
-    a CPU, H not a multiple of 32, or no kernel). The head is most of a drafted token's bytes (8,192
-    rows x 576: 18.9 MB fp32, 5.0 MB as Q8_0); a GGUF target's embedding is Q8_0 already, and its
-    dequantized rows quantize back to the very same blocks, so the logits are the same numbers."""
+def quantized(w: torch.Tensor):
+    """w [out, in] as Q8_0 blocks through kernels/quant_linear, or None (not fp32 on a CPU, `in`
+    not a multiple of 32, or no kernel).
+
+    The lm head is most of a drafted token's bytes (8,192 rows x 576: 18.9 MB fp32, 5.0 MB as
+    Q8_0); a GGUF target's embedding is Q8_0 already, and its dequantized rows quantize back to the
+    very same blocks, so those logits are the same numbers. The layer's weights (fc, q|k|v, o,
+    gate|up, down: 5.1M weights, 20 MB fp32) go to Q8_0 too (SPECSPLIT_DRAFT_Q8=0 keeps them fp32):
+    a drafter's numbers decide only which tokens are proposed, never which are kept (the target
+    verifies every one), so its precision costs acceptance at most, measured in
+    docs/feature-drafter.md."""
     from specsplit.kernels import quant_linear
     from specsplit.models.llama import Linear
 
-    if (lm_head.device.type != "cpu" or lm_head.dtype != torch.float32 or lm_head.shape[1] % quant_linear.BLOCK
+    if (w.device.type != "cpu" or w.dtype != torch.float32 or w.shape[1] % quant_linear.BLOCK
             or quant_linear.load() is None):
         return None
-    m = Linear(lm_head.shape[1], lm_head.shape[0], bias=False, dtype=torch.float32)
-    m.set_quant(quant_linear.quantize_q8_0(lm_head))
+    m = Linear(w.shape[1], w.shape[0], bias=False, dtype=torch.float32)
+    m.set_quant(quant_linear.quantize_q8_0(w))
     m.requires_grad_(False)
     return m
 
 
 def head_bytes(head: Eagle3Head) -> int:
-    """The head's own weights (the embedding rows of a tied head are the target's)."""
-    return sum(p.numel() * p.element_size() for p in head.parameters())
+    """The head's own weights (the embedding rows of a tied head are the target's), Q8_0 blocks
+    included (a quantized Linear's blocks are no parameter)."""
+    blocks = sum(b.numel() * b.element_size() for m in head.modules()
+                 if (b := getattr(m, "quant_blocks", None)) is not None)
+    return blocks + sum(p.numel() * p.element_size() for p in head.parameters())
 
 
 def calibrate_feature_drafter(drafter: FeatureDrafter, max_batch: int, context: int = 64, reps: int = 3):

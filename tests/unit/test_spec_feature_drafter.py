@@ -211,3 +211,49 @@ def test_a_greedy_chain_stops_where_the_head_is_unsure(tiny_llama, tiny_llama_lo
         colo2.close()
     _assert_released(colo)
     colo.close()
+
+
+@pytest.mark.parametrize("q8", ["1", "0"])
+def test_head_layer_runs_on_q8_0_blocks_unless_told_not_to(tiny_llama, tiny_head, monkeypatch, q8):
+    """On a CPU with the quant kernel the head's layer (fc, q|k|v, o, gate|up, down) runs on Q8_0
+    blocks (SPECSPLIT_DRAFT_Q8=0: fp32): its outputs stay within Q8_0's rounding of the fp32 head's
+    and the memory plan counts the blocks it holds."""
+    from specsplit.feature_drafter import head_bytes, load_feature_drafter
+    from specsplit.kernels import quant_linear
+    from specsplit.models.eagle3 import DraftCache
+    from specsplit.models.loader import TensorSource, hf_dir_for
+
+    if quant_linear.load() is None:
+        pytest.skip("no quant kernel on this CPU (it needs AVX2 + FMA + F16C and a compiler)")
+    src = TensorSource(hf_dir_for(str(tiny_llama), show_progress=False))
+    try:
+        embedding = src.get("model.embed_tokens.weight")
+    finally:
+        src.close()
+    monkeypatch.setenv("SPECSPLIT_DRAFT_Q8", "0")
+    ref = load_feature_drafter(str(tiny_head), MAX_LEN, embedding=embedding).head
+    monkeypatch.setenv("SPECSPLIT_DRAFT_Q8", q8)
+    head = load_feature_drafter(str(tiny_head), MAX_LEN, embedding=embedding).head
+    layer = head.midlayer
+    linears = [head.fc, layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj]
+    assert all((m.quant is not None) == (q8 == "1") for m in linears)
+    fp32_bytes = sum(m.weight.numel() * 4 for m in (ref.fc, ref.midlayer.qkv_proj, ref.midlayer.o_proj,
+                                                     ref.midlayer.gate_up_proj, ref.midlayer.down_proj))
+    q8_bytes = sum(m.quant_blocks.numel() for m in linears if m.quant is not None)
+    assert q8_bytes == (fp32_bytes * 34 // 128 if q8 == "1" else 0)  # 34 bytes per 32 weights
+    assert head_bytes(head) == head_bytes(ref) - (fp32_bytes - q8_bytes if q8 == "1" else 0)
+
+    torch.manual_seed(0)
+    H = head.cfg.hidden_size
+    feats, emb = torch.randn(9, 3 * H), torch.randn(9, H)
+    outs = []
+    for h in (ref, head):
+        cache = DraftCache()
+        h.extend(cache, h.fuse(feats[:6]), emb[:6], 0)
+        outs.append(h.logits(h.extend(cache, h.fuse(feats[6:]), emb[6:], 6)))  # [3, draft_vocab]
+    err = (outs[1] - outs[0]).abs().max().item()
+    scale = outs[0].abs().max().item()
+    if q8 == "1":
+        assert 0 < err < 0.05 * scale, (err, scale)
+    else:
+        assert err == 0
