@@ -28,7 +28,7 @@ from specsplit.gateway.scheduler_thread import Event, SchedulerThread, status_of
 from specsplit.gateway.tools import ToolError
 from specsplit.v1 import gateway_pb2, gateway_pb2_grpc
 from specsplit.rpc.wire import ServiceError, grammar_from_pb, logprobs_to_pb
-from specsplit.request import MAX_REQUEST_ID_BYTES, GenerationRequest, Limits, RequestError, validate
+from specsplit.request import MAX_CHOICES, MAX_REQUEST_ID_BYTES, GenerationRequest, Limits, RequestError, validate
 from specsplit.sampling.grammar import GrammarCompiler, GrammarError
 from specsplit.sampling.params import SamplingParams
 
@@ -39,7 +39,6 @@ SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 # tokenized (no tokenizer in use here makes tokens that long; the gRPC limit caps bytes anyway).
 MAX_PROMPT_CHARS_PER_TOKEN = 64
 MAX_CHAT_MESSAGES = 256
-MAX_CHOICES = 16  # GenerateRequest.n (and the HTTP API's n) at most: each choice is a request of its own
 MAX_ROLE_CHARS = 32
 
 __all__ = ["Limits", "MAX_CHOICES", "SERVICE_NAME", "GatewayServicer", "Tokenizer", "build_request", "chat_of",
