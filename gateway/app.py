@@ -147,6 +147,7 @@ async def run(gw: Gateway, args) -> int:
              gw.draft_model or "none", spec.num_speculative_tokens if gw.decoder.drafter is not None else 0,
              spec.disable_by_batch_size, gw.max_num_seqs, gw.max_queue, gw.limits.max_model_len,
              "on" if gw.decoder.async_draft else "off", scheduler.scheduler.max_num_batched_tokens or "unbounded")
+    log.info("gateway: %s", gw.tokenizer.chat.describe())
     for b in scheduler.scheduler.kv:
         log.info("gateway: KV-aware admission over the %s's cache: %d blocks x %d tokens", b.name, b.num_blocks,
                  b.block_size)

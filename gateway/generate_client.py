@@ -2,6 +2,11 @@
 
 Prints text as it arrives (and a summary line on stderr), or with --json the same object as the
 local mode: token_ids, text, finish_reason, usage (and logprobs with --logprobs N).
+
+--n N (2..16): N choices (GenerateRequest.n), their messages interleaved on the one stream and told
+apart by GenerateResponse.index. Each choice is printed whole when it ends, under a line
+"--- choice I (finish=...) ---"; with --json a list of N objects (each the one-choice object with
+its "index"), in index order.
 """
 from __future__ import annotations
 
@@ -55,6 +60,8 @@ def request_from_args(args) -> gateway_pb2.GenerateRequest:
         req.prompt = args.prompt
     if args.seed is not None:
         req.seed = args.seed
+    if getattr(args, "n", 1) > 1:
+        req.n = args.n
     if getattr(args, "logprobs", None) is not None:
         req.logprobs = args.logprobs
     for s in getattr(args, "stop", None) or []:
@@ -117,6 +124,28 @@ def collect(responses) -> dict:
     return out
 
 
+def collect_choices(responses, n: int) -> list[dict]:
+    """The responses of an n-choice request -> one collect() object per choice, with its "index"."""
+    by_index: list[list] = [[] for _ in range(n)]
+    for r in responses:
+        by_index[r.index].append(r)
+    return [{"index": i, **collect(rs)} for i, rs in enumerate(by_index)]
+
+
+def _print_choices(responses, n: int) -> list:
+    """Text mode with n choices: each printed whole, under its index, when its last message comes."""
+    held: list[list] = [[] for _ in range(n)]
+    finals = []
+    for r in responses:
+        held[r.index].append(r)
+        if r.finish_reason:
+            finals.append(r)
+            sys.stdout.write(f"--- choice {r.index} (finish={r.finish_reason}) ---\n"
+                             f"{''.join(m.text for m in held[r.index])}\n")
+            sys.stdout.flush()
+    return finals
+
+
 def generate_over_grpc(args) -> int:
     from specsplit.rpc.security import ClientSecurity
 
@@ -124,9 +153,17 @@ def generate_over_grpc(args) -> int:
     request = request_from_args(args)
     t0 = time.perf_counter()
     first = None
+    n = request.n or 1
     try:
         if args.json:
-            print(json.dumps(collect(stream(args.server, request, args.timeout, security))))
+            responses = stream(args.server, request, args.timeout, security)
+            print(json.dumps(collect(responses) if n == 1 else collect_choices(responses, n)))
+            return 0
+        if n > 1:
+            finals = _print_choices(stream(args.server, request, args.timeout, security), n)
+            dt = time.perf_counter() - t0
+            tokens = sum(r.usage.completion_tokens for r in finals)
+            print(f"[{n} choices, {tokens} tokens in {dt:.2f}s = {tokens / dt:.1f} tok/s]", file=sys.stderr)
             return 0
         last = None
         for r in stream(args.server, request, args.timeout, security):

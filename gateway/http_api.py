@@ -20,7 +20,9 @@ take echo: the prompt's text, and with logprobs its tokens' (the first null), fr
 prefill (GenerateRequest.prompt_logprobs); max_tokens 0 with echo scores the prompt only.
 Chat takes OpenAI's function calling: tools and tool_choice (none, auto, required, a named
 function; the last two forced through the structured-output grammar), assistant tool_calls and
-tool messages in the conversation; the answer parsed back into tool_calls (gateway/tools.py).
+tool messages in the conversation, rendered by the model's chat template when it takes tools,
+else as a Hermes-style system block (gateway/chat_prompt.py decides, in the servicer's Tokenizer);
+the answer parsed back into tool_calls (gateway/tools.py).
 
 Errors are OpenAI's JSON, {"error": {"message", "type", "param", "code"}}, with the HTTP status
 of the RequestError kind (invalid_argument 400, resource_exhausted 429, unavailable 503, other
@@ -55,7 +57,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specsplit.gateway.scheduler_thread import status_of
 from specsplit.gateway.service import MAX_CHOICES, GatewayServicer
-from specsplit.gateway.tools import ToolError, ToolPlan, parse_calls, plan_tools, render_messages
+from specsplit.gateway.tools import ToolError, ToolPlan, message_calls, parse_calls, plan_tools
 from specsplit.v1 import common_pb2, gateway_pb2
 from specsplit.rpc.security import ServerSecurity
 from specsplit.rpc.wire import ServiceError
@@ -146,7 +148,7 @@ class ChatMessageBody(BaseModel):
 
     role: str
     content: str | list[dict] | None = None
-    tool_calls: list | None = None  # an assistant's calls (rendered as <tool_call> blocks: gateway/tools.py)
+    tool_calls: list | None = None  # an assistant's calls (rendered as gateway/chat_prompt.py decides)
     tool_call_id: str | None = None  # a tool message's answer to that call
 
 
@@ -832,15 +834,19 @@ def create_app(backend: HttpBackend) -> FastAPI:
                 msg.grammar.CopyFrom(common_pb2.Grammar(json_schema=plan.grammar_text()))
             except ToolError as e:
                 raise _invalid(str(e), e.param) from None
-        turns = [{"role": m.role, "content": _content(m, i), "tool_calls": m.tool_calls}
-                 for i, m in enumerate(body.messages)]
-        try:
-            turns = render_messages(turns, plan)
-        except ToolError as e:
-            raise _invalid(str(e), e.param) from None
-        for i, m in enumerate(turns):
-            msg.messages.append(gateway_pb2.ChatMessage(role=_utf8(m["role"], f"messages[{i}].role", "messages"),
-                                                        content=_utf8(m["content"], f"messages[{i}].content", "messages")))
+        if plan is not None and plan.renders:  # rendered by the servicer's Tokenizer (gateway/chat_prompt.py)
+            msg.tools_json = _utf8(json.dumps([f.spec() for f in plan.functions], ensure_ascii=False), "tools", "tools")
+        for i, m in enumerate(body.messages):
+            try:
+                calls = message_calls({"role": m.role, "tool_calls": m.tool_calls}, i)
+            except ToolError as e:
+                raise _invalid(str(e), e.param) from None
+            msg.messages.append(gateway_pb2.ChatMessage(
+                role=_utf8(m.role, f"messages[{i}].role", "messages"),
+                content=_utf8(_content(m, i), f"messages[{i}].content", "messages"),
+                tool_calls_json=_utf8(json.dumps(calls, ensure_ascii=False), f"messages[{i}].tool_calls",
+                                      "messages") if calls else "",
+                tool_call_id=_utf8(m.tool_call_id or "", f"messages[{i}].tool_call_id", "messages")))
         lives = await submit(body, msg, logprobs, max_tokens is None, http_request)
         firsts = await first_events(lives)
 

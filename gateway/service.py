@@ -23,10 +23,12 @@ import grpc
 import numpy as np
 from jinja2 import TemplateError
 
+from specsplit.gateway.chat_prompt import ChatPrompt, loads_list
 from specsplit.gateway.scheduler_thread import Event, SchedulerThread, status_of
+from specsplit.gateway.tools import ToolError
 from specsplit.v1 import gateway_pb2, gateway_pb2_grpc
 from specsplit.rpc.wire import ServiceError, grammar_from_pb, logprobs_to_pb
-from specsplit.request import MAX_REQUEST_ID_BYTES, GenerationRequest, Limits, RequestError, validate
+from specsplit.request import MAX_CHOICES, MAX_REQUEST_ID_BYTES, GenerationRequest, Limits, RequestError, validate
 from specsplit.sampling.grammar import GrammarCompiler, GrammarError
 from specsplit.sampling.params import SamplingParams
 
@@ -37,11 +39,10 @@ SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 # tokenized (no tokenizer in use here makes tokens that long; the gRPC limit caps bytes anyway).
 MAX_PROMPT_CHARS_PER_TOKEN = 64
 MAX_CHAT_MESSAGES = 256
-MAX_CHOICES = 16  # GenerateRequest.n (and the HTTP API's n) at most: each choice is a request of its own
 MAX_ROLE_CHARS = 32
 
-__all__ = ["Limits", "MAX_CHOICES", "SERVICE_NAME", "GatewayServicer", "Tokenizer", "build_request", "choices_of",
-           "nth_choice", "request_from_pb", "response_pb"]
+__all__ = ["Limits", "MAX_CHOICES", "SERVICE_NAME", "GatewayServicer", "Tokenizer", "build_request", "chat_of",
+           "choices_of", "nth_choice", "request_from_pb", "response_pb"]
 
 
 def _invalid(message: str) -> ServiceError:
@@ -54,6 +55,7 @@ class Tokenizer:
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        self.chat = ChatPrompt.of(tokenizer)  # how function tools reach the template (gateway/chat_prompt.py)
         try:
             self._encoder = copy.deepcopy(tokenizer)
             self._decode_lock = threading.Lock()
@@ -68,28 +70,61 @@ class Tokenizer:
         with self._encode_lock:
             return list(self._encoder(text).input_ids)
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        """Chat turns rendered with the model's template, plus the assistant's generation prompt."""
+    def _apply(self, messages: list[dict], tools: list | None, tokenize: bool):
+        if not getattr(self._encoder, "chat_template", None):
+            raise _invalid("the target's tokenizer has no chat template: send prompt text instead of messages")
+        try:
+            turns, template_tools = self.chat.inputs(messages, tools)
+        except ToolError as e:
+            raise _invalid(str(e)) from None
+        try:
+            return self._encoder.apply_chat_template(turns, tools=template_tools, add_generation_prompt=True,
+                                                     tokenize=tokenize, return_dict=False)
+        except (TemplateError, ValueError) as e:  # the template's own checks (roles, order, ...)
+            raise _invalid(f"the model's chat template refused these messages: {e}") from None
+
+    def encode_chat(self, messages: list[dict], tools: list | None = None) -> list[int]:
+        """Chat turns rendered with the model's template, plus the assistant's generation prompt.
+        messages: OpenAI's ({"role", "content", "tool_calls"?, "tool_call_id"?}); tools: OpenAI tool
+        specs (gateway/chat_prompt.py decides how both are rendered)."""
         with self._encode_lock:
-            if not getattr(self._encoder, "chat_template", None):
-                raise _invalid("the target's tokenizer has no chat template: send prompt text instead of messages")
-            try:
-                return list(self._encoder.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                              return_dict=False))
-            except (TemplateError, ValueError) as e:  # the template's own checks (roles, order, ...)
-                raise _invalid(f"the model's chat template refused these messages: {e}") from None
+            return list(self._apply(messages, tools, tokenize=True))
+
+    def chat_text(self, messages: list[dict], tools: list | None = None) -> str:
+        """The prompt encode_chat tokenizes, as text."""
+        with self._encode_lock:
+            return self._apply(messages, tools, tokenize=False)
 
     def encode_request(self, msg: gateway_pb2.GenerateRequest) -> list[int]:
-        """The prompt ids of a request: its ids, its text, or its chat messages."""
+        """The prompt ids of a request: its ids, its text, or its chat messages (and tools)."""
         if msg.prompt_token_ids:
             return list(msg.prompt_token_ids)
         if msg.prompt:
             return self.encode(msg.prompt)
-        return self.encode_chat([{"role": m.role, "content": m.content} for m in msg.messages])
+        return self.encode_chat(*chat_of(msg))
 
     def decode(self, ids: list[int]) -> str:
         with self._decode_lock:
             return self.tokenizer.decode(ids)
+
+
+def chat_of(msg: gateway_pb2.GenerateRequest) -> tuple[list[dict], list | None]:
+    """A request's messages as OpenAI chat messages, and its tool specs (None: none); INVALID_ARGUMENT
+    when tools_json or a message's tool_calls_json is not a JSON list."""
+    try:
+        tools = loads_list(msg.tools_json, "tools_json", "tools")
+        messages = []
+        for i, m in enumerate(msg.messages):
+            turn = {"role": m.role, "content": m.content}
+            calls = loads_list(m.tool_calls_json, f"messages[{i}].tool_calls_json", "messages")
+            if calls:
+                turn["tool_calls"] = calls
+            if m.tool_call_id:
+                turn["tool_call_id"] = m.tool_call_id
+            messages.append(turn)
+    except ToolError as e:
+        raise _invalid(str(e)) from None
+    return messages, tools
 
 
 def _decimal(x: float) -> float:
@@ -111,7 +146,8 @@ def check_before_tokenizing(msg: gateway_pb2.GenerateRequest, limits: Limits) ->
         if not m.role or len(m.role) > MAX_ROLE_CHARS:
             raise _invalid(f"messages[{i}].role must be a non-empty name of at most {MAX_ROLE_CHARS} characters")
     limit = limits.max_model_len * MAX_PROMPT_CHARS_PER_TOKEN
-    chars = len(msg.prompt) if msg.prompt else sum(len(m.content) for m in msg.messages)
+    chars = len(msg.prompt) if msg.prompt else len(msg.tools_json) + sum(
+        len(m.content) + len(m.tool_calls_json) for m in msg.messages)
     if not msg.prompt_token_ids and chars > limit:
         raise _invalid(f"the prompt is {chars} characters; max_model_len {limits.max_model_len} "
                        f"cannot hold it (refused above {limit} characters without tokenizing)")

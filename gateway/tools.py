@@ -1,10 +1,13 @@
 """OpenAI function calling (`tools`, `tool_choice`) for the chat API: the functions rendered into
 the conversation, the grammar that forces a call, and the generated text parsed back into
-`tool_calls`. No HTTP here: gateway/http_api.py calls these and turns ToolError into a 400.
+`tool_calls`. No HTTP here: gateway/http_api.py calls these and turns ToolError into a 400; the
+gRPC servicer's Tokenizer renders through gateway/chat_prompt.py (ToolError: INVALID_ARGUMENT).
 
-Rendering. A chat template that takes `tools` would render them itself; SmolLM2-135M-Instruct's
-does not (it ignores the argument), so the gateway renders them, for every model, in the
-Hermes / Qwen2.5 style that small instruct models have seen most:
+Rendering (gateway/chat_prompt.py decides which, once per tokenizer). A chat template that takes
+`tools` (Qwen2.5's, Hermes 2 Pro's, Llama 3.1's) renders them itself: template_messages gives it the
+conversation in transformers' documented form. SmolLM2-135M-Instruct's does not (it ignores the
+argument), so for such templates the gateway renders them, in the Hermes / Qwen2.5 style that
+small instruct models have seen most (render_messages):
 
   * a system block listing each function's JSON (name, description, parameters) inside
     <tools></tools> and asking for <tool_call>{"name": ..., "arguments": {...}}</tool_call>; it is
@@ -23,9 +26,11 @@ tool_choice:
               answer is always one call whose arguments match the schema (unless max_tokens cuts it:
               finish_reason "length", the text as content).
 
-Parsing: <tool_call>{...}</tool_call> blocks (the last one may be unterminated at the stop token),
-or an answer that is one bare JSON object {"name": <a known function>, "arguments": {...}}; a call
-whose JSON does not parse or names an unknown function stays text. Calls found: `tool_calls` with
+Parsing: <tool_call>{...}</tool_call> blocks (Hermes, Qwen2.5; the last one may be unterminated at
+the stop token), or an answer that is one bare JSON object {"name": <a known function>,
+"arguments": {...}} or a list of them (Llama 3.1 writes "parameters" for "arguments", after an
+optional <|python_tag|>; both are read); a call whose JSON does not parse or names an unknown
+function stays text. Calls found: `tool_calls` with
 ids "call_<24 hex>", `arguments` as a JSON string, the remaining text as `content` (null when
 none) and finish_reason "tool_calls" (a stopped answer; a cut one keeps "length").
 """
@@ -43,7 +48,8 @@ MAX_TOOL_NAME_CHARS = 64  # OpenAI's rule: a-z, A-Z, 0-9, underscores and dashes
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 TOOL_CHOICES = ("none", "auto", "required")
 
-__all__ = ["MAX_TOOLS", "ToolError", "ToolPlan", "plan_tools", "render_messages", "parse_calls", "call_id"]
+__all__ = ["MAX_TOOLS", "Function", "ToolError", "ToolPlan", "call_id", "functions_of", "message_calls", "normalize_calls",
+           "parse_calls", "plan_tools", "render_messages", "template_messages"]
 
 
 class ToolError(ValueError):
@@ -107,7 +113,8 @@ def _arguments(f: Function) -> dict:
     return p
 
 
-def _functions(tools: list) -> tuple[Function, ...]:
+def functions_of(tools: list) -> tuple[Function, ...]:
+    """OpenAI tool specs, checked (ToolError, param "tools") -> Function entries."""
     if not isinstance(tools, list):
         raise ToolError("tools must be a list of {\"type\": \"function\", \"function\": {...}}", "tools")
     if len(tools) > MAX_TOOLS:
@@ -148,7 +155,7 @@ def plan_tools(tools: list | None, tool_choice) -> ToolPlan | None:
         if tool_choice is None or tool_choice == "none":
             return None
         raise ToolError("tool_choice needs tools: send the functions the model may call in tools", "tool_choice")
-    functions = _functions(tools)
+    functions = functions_of(tools)
     if tool_choice is None:
         tool_choice = "auto"
     if isinstance(tool_choice, str):
@@ -178,41 +185,66 @@ def system_block(functions: tuple[Function, ...]) -> str:
             '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
 
 
-def _call_text(call, where: str) -> str:
-    fn = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-        raise ToolError(f'{where} must be {{"id": ..., "type": "function", "function": {{"name": ..., '
-                        '"arguments": "<JSON text>"}}}}', "messages")
-    args = fn.get("arguments", "{}")
-    if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except ValueError:
-            raise ToolError(f"{where}.function.arguments is not JSON text: {args[:80]!r}", "messages") from None
-    return "<tool_call>\n" + json.dumps({"name": fn["name"], "arguments": args}, ensure_ascii=False) + "\n</tool_call>"
+def normalize_calls(calls, where: str) -> list[dict]:
+    """An assistant message's OpenAI tool_calls, checked: [{"id", "type": "function", "function":
+    {"name", "arguments": <a dict>}}] (arguments given as JSON text are parsed), as chat templates
+    take them. ToolError (param "messages") naming the bad entry."""
+    if not isinstance(calls, list):
+        raise ToolError(f"{where} must be a list", "messages")
+    out = []
+    for j, call in enumerate(calls):
+        at = f"{where}[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ToolError(f'{at} must be {{"id": ..., "type": "function", "function": {{"name": ..., '
+                            '"arguments": "<JSON text>"}}}}', "messages")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise ToolError(f"{at}.function.arguments is not JSON text: {args[:80]!r}", "messages") from None
+        if not isinstance(args, dict):
+            raise ToolError(f"{at}.function.arguments must be a JSON object, got {type(args).__name__}", "messages")
+        call_id_ = call.get("id")
+        out.append({"id": call_id_ if isinstance(call_id_, str) else "", "type": "function",
+                    "function": {"name": fn["name"], "arguments": args}})
+    return out
 
 
-def render_messages(messages: list[dict], plan: ToolPlan | None) -> list[dict]:
-    """OpenAI chat messages ({"role", "content", "tool_calls"?, "tool_call_id"?}, content as text)
-    -> the role/content turns the chat template takes, with the functions and calls rendered."""
+def message_calls(m: dict, i: int) -> list[dict]:
+    """Message i's tool_calls, checked and normalized (normalize_calls); [] when it has none."""
+    calls = m.get("tool_calls")
+    if not calls:
+        return []
+    if m["role"] != "assistant":
+        raise ToolError(f"messages[{i}].tool_calls is only allowed on assistant messages, not {m['role']!r}", "messages")
+    return normalize_calls(calls, f"messages[{i}].tool_calls")
+
+
+def _call_text(call: dict) -> str:
+    fn = call["function"]
+    return ("<tool_call>\n" + json.dumps({"name": fn["name"], "arguments": fn["arguments"]}, ensure_ascii=False)
+            + "\n</tool_call>")
+
+
+def render_messages(messages: list[dict], functions=()) -> list[dict]:
+    """The fallback for a chat template that takes no tools: OpenAI chat messages ({"role",
+    "content", "tool_calls"?, "tool_call_id"?}, content as text) -> plain role/content turns, with
+    the functions as a Hermes system block, calls as <tool_call> blocks and tool results as user
+    turns of <tool_response>. functions: Function entries (none: no block)."""
     out = []
     for i, m in enumerate(messages):
         role, content = m["role"], m.get("content") or ""
         if role == "tool":
             out.append({"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"})
             continue
-        calls = m.get("tool_calls")
+        calls = message_calls(m, i)
         if calls:
-            if role != "assistant":
-                raise ToolError(f"messages[{i}].tool_calls is only allowed on assistant messages, not {role!r}", "messages")
-            if not isinstance(calls, list):
-                raise ToolError(f"messages[{i}].tool_calls must be a list", "messages")
-            parts = [content] if content else []
-            parts += [_call_text(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(calls)]
-            content = "\n".join(parts)
+            content = "\n".join(([content] if content else []) + [_call_text(c) for c in calls])
         out.append({"role": role, "content": content})
-    if plan is not None and plan.renders:
-        block = system_block(plan.functions)
+    if functions:
+        block = system_block(tuple(functions))
         if out and out[0]["role"] == "system":
             out[0] = {"role": "system", "content": (out[0]["content"] + "\n\n" + block).lstrip()}
         else:
@@ -220,8 +252,28 @@ def render_messages(messages: list[dict], plan: ToolPlan | None) -> list[dict]:
     return out
 
 
+def template_messages(messages: list[dict]) -> list[dict]:
+    """For a chat template that takes tools: OpenAI chat messages -> transformers' documented form,
+    an assistant's tool_calls with `arguments` as a dict, a tool message with role "tool", its
+    content, its tool_call_id and (when an earlier call has that id) the function's name."""
+    out, names = [], {}
+    for i, m in enumerate(messages):
+        turn = {"role": m["role"], "content": m.get("content") or ""}
+        calls = message_calls(m, i)
+        if calls:
+            turn["tool_calls"] = calls
+            names.update((c["id"], c["function"]["name"]) for c in calls if c["id"])
+        if m["role"] == "tool" and m.get("tool_call_id"):
+            turn["tool_call_id"] = m["tool_call_id"]
+            if m["tool_call_id"] in names:
+                turn["name"] = names[m["tool_call_id"]]
+        out.append(turn)
+    return out
+
+
 # ---- parsing ---------------------------------------------------------------------------------
 _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
+_PYTHON_TAG = re.compile(r"^<\|python_tag\|>")  # Llama 3.1's mark before a JSON call
 
 
 def call_id() -> str:
@@ -255,9 +307,11 @@ def parse_calls(text: str, plan: ToolPlan) -> tuple[str | None, list[dict]]:
     if not plan.renders:
         return text, []
     names = frozenset(plan.allowed or [f.name for f in plan.functions])
-    whole = _call(_json(text.strip()), names)
-    if whole is not None:
-        return None, [whole]
+    whole = _json(_PYTHON_TAG.sub("", text.strip(), count=1).strip())
+    listed = whole if isinstance(whole, list) and whole else [whole]
+    calls = [_call(obj, names) for obj in listed]
+    if all(c is not None for c in calls):
+        return None, calls
     calls, rest, last = [], [], 0
     for m in _BLOCK.finditer(text):
         call = _call(_json(m.group(1).strip()), names)

@@ -22,6 +22,7 @@ from specsplit.sampling.params import SamplingParams
 MAX_REQUEST_ID_BYTES = 128
 MAX_SPECULATIVE_TOKENS = 32
 MAX_STOP_STRINGS = 16
+MAX_CHOICES = 16  # n (gRPC GenerateRequest.n, the HTTP API, `specsplit generate --n`) at most: each choice is a request
 
 
 class RequestError(Exception):

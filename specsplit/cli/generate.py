@@ -30,6 +30,9 @@ def add_arguments(p, name: str) -> None:
     p.add_argument("--logprobs", type=nonneg_int, default=None, metavar="N",
                    help="with --json: each token's log-probability under the target and the N (0..20) most "
                         "likely alternatives at its position")
+    p.add_argument("--n", type=int, default=1, metavar="N",
+                   help="--server: N independent samples of the prompt (1..16; a seeded request's choice i draws "
+                        "with seed + i); each printed under its index, with --json a list of objects")
     p.add_argument("--timeout", type=float, default=None, help="--server: deadline in seconds")
     p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (0 = off)")
     p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (0 = off)")
@@ -58,8 +61,13 @@ def validate(args) -> None:
     ClientSecurity.from_args(args).validate()
     if args.prompt is None and args.prompt_token_ids is None:
         raise ValueError("give a PROMPT or --prompt-token-ids")
-    from specsplit.request import MAX_LOGPROBS
+    from specsplit.request import MAX_CHOICES, MAX_LOGPROBS
 
+    if not 1 <= args.n <= MAX_CHOICES:
+        raise ValueError(f"--n must be in [1, {MAX_CHOICES}], got {args.n}")
+    if args.n > 1 and args.server is None:
+        raise ValueError("--n above 1 needs --server (the local mode runs one request; start a server with "
+                         "`specsplit serve` and add --server HOST:PORT)")
     if args.logprobs is not None and args.logprobs > MAX_LOGPROBS:
         raise ValueError(f"--logprobs must be in [0, {MAX_LOGPROBS}], got {args.logprobs}")
     if args.prompt_token_ids is not None:

@@ -21,7 +21,8 @@ import pytest
 
 from specsplit.config import EngineConfig, SpecConfig
 from specsplit.factory import build_colocated
-from specsplit.gateway.tools import plan_tools, render_messages
+from specsplit.gateway.service import Tokenizer
+from specsplit.gateway.tools import plan_tools
 from specsplit.request import GenerationRequest
 from specsplit.sampling.params import Grammar, SamplingParams
 from specsplit.scheduler import Scheduler
@@ -147,9 +148,8 @@ def greedy_runs():
         dc = None if draft is None else EngineConfig(model=draft, **ENGINE)
         colo = build_colocated(EngineConfig(model=MODEL, **ENGINE), dc, SpecConfig(num_speculative_tokens=k),
                                show_progress=False)
-        prompts = [tuple(colo.tokenizer.apply_chat_template(render_messages([{"role": "user", "content": p}], plan),
-                                                            add_generation_prompt=True, tokenize=True, return_dict=False))
-                   for p in PROMPTS]
+        tok = Tokenizer(colo.tokenizer)  # the servicer's rendering (gateway/chat_prompt.py: the Hermes fallback)
+        prompts = [tuple(tok.encode_chat([{"role": "user", "content": p}], TOOLS)) for p in PROMPTS]
         reqs = [GenerationRequest(f"r{i}", p, 64, params=params) for i, p in enumerate(prompts)]
         states = Scheduler(colo.decoder, colo.eos_token_ids, 2).run(reqs)
         out[draft] = (prompts, [s.output for s in states], sum(s.proposed for s in states))

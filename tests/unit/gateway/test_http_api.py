@@ -85,6 +85,7 @@ class _Servicer(GatewayServicer):
         super().__init__(_Scheduler(), _Tok(), Limits(vocab_size=256, max_model_len=64), None)
 
     async def prompt_ids(self, msg):
+        self.tokenized = msg  # the GenerateRequest the servicer's Tokenizer would render
         if msg.prompt_token_ids:
             return list(msg.prompt_token_ids)
         if msg.prompt:
@@ -351,3 +352,32 @@ def test_bad_penalties_and_formats_are_400_with_the_rule(server, fields, needle)
                                               extra_body=fields)
     assert err.value.status_code == 400 and needle in err.value.body["message"], err.value.body
     assert len(servicer.scheduler.requests) == before  # refused before the scheduler
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_tools_and_calls_reach_the_servicer_s_tokenizer(server):
+    """Chat tools go to the servicer as GenerateRequest.tools_json and each message's calls as
+    tool_calls_json (arguments as an object) and tool_call_id: its Tokenizer renders them, with the
+    model's chat template or the Hermes block (gateway/chat_prompt.py, tests/unit/gateway/test_chat_prompt.py)."""
+    servicer, http = server
+    messages = [{"role": "user", "content": "w4"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                    "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "content": "w5", "tool_call_id": "call_1"}]
+    _client(http).chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=2)
+    msg = servicer.tokenized
+    assert json.loads(msg.tools_json) == [WEATHER]
+    assert [m.role for m in msg.messages] == ["user", "assistant", "tool"]  # not rendered here
+    assert json.loads(msg.messages[1].tool_calls_json) == [{"id": "call_1", "type": "function", "function": {
+        "name": "get_weather", "arguments": {"city": "Paris"}}}]
+    assert msg.messages[2].tool_call_id == "call_1" and msg.messages[0].tool_calls_json == ""
+    _client(http).chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], tool_choice="none",
+                                          max_tokens=2)
+    assert servicer.tokenized.tools_json == ""  # none: no functions rendered
+    with pytest.raises(openai.BadRequestError) as err:
+        _client(http).chat.completions.create(model=MODEL, tools=[WEATHER], messages=[
+            {"role": "user", "content": "w4", "tool_calls": messages[1]["tool_calls"]}])
+    assert err.value.body["param"] == "messages" and "only allowed on assistant messages" in err.value.body["message"]

@@ -71,19 +71,19 @@ def test_render_functions_calls_and_tool_results():
         {"role": "assistant", "content": "", "tool_calls": [
             {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "content": "18 C, sunny", "tool_call_id": "call_1"},
-    ], plan)
+    ], plan.functions)
     assert [t["role"] for t in turns] == ["system", "user", "assistant", "user"]
     assert "<tools>" in turns[0]["content"] and '"name": "get_weather"' in turns[0]["content"]
     assert turns[2]["content"] == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     assert turns[3]["content"] == "<tool_response>\n18 C, sunny\n</tool_response>"
     # a system message of the caller's keeps its text first; tool_choice none renders no functions
-    turns = render_messages([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}], plan)
+    turns = render_messages([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
+                            plan.functions)
     assert turns[0]["content"].startswith("Be brief.\n\n# Tools")
-    assert render_messages([{"role": "user", "content": "hi"}], plan_tools([WEATHER], "none")) == [
-        {"role": "user", "content": "hi"}]
+    assert render_messages([{"role": "user", "content": "hi"}], ()) == [{"role": "user", "content": "hi"}]
     with pytest.raises(ToolError) as err:
         render_messages([{"role": "assistant", "content": "", "tool_calls": [
-            {"function": {"name": "get_weather", "arguments": "{not json"}}]}], plan)
+            {"function": {"name": "get_weather", "arguments": "{not json"}}]}], plan.functions)
     assert err.value.param == "messages" and "messages[0].tool_calls[0].function.arguments" in str(err.value)
 
 
