@@ -179,6 +179,9 @@ class Request:
         self._prompt_sent = False
         self.speculative_steps = 0  # steps that verified at least one draft token
         self.preemptions = 0
+        # Why it decodes target-only although it asked to speculate (the scheduler found that the
+        # drafter's whole KV cache can never hold it), or None.
+        self.target_only: str | None = None
         self.closed = False
         self._lock = threading.Lock()
 
@@ -194,6 +197,11 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None or self.error is not None
+
+    @property
+    def speculates(self) -> bool:
+        """Whether it may ever draft: not disabled by the client, not set target-only at submit."""
+        return not self.request.disable_speculation and self.target_only is None
 
     @property
     def budget(self) -> int:

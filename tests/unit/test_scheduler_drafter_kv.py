@@ -42,3 +42,31 @@ def test_target_only_requests_do_not_wait_for_the_drafters_cache(tiny_llama, tin
     assert _most_running(sched, _requests(disable=False)) < 4  # speculating ones still wait for the drafter's room
     for engine in (sched.decoder.verifier, sched.decoder.drafter):
         assert engine.num_running == 0
+
+
+def test_a_request_the_drafters_whole_cache_cannot_hold_decodes_target_only(tiny_llama, tiny_draft_close):
+    """Before, it was refused (INVALID_ARGUMENT) although the verifier could serve it: now it runs
+    target-only, never counted against the drafter's cache, and a short one beside it speculates."""
+    from specsplit.scheduler import KvBudget
+
+    sched = _scheduler(tiny_llama, tiny_draft_close)
+    verifier = next(b for b in sched.kv if b.name == "verifier")
+    sched.kv = [verifier, KvBudget("drafter", 2, 16)]  # as a drafter started with --num-blocks 2 reports it
+    long = sched.submit(GenerationRequest("long", tuple(range(5, 5 + PROMPT)), NEW, ignore_eos=True))
+    short = sched.submit(GenerationRequest("short", (5, 6, 7, 5, 6, 7), NEW, ignore_eos=True))
+    assert long.target_only and "the drafter's whole KV cache holds 32 tokens" in long.target_only
+    assert short.target_only is None and short.speculates and not long.speculates
+    while sched.has_work:
+        sched.step()
+        assert long.seq_id not in {s for s, t in sched.decoder.tracks.items() if t.on_drafter}
+    assert len(long.output) == NEW and len(short.output) == NEW
+    assert long.proposed == 0 and short.proposed > 0
+    assert sched.decoder.drafter_up
+    # disabled by the client: no reason to give, the same path
+    off = sched.submit(GenerationRequest("off", tuple(range(5, 5 + PROMPT)), NEW, ignore_eos=True,
+                                         disable_speculation=True))
+    assert off.target_only is None and not off.speculates
+    while sched.has_work:
+        sched.step()
+    for engine in (sched.decoder.verifier, sched.decoder.drafter):
+        assert engine.num_running == 0
