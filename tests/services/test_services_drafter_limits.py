@@ -83,53 +83,64 @@ def test_only_the_sequence_the_drafter_cannot_hold_goes_target_only(short_drafte
     assert server_info(stack.gateway).drafter_up
 
 
-# 5 blocks of 16: one sequence of the drafter's max_model_len (64) fits, as its plan demands.
-DRAFTER_BLOCKS = 5
+# The drafter: 12 blocks of 16 (192 tokens; --num-blocks overrides the plan's cap of one 64-token
+# sequence per --max-num-seqs) and at most one sequence per session, which it enforces itself.
+DRAFTER_BLOCKS = 12
 
 
 @pytest.fixture(scope="module")
 def small_cache_stack(tmp_path_factory, tiny_llama, tiny_draft_close):
     stack = _stack(tmp_path_factory.mktemp("small-cache-drafter"), tiny_llama, tiny_draft_close,
-                   ("--num-blocks", str(DRAFTER_BLOCKS)))
+                   ("--num-blocks", str(DRAFTER_BLOCKS), "--max-num-seqs", "1"))
     try:
         yield stack.ready()
     finally:
         stack.stop()
 
 
-def _generate_together(address: str, cases: dict) -> dict:
-    outs: dict = {}
-
-    def run(name):
-        ids, n = cases[name]
-        with grpc.insecure_channel(address) as ch:
-            outs[name] = collect(gateway_pb2_grpc.GatewayStub(ch).Generate(
-                request(ids, max_tokens=n, ignore_eos=True), timeout=120))
-
-    threads = [threading.Thread(target=run, args=(n,)) for n in cases]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(180)
-    return outs
-
-
-def test_a_sequence_the_drafters_cache_cannot_hold_goes_target_only_alone(small_cache_stack, expect_greedy):
+def test_sequences_the_drafter_refuses_go_target_only_alone(small_cache_stack, expect_greedy):
+    """"long": its prompt is within the drafter's max_model_len, but prompt + max_tokens is more
+    than the drafter's whole cache (the gateway finds it at submit; before, the request was refused
+    INVALID_ARGUMENT). "a" and "b": whichever the drafter is given second, it refuses itself
+    (RESOURCE_EXHAUSTED: one sequence per session). Those two decode target-only; the other short
+    one speculates, with drafts accepted; every output is the target's greedy one."""
     stack = small_cache_stack
     rng = random.Random(11)
     cases = {
-        # 40 prompt tokens (within the drafter's 64) + 60 = 100: more than its whole cache (80)
-        "long": ([rng.randrange(3, 256) for _ in range(40)], 60),
-        "short": ([rng.randrange(3, 256) for _ in range(8)], 40),  # 48: fits
+        "long": ([rng.randrange(3, 256) for _ in range(40)], 160),  # 200 tokens: more than 192
+        "a": ([rng.randrange(3, 256) for _ in range(8)], 40),
+        "b": ([rng.randrange(3, 256) for _ in range(8)], 40),
     }
-    outs = _generate_together(stack.gateway, cases)
+    outs: dict = {}
+    first = threading.Event()
+
+    def run(name):
+        ids, n = cases[name]
+        msgs = []
+        with grpc.insecure_channel(stack.gateway) as ch:
+            for m in gateway_pb2_grpc.GatewayStub(ch).Generate(request(ids, max_tokens=n, ignore_eos=True), timeout=180):
+                msgs.append(m)
+                first.set()
+        outs[name] = collect(msgs)
+
+    threads = [threading.Thread(target=run, args=("a",))]
+    threads[0].start()
+    assert first.wait(60)  # "a" runs (on the drafter) while "b" and "long" arrive
+    threads += [threading.Thread(target=run, args=(n,)) for n in ("b", "long")]
+    for t in threads[1:]:
+        t.start()
+    for t in threads:
+        t.join(240)
     assert set(outs) == set(cases), outs
     for name, (ids, n) in cases.items():
         expect_greedy(ids, outs[name]["token_ids"], n, ignore_eos=True)
     assert outs["long"]["usage"]["proposed_draft_tokens"] == 0
-    assert outs["short"]["usage"]["accepted_draft_tokens"] > 0
+    proposed = sorted(outs[n]["usage"]["proposed_draft_tokens"] for n in ("a", "b"))
+    assert proposed[0] == 0 and proposed[1] > 0, outs
+    assert max(outs[n]["usage"]["accepted_draft_tokens"] for n in ("a", "b")) > 0
     log = stack["gateway"].log_tail(400)
-    assert "drafter failed" not in log, log
-    assert "100 tokens can never fit: the drafter's whole KV cache holds 80 tokens" in log, log
-    assert log.count("decodes target-only") == 1, log
+    assert "drafter failed" not in log and "drafter late" not in log, log
+    assert log.count("200 tokens can never fit: the drafter's whole KV cache holds 192 tokens") == 1, log
+    assert log.count("the drafter refused it") == 1, log
+    assert "each session may hold at most 1" in log, log
     assert server_info(stack.gateway).drafter_up
