@@ -323,7 +323,8 @@ def server_options(max_receive_bytes: int) -> list[tuple[str, int]]:
 # Ours answers with the limit and the flag, but it counts a call only once its handler runs; gRPC
 # counts every call from its arrival, so it still bounds what ours never sees: calls whose handler
 # has not started (a unary call whose request message has not arrived), calls refused by the token
-# check, calls to unknown methods, and our own refusals while they are being answered. Past
+# check, calls to unknown methods, a sync (thread-pool) handler, which ours leaves unwrapped (none
+# on specsplit's servers), and our own refusals while they are being answered. Past
 # limit + this, those get gRPC's "Concurrent RPC limit exceeded!".
 BACKSTOP_EXTRA_RPCS = 16
 
