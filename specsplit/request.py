@@ -199,11 +199,6 @@ class Request:
         return self.finish_reason is not None or self.error is not None
 
     @property
-    def speculates(self) -> bool:
-        """Whether it may ever draft: not disabled by the client, not set target-only at submit."""
-        return not self.request.disable_speculation and self.target_only is None
-
-    @property
     def budget(self) -> int:
         return self.request.max_tokens - len(self.output)
 

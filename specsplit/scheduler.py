@@ -198,7 +198,7 @@ class Scheduler:
                     f"tokens can never fit: the {b.name}'s whole KV cache holds {b.num_tokens} tokens "
                     f"({b.num_blocks} blocks of {b.block_size})")
             if b.name == "drafter":
-                why = None if request.disable_speculation else what
+                why = what if self._may_draft(request) else None
                 continue
             raise RequestError(RequestError.INVALID, f"{what}; shorten the prompt or lower max_tokens")
         return why
@@ -326,9 +326,21 @@ class Scheduler:
         return plan
 
     # ---- KV accounting -------------------------------------------------------------------
+    def _may_draft(self, request: GenerationRequest) -> bool:
+        """Whether a request may draft at all: there is a drafter, the client did not disable
+        speculation, and its K (the server's where it asked for none) is above 0."""
+        return (self.decoder.drafter is not None and not request.disable_speculation
+                and self.decoder.request_k(request.num_speculative_tokens) > 0)
+
+    def _drafts(self, req: Request) -> bool:
+        """Whether the request may ever draft: _may_draft, and not set target-only at submit (the
+        drafter's whole cache cannot hold it). One that never drafts takes no room in the
+        drafter's cache and no draft slots in the verifier's."""
+        return req.target_only is None and self._may_draft(req.request)
+
     def _lookahead(self, req: Request) -> int:
         """Draft tokens this request may verify next step: its K, capped as the decoder caps it."""
-        if self.decoder.drafter is None or not req.speculates:
+        if not self._drafts(req):
             return 0
         k = self.decoder.request_k(req.request.num_speculative_tokens)
         track = self.decoder.tracks.get(req.seq_id)
@@ -338,9 +350,9 @@ class Scheduler:
 
     def _on_drafter(self, req: Request) -> bool:
         """Whether the request holds KV on the drafter (or will once the drafter has it): not one
-        that never speculates (disabled, set target-only at submit, or its track was set target-only
-        for good: k = 0)."""
-        if self.decoder.drafter is None or not req.speculates:
+        that never speculates (_drafts: no K, disabled, set target-only at submit; or its track was
+        set target-only for good: k = 0)."""
+        if not self._drafts(req):
             return False
         track = self.decoder.tracks.get(req.seq_id)
         return track is None or track.k > 0
@@ -409,7 +421,7 @@ class Scheduler:
                 continue
             r = req.request
             try:
-                self.decoder.add(req.seq_add(), r.num_speculative_tokens or None, not req.speculates)
+                self.decoder.add(req.seq_add(), r.num_speculative_tokens or None, not self._drafts(req))
             except Exception as e:
                 err = self.classify(e)
                 if err.kind == RequestError.EXHAUSTED and running:
