@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import hmac
+import inspect
 import logging
 import os
 from dataclasses import dataclass
@@ -155,28 +156,71 @@ def _denying(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHand
 
 
 class _Undecodable:
-    """What a request that could not be decoded deserializes to (the handler then refuses it)."""
+    """What a request message that could not be decoded deserializes to (the call then ends)."""
+
+    __slots__ = ("error",)
 
     def __init__(self, error: Exception):
         self.error = error
 
 
+def _is_async(handler: grpc.RpcMethodHandler) -> bool:
+    """Whether grpc.aio runs the handler on its event loop (every specsplit, health and reflection
+    handler does); a sync one (a thread pool's) is left unwrapped."""
+    fn = handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
+    return inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn)
+
+
+def _wrapped(handler: grpc.RpcMethodHandler, start, request_deserializer=None) -> grpc.RpcMethodHandler:
+    """The (async) handler with `await start(request_or_iterator, context)` first: it may abort the
+    call, and returns the request (or request iterator) the handler then gets. Responses are left
+    alone: a response stream is run the way grpc.aio runs one (an async generator's responses
+    written one by one, or a coroutine that writes its own), from this coroutine, so wrapping adds
+    no step per response."""
+    kw = dict(request_deserializer=request_deserializer or handler.request_deserializer,
+              response_serializer=handler.response_serializer)
+    if handler.unary_unary or handler.stream_unary:
+        inner = handler.unary_unary or handler.stream_unary
+
+        async def unary_response(request, context):
+            return await inner(await start(request, context), context)
+
+        make = grpc.unary_unary_rpc_method_handler if handler.unary_unary else grpc.stream_unary_rpc_method_handler
+        return make(unary_response, **kw)
+    inner = handler.unary_stream or handler.stream_stream
+    writes_itself = inspect.iscoroutinefunction(inner)
+
+    async def stream_response(request, context):
+        request = await start(request, context)
+        if writes_itself:
+            await inner(request, context)
+            return
+        async for response in inner(request, context):
+            await context.write(response)
+
+    make = grpc.unary_stream_rpc_method_handler if handler.unary_stream else grpc.stream_stream_rpc_method_handler
+    return make(stream_response, **kw)
+
+
 class UndecodableRequestInterceptor(grpc.aio.ServerInterceptor):
-    """INVALID_ARGUMENT, with a message, for a unary request to a specsplit service that does not
-    decode (most often a string field holding invalid UTF-8), where gRPC itself would answer
-    INTERNAL "Exception deserializing request!". Streamed requests (the engines' internal
-    sessions) are left as they are."""
+    """INVALID_ARGUMENT, with a message naming the method and the decode error, for a request
+    message to a specsplit service that does not decode (most often a string field holding invalid
+    UTF-8), where grpc.aio itself would answer UNKNOWN "Unexpected <class DecodeError>" (the sync
+    server: INTERNAL "Exception deserializing request!"). Unary requests and every message of a
+    request stream (the engines' internal Session streams) alike: the first undecodable message
+    ends the call. A message that decodes is handed on as it is, for one type check."""
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
         if (handler is None or handler.request_deserializer is None or not details.method.startswith("/specsplit.")
-                or not (handler.unary_unary or handler.unary_stream)):
+                or not _is_async(handler)):
             return handler
         return _decoding(handler, details.method)
 
 
 def _decoding(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
     deserialize = handler.request_deserializer
+    name = method.lstrip("/")
 
     def safe(data: bytes):
         try:
@@ -184,28 +228,82 @@ def _decoding(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHand
         except Exception as e:  # protobuf's DecodeError, whatever its module
             return _Undecodable(e)
 
-    async def refuse(request: _Undecodable, context) -> None:
-        name = method.rpartition("/")[2]
+    async def refuse(request: _Undecodable, context, what: str) -> None:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"the {name} request could not be decoded ({request.error}); every string field "
-                            "(prompt, messages, stop, request_id) must be valid UTF-8")
+                            f"{what} {name} could not be decoded ({request.error}); every string field (prompt, "
+                            "messages, stop, request_id, seq_id) must be valid UTF-8")
 
-    kw = dict(request_deserializer=safe, response_serializer=handler.response_serializer)
-    if handler.unary_unary:
-        async def unary_unary(request, context):
-            if isinstance(request, _Undecodable):
-                await refuse(request, context)
-            return await handler.unary_unary(request, context)
+    if handler.request_streaming:
+        async def start(unused_iterator, context):
+            # Messages are read here, in place of gRPC's own iterator (left unused), so a good one
+            # costs a type check and no extra step.
+            return _CheckedRequests(context, refuse)
+    else:
+        async def start(request, context):
+            if type(request) is _Undecodable:
+                await refuse(request, context, "the request to")
+            return request
 
-        return grpc.unary_unary_rpc_method_handler(unary_unary, **kw)
+    return _wrapped(handler, start, request_deserializer=safe)
 
-    async def unary_stream(request, context):
-        if isinstance(request, _Undecodable):
-            await refuse(request, context)
-        async for response in handler.unary_stream(request, context):
-            yield response
 
-    return grpc.unary_stream_rpc_method_handler(unary_stream, **kw)
+class _CheckedRequests:
+    """A request stream read from the call's context; an undecodable message ends the call
+    INVALID_ARGUMENT (the handler sees the abort where it reads)."""
+
+    __slots__ = ("_context", "_refuse")
+
+    def __init__(self, context, refuse):
+        self._context = context
+        self._refuse = refuse
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        message = await self._context.read()
+        if message is grpc.aio.EOF:
+            raise StopAsyncIteration
+        if type(message) is _Undecodable:
+            await self._refuse(message, self._context, "a message of the stream")
+        return message
+
+
+class ConcurrentRpcLimit(grpc.aio.ServerInterceptor):
+    """At most `limit` calls open at once on this server, every method counted (health checks and
+    reflection included, as gRPC's own maximum_concurrent_rpcs counts them: a server this full
+    answers its health checks RESOURCE_EXHAUSTED too); past it a call ends RESOURCE_EXHAUSTED
+    naming the limit and `flag` before its handler runs. A call counts from when its handler
+    starts to when it ends, however it ends (returned, failed, aborted, cancelled by the client,
+    past its deadline, the server stopping): the count is given back by the call's done callback,
+    which grpc.aio runs when the call's task is done. Calls refused by the token check are not
+    counted (they are answered at once). One event loop serves the server: no lock."""
+
+    def __init__(self, limit: int, flag: str = "--max-concurrent-rpcs"):
+        if limit <= 0:
+            raise ValueError(f"the concurrent RPC limit must be positive, got {limit}")
+        self.limit = limit
+        self.flag = flag
+        self.open = 0
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or not _is_async(handler):
+            return handler
+        return _wrapped(handler, self._start)
+
+    async def _start(self, request, context):
+        if self.open >= self.limit:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{self.open} gRPC calls are open on this server, the most it takes at once "
+                                f"({self.flag} {self.limit}); retry later, send the call to another server, or "
+                                f"raise {self.flag}")
+        self.open += 1
+        context.add_done_callback(self._release)
+        return request
+
+    def _release(self, unused_context) -> None:
+        self.open -= 1
 
 
 def server_options(max_receive_bytes: int) -> list[tuple[str, int]]:
@@ -221,14 +319,29 @@ def server_options(max_receive_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
-def make_server(security: ServerSecurity, max_receive_bytes: int, max_concurrent_rpcs: int | None = None) -> grpc.aio.Server:
-    """max_concurrent_rpcs: RPCs open at once (health included); past it gRPC answers
-    RESOURCE_EXHAUSTED ("Concurrent RPC limit exceeded!") before any handler runs."""
+# gRPC's own maximum_concurrent_rpcs stays on as a backstop this far above ConcurrentRpcLimit's.
+# Ours answers with the limit and the flag, but it counts a call only once its handler runs; gRPC
+# counts every call from its arrival, so it still bounds what ours never sees: calls whose handler
+# has not started (a unary call whose request message has not arrived), calls refused by the token
+# check, calls to unknown methods, a sync (thread-pool) handler, which ours leaves unwrapped (none
+# on specsplit's servers), and our own refusals while they are being answered. Past
+# limit + this, those get gRPC's "Concurrent RPC limit exceeded!".
+BACKSTOP_EXTRA_RPCS = 16
+
+
+def make_server(security: ServerSecurity, max_receive_bytes: int, max_concurrent_rpcs: int | None = None,
+                limit_flag: str = "--max-concurrent-rpcs") -> grpc.aio.Server:
+    """max_concurrent_rpcs: calls open at once (health included); past it a call is
+    RESOURCE_EXHAUSTED naming the limit and `limit_flag` before its handler runs (ConcurrentRpcLimit)."""
     token = security.token()
-    interceptors = [TokenAuthInterceptor(token)] if token else []
+    interceptors: list[grpc.aio.ServerInterceptor] = [TokenAuthInterceptor(token)] if token else []
+    backstop = None
+    if max_concurrent_rpcs is not None:
+        interceptors.append(ConcurrentRpcLimit(max_concurrent_rpcs, limit_flag))
+        backstop = max_concurrent_rpcs + BACKSTOP_EXTRA_RPCS
     interceptors.append(UndecodableRequestInterceptor())
     return grpc.aio.server(options=server_options(max_receive_bytes), interceptors=interceptors,
-                           maximum_concurrent_rpcs=max_concurrent_rpcs)
+                           maximum_concurrent_rpcs=backstop)
 
 
 def add_port(server: grpc.aio.Server, address: str, security: ServerSecurity) -> int:

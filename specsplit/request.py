@@ -180,6 +180,9 @@ class Request:
         self._prompt_sent = False
         self.speculative_steps = 0  # steps that verified at least one draft token
         self.preemptions = 0
+        # Why it decodes target-only although it asked to speculate (the scheduler found that the
+        # drafter's whole KV cache can never hold it), or None.
+        self.target_only: str | None = None
         self.closed = False
         self._lock = threading.Lock()
 

@@ -148,7 +148,7 @@ class Scheduler:
     def submit(self, request: GenerationRequest, sink: Callable[[Event], None] | None = None) -> Request:
         """Validate and queue; RequestError(invalid_argument | resource_exhausted) otherwise."""
         validate(request, self.limits)
-        self._check_fits(request)
+        target_only = self._check_fits(request)
         with self._lock:
             if self.max_queue is not None and len(self._live) >= self.max_num_seqs + self.max_queue:
                 raise RequestError(
@@ -158,8 +158,12 @@ class Scheduler:
                 )
             n = next(self._ids)
             req = Request(request, f"r{n}", n, self.decode, sink)
+            req.target_only = target_only
             self._live[req.seq_id] = req
             self.waiting.append(req)
+        if target_only is not None:
+            log.info("request %s: %s; it decodes target-only, the others speculate", _label(req, req.seq_id),
+                     target_only)
         self._work.set()
         return req
 
@@ -181,18 +185,23 @@ class Scheduler:
             self._work.wait(timeout)
         self._work.clear()
 
-    def _check_fits(self, request: GenerationRequest) -> None:
+    def _check_fits(self, request: GenerationRequest) -> str | None:
+        """INVALID_ARGUMENT for a request no whole verifier cache could hold. One the drafter's whole
+        cache cannot hold is served target-only instead (the drafter is optional; it never takes
+        the drafter's cache): the reason, or None."""
         need = len(request.prompt_token_ids) + request.max_tokens
+        why = None
         for b in self.kv:
-            if b.name == "drafter" and request.disable_speculation:
-                continue  # it never takes the drafter's cache
-            if b.blocks(need) > b.num_blocks:
-                raise RequestError(
-                    RequestError.INVALID,
-                    f"prompt ({len(request.prompt_token_ids)} tokens) + max_tokens ({request.max_tokens}) = {need} "
+            if b.blocks(need) <= b.num_blocks:
+                continue
+            what = (f"prompt ({len(request.prompt_token_ids)} tokens) + max_tokens ({request.max_tokens}) = {need} "
                     f"tokens can never fit: the {b.name}'s whole KV cache holds {b.num_tokens} tokens "
-                    f"({b.num_blocks} blocks of {b.block_size}); shorten the prompt or lower max_tokens",
-                )
+                    f"({b.num_blocks} blocks of {b.block_size})")
+            if b.name == "drafter":
+                why = what if self._may_draft(request) else None
+                continue
+            raise RequestError(RequestError.INVALID, f"{what}; shorten the prompt or lower max_tokens")
+        return why
 
     def _finish(self, req: Request, reason: str | None = None, tokens: list[int] | None = None,
                 error: RequestError | None = None, outcome: str | None = None) -> None:
@@ -317,9 +326,21 @@ class Scheduler:
         return plan
 
     # ---- KV accounting -------------------------------------------------------------------
+    def _may_draft(self, request: GenerationRequest) -> bool:
+        """Whether a request may draft at all: there is a drafter, the client did not disable
+        speculation, and its K (the server's where it asked for none) is above 0."""
+        return (self.decoder.drafter is not None and not request.disable_speculation
+                and self.decoder.request_k(request.num_speculative_tokens) > 0)
+
+    def _drafts(self, req: Request) -> bool:
+        """Whether the request may ever draft: _may_draft, and not set target-only at submit (the
+        drafter's whole cache cannot hold it). One that never drafts takes no room in the
+        drafter's cache and no draft slots in the verifier's."""
+        return req.target_only is None and self._may_draft(req.request)
+
     def _lookahead(self, req: Request) -> int:
         """Draft tokens this request may verify next step: its K, capped as the decoder caps it."""
-        if self.decoder.drafter is None or req.request.disable_speculation:
+        if not self._drafts(req):
             return 0
         k = self.decoder.request_k(req.request.num_speculative_tokens)
         track = self.decoder.tracks.get(req.seq_id)
@@ -329,8 +350,9 @@ class Scheduler:
 
     def _on_drafter(self, req: Request) -> bool:
         """Whether the request holds KV on the drafter (or will once the drafter has it): not one
-        that never speculates (disabled, or its track was set target-only for good: k = 0)."""
-        if self.decoder.drafter is None or req.request.disable_speculation:
+        that never speculates (_drafts: no K, disabled, set target-only at submit; or its track was
+        set target-only for good: k = 0)."""
+        if not self._drafts(req):
             return False
         track = self.decoder.tracks.get(req.seq_id)
         return track is None or track.k > 0
@@ -399,7 +421,7 @@ class Scheduler:
                 continue
             r = req.request
             try:
-                self.decoder.add(req.seq_add(), r.num_speculative_tokens or None, r.disable_speculation)
+                self.decoder.add(req.seq_add(), r.num_speculative_tokens or None, not self._drafts(req))
             except Exception as e:
                 err = self.classify(e)
                 if err.kind == RequestError.EXHAUSTED and running:

@@ -14,6 +14,8 @@ import urllib.request
 import grpc
 import pytest
 
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from specsplit.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.services.procs import HOST, TINY_ENGINE, ServiceProcess, free_port, http_call, request, wait_for
 
@@ -73,6 +75,7 @@ def test_a_full_server_refuses_before_tokenizing_and_caps_open_calls(full_server
         with grpc.insecure_channel(srv.address) as ch, pytest.raises(grpc.RpcError) as err:
             gateway_pb2_grpc.GatewayStub(ch).GetServerInfo(gateway_pb2.GetServerInfoRequest(), timeout=10)
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "--max-concurrent-rpcs 2" in err.value.details(), err.value.details()
         # Chat messages to a target without a chat template: tokenizing would be INVALID_ARGUMENT
         # (400). 429 shows the full server refused it before tokenizing, with what to do.
         status, body = _http(srv, "/v1/chat/completions",
@@ -93,6 +96,95 @@ def test_a_full_server_refuses_before_tokenizing_and_caps_open_calls(full_server
     status, body = _http(srv, "/v1/chat/completions",
                          {"model": srv.model, "messages": [{"role": "user", "content": "w5"}], "max_tokens": 2})
     assert status == 400 and "chat template" in body, body
+
+
+def _over_limit(e: grpc.RpcError) -> bool:
+    return e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-concurrent-rpcs" in (e.details() or "")
+
+
+def _admitted(fn):
+    """fn()'s result, or the RpcError it ended with, once the server takes the call (a slot given
+    back by a call that just ended may take a moment to be free)."""
+    out = []
+
+    def attempt() -> bool:
+        try:
+            out.append(fn())
+        except grpc.RpcError as e:
+            if _over_limit(e):
+                return False
+            out.append(e)
+        return True
+
+    assert wait_for(attempt, 30, poll=0.1) is not None
+    return out[0]
+
+
+def _watch(ch):
+    """A health Watch stream (open until cancelled, counted like any call) once it has answered."""
+    call = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=""), timeout=120)
+    try:
+        next(call)
+    except grpc.RpcError:
+        call.cancel()
+        raise
+    return call
+
+
+def _hold(ch, n: int) -> list:
+    """n open calls (the server takes them all, or none is left open and the error is raised)."""
+    calls = []
+    try:
+        for _ in range(n):
+            calls.append(_watch(ch))
+    except grpc.RpcError:
+        for c in calls:
+            c.cancel()
+        raise
+    return calls
+
+
+def _info(ch):
+    return gateway_pb2_grpc.GatewayStub(ch).GetServerInfo(gateway_pb2.GetServerInfoRequest(), timeout=10)
+
+
+def test_every_ended_call_gives_its_slot_back(full_server):
+    """--max-concurrent-rpcs 2: calls that end every way (refused over the limit, cancelled by the
+    client, past their deadline, failed, finished) give their slot back; afterwards the server
+    takes exactly 2 open calls again, and the third is refused naming the limit and the flag."""
+    with grpc.insecure_channel(full_server.address) as ch:
+        for _ in range(3):  # take both slots, be refused many times, cancel
+            calls = _admitted(lambda: _hold(ch, 2))
+            for _ in range(10):
+                with pytest.raises(grpc.RpcError) as err:
+                    _info(ch)
+                assert _over_limit(err.value), err.value
+                assert "--max-concurrent-rpcs 2" in err.value.details() and "retry later" in err.value.details()
+            for c in calls:
+                c.cancel()
+        for _ in range(5):  # cancelled mid-stream
+            _admitted(lambda: _watch(ch)).cancel()
+
+        def past_deadline():  # answers SERVICE_UNKNOWN, then waits for a change until the deadline
+            list(health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service="nope"), timeout=0.5))
+
+        for _ in range(3):
+            err = _admitted(past_deadline)
+            assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err
+            err = _admitted(lambda: list(gateway_pb2_grpc.GatewayStub(ch).Generate(  # no prompt
+                gateway_pb2.GenerateRequest(max_tokens=2), timeout=30)))
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err
+            out = _admitted(lambda: list(gateway_pb2_grpc.GatewayStub(ch).Generate(
+                request([5, 6], max_tokens=2, ignore_eos=True), timeout=60)))
+            assert sum(len(r.token_ids) for r in out) == 2, out
+        # Exactly the limit again: two open calls are taken, a third is refused; then free.
+        calls = _admitted(lambda: _hold(ch, 2))
+        with pytest.raises(grpc.RpcError) as err:
+            _info(ch)
+        assert _over_limit(err.value), err.value
+        for c in calls:
+            c.cancel()
+        assert _admitted(lambda: _info(ch)).max_num_seqs == 1
 
 
 def _raw_generate(srv, payload: bytes) -> grpc.RpcError:
