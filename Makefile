@@ -4,6 +4,8 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.specsplit-installed
 PYTEST_ARGS ?=
+# pytest-xdist workers (test files spread over them, one file's tests on one worker; 0: no workers)
+TEST_WORKERS ?= 2
 
 .PHONY: demo demo-local test test-fast lint-imports protos bench clean-venv eval
 
@@ -29,11 +31,11 @@ demo-local: $(STAMP)
 # pytest exits 5 when it collected no tests: that must fail, not pass silently.
 # --durations: every run names its slowest tests (the suite's time budget is about 15 minutes).
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS); rc=$$?; \
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
 
 # The layering contracts of pyproject.toml's [tool.importlinter] (also run by `make test`:
 # tests/test_layers.py).

@@ -88,9 +88,12 @@ def _descendants() -> list:
     return out
 
 
-def pytest_sessionfinish(session, exitstatus):
-    """Fail the run if a process a test started (a service, a worker, a CLI) is still running
-    after every fixture has been torn down; kill it so it cannot hold ports or memory."""
+_LEAKED = pytest.StashKey[list]()  # under pytest-xdist, the controller: what each worker found
+
+
+def _stop_leftovers() -> list[str]:
+    """Processes this one started that still run (a moment's grace for those told to stop),
+    killed; one line each."""
     import time
 
     import psutil
@@ -100,8 +103,6 @@ def pytest_sessionfinish(session, exitstatus):
     while left and time.monotonic() < end:  # a process told to stop may take a moment
         time.sleep(0.2)
         left = [p for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    if not left:
-        return
     lines = []
     for p in left:
         try:
@@ -109,6 +110,29 @@ def pytest_sessionfinish(session, exitstatus):
             p.kill()
         except psutil.NoSuchProcess:
             continue
+    return lines
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist (make test runs workers): a worker's leftovers reach the controller here."""
+    leaked = getattr(node, "workeroutput", {}).get("leaked_processes")
+    if leaked:
+        node.config.stash.setdefault(_LEAKED, []).extend(leaked)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the run if a process a test started (a service, a worker, a CLI) is still running
+    after every fixture has been torn down; kill it so it cannot hold ports or memory. An xdist
+    worker hands what it found to the controller, which fails the run."""
+    lines = _stop_leftovers()
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker
+        workeroutput["leaked_processes"] = lines
+        return
+    lines += session.config.stash.get(_LEAKED, [])
+    if not lines:
+        return
     session.config.get_terminal_writer().line(
         "\nprocesses started by tests outlived the suite (killed now):\n" + "\n".join(lines), red=True)
     session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -22,8 +22,8 @@ def pytest_collection_modifyitems(session, config, items):
     """Where the fresh-venv test is selected: start its install now, in the background at the
     lowest priority, and run the test last (by then the install is done or nearly)."""
     picked = [it for it in items if it.nodeid.endswith(FRESH_VENV_TEST)]
-    if not picked or config.option.collectonly:
-        return
+    if not picked or config.option.collectonly or hasattr(config, "workerinput"):
+        return  # under pytest-xdist every worker collects every test: the fixture starts it where it runs
     from tests.deploy import fresh_venv
 
     items[:] = [it for it in items if it not in picked] + picked
