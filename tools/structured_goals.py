@@ -11,6 +11,7 @@
 
 Run (two servers on loopback, 1 torch thread each, started and stopped here):
   PYTHONPATH=. OMP_NUM_THREADS=1 python tools/structured_goals.py [--rounds 3] [--draft DRAFT] [--max-tokens 96]
+  [--validity-only]  (goal (a) alone, e.g. with a larger --max-tokens)
 The speculative server's draft is the target's default (smollm2-135m: smollm2-135m-eagle3+ngram).
 Draft acceptance per arm comes from the speculative server's /metrics, read around each request.
 """
@@ -124,6 +125,8 @@ def main() -> None:
     ap.add_argument("--draft", default=None, help="the speculative server's --draft (default: the target's default)")
     ap.add_argument("--limit", type=int, default=len(HELD_OUT))
     ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--validity-only", action="store_true",
+                    help="goal (a) alone: only the requests with response_format (no speed figures)")
     args = ap.parse_args()
     global MAX_TOKENS
     MAX_TOKENS = args.max_tokens
@@ -145,6 +148,8 @@ def main() -> None:
             for i, (schema, prompt) in enumerate(cases):
                 # interleaved: both arms of both servers back to back, the order turned each round
                 arms = [("spec", True), ("spec", False), ("target", True), ("target", False)]
+                if args.validity_only:
+                    arms = [a for a in arms if a[1]]
                 if rnd % 2:
                     arms.reverse()
                 for server, constrained in arms:
@@ -170,7 +175,7 @@ def main() -> None:
         print(f"max_tokens {MAX_TOKENS}, {args.rounds} rounds, draft {args.draft or 'the default'}")
         print(f"(a) {valid}/{len(cases)} schema-valid with speculation on; {same}/{len(cases)} token-identical to target-only")
         # (b) speed
-        for server in ("spec", "target"):
+        for server in () if args.validity_only else ("spec", "target"):
             g = [r["decode_tps"] for i in range(len(cases)) for r in results[(server, True, i)]]
             f = [r["decode_tps"] for i in range(len(cases)) for r in results[(server, False, i)]]
             ratios = [statistics.median([r["decode_tps"] for r in results[(server, True, i)]])
