@@ -46,7 +46,7 @@ from specsplit.protocols import (
 )
 from specsplit.recalibration import Recalibration
 from specsplit.spec.drafter_health import DrafterHealth, refused, target_only
-from specsplit.spec.peer_checks import checked_proposals, rows_problem
+from specsplit.spec.peer_checks import checked_proposals, claims_problem, rows_problem
 from specsplit.spec.predraft import PreDrafter
 from specsplit.spec.track import IDLE_FEATURE_ROWS, MAX_FEATURE_ROWS, Track
 
@@ -479,7 +479,7 @@ class SpecDecoder:
             return self._abandon_sampled(results, proposals, "the drafter was lost before it sent its q rows")
         if not pending:
             return results
-        why = rows_problem(fetch, rows, self.verifier.vocab_size)
+        why = rows_problem(fetch, rows, self.verifier.vocab_size) or claims_problem(pending, rows, proposals)
         if why is not None:
             self._drafter_failed(ValueError(f"it sent unusable q rows: {why}"))
             return self._abandon_sampled(results, proposals, "the drafter's q rows were unusable")

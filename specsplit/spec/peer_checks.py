@@ -80,3 +80,31 @@ def rows_problem(fetch: Sequence[RowRequest], rows: Sequence[QRow], vocab: int |
         if not bool(torch.isfinite(row).all()) or bool((row < 0).any()) or not float(row.sum()) > 0.0:
             return f"q row for {r.seq_id!r} is not a distribution"
     return None
+
+
+# How far a drafter's q(x) may be from its own q row's x entry (both fp32 from one distribution;
+# the row is normalized here, so a row sent unnormalized is no mismatch).
+Q_CLAIM_REL_TOL = 1e-3
+Q_CLAIM_ABS_TOL = 1e-6
+
+
+def claims_problem(pending: Sequence, rows: Sequence[QRow], proposals: dict[str, Proposal]) -> str | None:
+    """Why the q(x) a drafter claimed for a rejected draft disagrees with the q row it sent for that
+    position, or None. pending: VerifyResults with a pending_position (the rejected draft's index).
+
+    The rejection test accepted or rejected with min(1, p(x) / q(x)) on the claimed q(x); a drafter
+    whose claims are not its distribution (too small: its drafts are over-accepted) would bias the
+    output. Only rejected positions fetch a row, so this is where a claim can be checked: a drafter
+    that claims too much is caught at its first rejection; one whose every claim is tiny is never
+    rejected and never checked here (drafters are internal peers, behind the internal token)."""
+    by_id = {r.seq_id: r.row for r in rows}
+    for res in pending:
+        p, row = proposals.get(res.seq_id), by_id.get(res.seq_id)
+        if p is None or row is None or p.probs is None or res.pending_position >= len(p.probs):
+            continue
+        j = res.pending_position
+        x, claimed = p.token_ids[j], float(p.probs[j])
+        actual = float(row[x]) / float(row.sum())
+        if not math.isclose(claimed, actual, rel_tol=Q_CLAIM_REL_TOL, abs_tol=Q_CLAIM_ABS_TOL):
+            return f"q(x) {claimed:.6g} claimed for draft {j} of {res.seq_id!r}, its q row says {actual:.6g}"
+    return None

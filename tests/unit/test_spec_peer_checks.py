@@ -181,3 +181,24 @@ def test_tree_proposals_are_checked(tree_nodes, tokens, parents, why):
     got = proposal_problem(Proposal("a", tokens, None, parents), {"a": ProposeRequest("a", (), 3, tree_nodes=tree_nodes)},
                            VOCAB, tracks)
     assert (got is None) if why is None else (why in got), got
+
+
+def test_q_claims_that_disagree_with_the_q_row_abandon_the_step(tiny_llama, tiny_draft_far, reference, caplog):
+    """A drafter that claims more q(x) than its distribution gives (0.999 for every draft of the
+    victim) is rejected more often; at the first rejection its q row shows the claim false: the
+    step is abandoned (exact), the drafter is treated as failed and retried; nothing fails."""
+    over = lambda p: dataclasses.replace(p, probs=tuple(0.999 for _ in p.probs)) if p.probs is not None else p  # noqa: E731
+    with caplog.at_level("WARNING"):
+        _check(*_run(tiny_llama, tiny_draft_far, lambda engine: BadDrafter(engine, over)), reference)
+    assert "its q row says" in caplog.text
+
+
+def test_claims_problem_compares_q_x_with_the_row():
+    from specsplit.protocols import Proposal, QRow, VerifyResult
+    from specsplit.spec.peer_checks import claims_problem
+
+    row = torch.tensor([1.0, 3.0, 4.0, 0.0])  # sent unnormalized: q = 0.125, 0.375, 0.5, 0
+    pending = [VerifyResult("a", 1, (), pending_position=1)]
+    assert claims_problem(pending, [QRow("a", row)], {"a": Proposal("a", (2, 1), (0.5, 0.375))}) is None
+    why = claims_problem(pending, [QRow("a", row)], {"a": Proposal("a", (2, 1), (0.5, 0.01))})
+    assert why is not None and "0.01" in why and "0.375" in why
