@@ -69,6 +69,7 @@ HELD_OUT = [
 # "from" is a keyword in Python's kwargs only: the schema's property is "from"
 HELD_OUT[6] = (obj(**{"from": S, "to": S, "departure": S}), HELD_OUT[6][1])
 MAX_TOKENS = 96  # --max-tokens
+FREQUENCY_PENALTY = 0.0  # --frequency-penalty (the same for every arm)
 
 
 def drafts(port: int) -> tuple[float, float]:
@@ -95,7 +96,7 @@ def serve(root: Path, draft: str | None, name: str) -> ServiceProcess:
 
 def ask(client, prompt: str, schema: dict | None) -> dict:
     """One streamed greedy answer: its text, token strings, bytes and decode speed."""
-    kw = {}
+    kw = {"frequency_penalty": FREQUENCY_PENALTY} if FREQUENCY_PENALTY else {}
     if schema is not None:
         kw["response_format"] = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
     stamps, text, tokens, nbytes, usage, finish = [], [], [], [], None, None
@@ -127,9 +128,11 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--validity-only", action="store_true",
                     help="goal (a) alone: only the requests with response_format (no speed figures)")
+    ap.add_argument("--frequency-penalty", type=float, default=0.0,
+                    help="sent with every request of every arm (lossless with speculation: the penalized target)")
     args = ap.parse_args()
-    global MAX_TOKENS
-    MAX_TOKENS = args.max_tokens
+    global MAX_TOKENS, FREQUENCY_PENALTY
+    MAX_TOKENS, FREQUENCY_PENALTY = args.max_tokens, args.frequency_penalty
     root = Path("/tmp") / f"structured_goals_{int(time.time())}"
     root.mkdir(parents=True)
     spec, target = serve(root, args.draft, "spec"), serve(root, "none", "target")
@@ -172,7 +175,8 @@ def main() -> None:
                 same += 1
             else:
                 print(f"  schema {i}: differs from target-only: {s['text'][:100]!r} vs {t['text'][:100]!r}")
-        print(f"max_tokens {MAX_TOKENS}, {args.rounds} rounds, draft {args.draft or 'the default'}")
+        print(f"max_tokens {MAX_TOKENS}, frequency_penalty {FREQUENCY_PENALTY}, {args.rounds} rounds, "
+              f"draft {args.draft or 'the default'}")
         print(f"(a) {valid}/{len(cases)} schema-valid with speculation on; {same}/{len(cases)} token-identical to target-only")
         # (b) speed
         for server in () if args.validity_only else ("spec", "target"):

@@ -44,6 +44,33 @@ def short_drafter_stack(tmp_path_factory, tiny_llama, tiny_draft_close):
         stack.stop()
 
 
+def _streams(stack, cases: dict, first: str, rest: tuple[str, ...], timeout: float) -> dict:
+    """Greedy streams through the gateway, one per case (name -> (prompt ids, max_tokens)): `first`
+    alone until its first message arrives, then the `rest` beside it. -> name -> collected output."""
+    outs: dict = {}
+    started = threading.Event()
+
+    def run(name):
+        ids, n = cases[name]
+        msgs = []
+        with grpc.insecure_channel(stack.gateway) as ch:
+            for m in gateway_pb2_grpc.GatewayStub(ch).Generate(request(ids, max_tokens=n, ignore_eos=True),
+                                                               timeout=timeout):
+                msgs.append(m)
+                started.set()
+        outs[name] = collect(msgs)
+
+    threads = [threading.Thread(target=run, args=(first,))]
+    threads[0].start()
+    assert started.wait(60)
+    threads += [threading.Thread(target=run, args=(n,)) for n in rest]
+    for t in threads[1:]:
+        t.start()
+    for t in threads:
+        t.join(timeout + 60)
+    return outs
+
+
 def test_only_the_sequence_the_drafter_cannot_hold_goes_target_only(short_drafter_stack, expect_greedy):
     stack = short_drafter_stack
     rng = random.Random(7)
@@ -52,26 +79,8 @@ def test_only_the_sequence_the_drafter_cannot_hold_goes_target_only(short_drafte
         "grows": ([rng.randrange(3, 256) for _ in range(40)], 40),  # passes 64 while it decodes
         "short": ([rng.randrange(3, 256) for _ in range(8)], 40),  # always fits
     }
-    outs: dict = {}
-    long_started = threading.Event()
-
-    def run(name):
-        ids, n = cases[name]
-        with grpc.insecure_channel(stack.gateway) as ch:
-            msgs = []
-            for m in gateway_pb2_grpc.GatewayStub(ch).Generate(request(ids, max_tokens=n, ignore_eos=True), timeout=120):
-                msgs.append(m)
-                long_started.set()
-        outs[name] = collect(msgs)
-
-    threads = [threading.Thread(target=run, args=("long",))]
-    threads[0].start()
-    assert long_started.wait(60)  # the long one runs first: before, its refusal turned the drafter "down"
-    threads += [threading.Thread(target=run, args=(n,)) for n in ("grows", "short")]
-    for t in threads[1:]:
-        t.start()
-    for t in threads:
-        t.join(180)
+    # the long one runs first: before, its refusal turned the drafter "down"
+    outs = _streams(stack, cases, "long", ("grows", "short"), timeout=120)
     for name, (ids, n) in cases.items():
         expect_greedy(ids, outs[name]["token_ids"], n, ignore_eos=True)
     assert outs["long"]["usage"]["proposed_draft_tokens"] == 0
@@ -111,26 +120,7 @@ def test_sequences_the_drafter_refuses_go_target_only_alone(small_cache_stack, e
         "a": ([rng.randrange(3, 256) for _ in range(8)], 40),
         "b": ([rng.randrange(3, 256) for _ in range(8)], 40),
     }
-    outs: dict = {}
-    first = threading.Event()
-
-    def run(name):
-        ids, n = cases[name]
-        msgs = []
-        with grpc.insecure_channel(stack.gateway) as ch:
-            for m in gateway_pb2_grpc.GatewayStub(ch).Generate(request(ids, max_tokens=n, ignore_eos=True), timeout=180):
-                msgs.append(m)
-                first.set()
-        outs[name] = collect(msgs)
-
-    threads = [threading.Thread(target=run, args=("a",))]
-    threads[0].start()
-    assert first.wait(60)  # "a" runs (on the drafter) while "b" and "long" arrive
-    threads += [threading.Thread(target=run, args=(n,)) for n in ("b", "long")]
-    for t in threads[1:]:
-        t.start()
-    for t in threads:
-        t.join(240)
+    outs = _streams(stack, cases, "a", ("b", "long"), timeout=180)  # "a" runs (on the drafter) while the others arrive
     assert set(outs) == set(cases), outs
     for name, (ids, n) in cases.items():
         expect_greedy(ids, outs[name]["token_ids"], n, ignore_eos=True)
