@@ -22,6 +22,7 @@ decodes target-only while it is sent its tokens in bounded pieces (_catch_up_pie
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections import Counter
 from concurrent.futures import Future
@@ -46,7 +47,7 @@ from specsplit.protocols import (
 )
 from specsplit.recalibration import Recalibration
 from specsplit.spec.drafter_health import DrafterHealth, refused, target_only
-from specsplit.spec.peer_checks import checked_proposals, claims_problem, rows_problem
+from specsplit.spec.peer_checks import Q_AUDIT_RATE, audit_positions, checked_proposals, claims_problem, rows_problem
 from specsplit.spec.predraft import PreDrafter
 from specsplit.spec.track import IDLE_FEATURE_ROWS, MAX_FEATURE_ROWS, Track
 
@@ -119,6 +120,11 @@ class SpecDecoder:
         self.predraft = PreDrafter(drafter) if self.async_draft else None
         self.branch_hits = 0
         self.branch_misses = 0
+        # Which accepted drafts have their q(x) audited (peer_checks.audit_positions): its own
+        # generator, never the sampler's, so the output does not depend on it.
+        self._audit_rng = random.Random(0x9A0D17)
+        self.q_audit_rate = Q_AUDIT_RATE
+        self.q_audits = 0  # accepted drafts whose claimed q(x) was checked against their q row
         self.policy: KPolicy | None = None
         self.k_chosen: Counter[int] = Counter()  # steps per K drafted (0: speculation off that step)
         self._probes = 0  # probe steps so far: which sequence drafts in the next one
@@ -466,9 +472,13 @@ class SpecDecoder:
         sampled = any(p.probs is not None and any(q != 1.0 for q in p.probs) for p in proposals.values())
         if not pending and not sampled:
             return results
+        # Rows of the rejected drafts, and of a few accepted ones whose claimed q(x) is audited.
+        checked = {r.seq_id: r.pending_position for r in pending}
+        audited = audit_positions(results, proposals, self._audit_rng.random, self.q_audit_rate)
+        checked.update(audited)
         # The drafter counts chain positions from the last tokens it was sent: drafts of a branch
         # that came true sit behind that step's tokens, until the next propose sends them.
-        fetch = [RowRequest(r.seq_id, len(self.tracks[r.seq_id].unsent) + r.pending_position) for r in pending]
+        fetch = [RowRequest(sid, len(self.tracks[sid].unsent) + j) for sid, j in checked.items()]
         if not self.drafter_up:  # it failed during this step's pre-draft: its q rows are lost
             return self._abandon_sampled(results, proposals, "the drafter was lost before it sent its q rows")
         self._set_deadline([])
@@ -477,13 +487,16 @@ class SpecDecoder:
         except Exception as e:
             self._drafter_failed(e)
             return self._abandon_sampled(results, proposals, "the drafter was lost before it sent its q rows")
-        if not pending:
+        if not fetch:
             return results
-        why = rows_problem(fetch, rows, self.verifier.vocab_size) or claims_problem(pending, rows, proposals)
+        self.q_audits += len(audited)
+        why = rows_problem(fetch, rows, self.verifier.vocab_size) or claims_problem(checked, rows, proposals)
         if why is not None:
             self._drafter_failed(ValueError(f"it sent unusable q rows: {why}"))
             return self._abandon_sampled(results, proposals, "the drafter's q rows were unusable")
-        resolved = {r.seq_id: r for r in self.verifier.resolve(rows)}
+        if not pending:
+            return results
+        resolved = {r.seq_id: r for r in self.verifier.resolve([q for q in rows if q.seq_id not in audited])}
         return [resolved.get(r.seq_id, r) for r in results]
 
     def _abandon_sampled(self, results: list[VerifyResult], proposals, why: str) -> list[VerifyResult]:

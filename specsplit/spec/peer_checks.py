@@ -86,25 +86,46 @@ def rows_problem(fetch: Sequence[RowRequest], rows: Sequence[QRow], vocab: int |
 # the row is normalized here, so a row sent unnormalized is no mismatch).
 Q_CLAIM_REL_TOL = 1e-3
 Q_CLAIM_ABS_TOL = 1e-6
+# The share of sampled sequence-steps whose drafts were all accepted that have one draft's q(x)
+# audited against its q row (one extra row in the fetch_rows call the step makes anyway).
+Q_AUDIT_RATE = 1 / 16
 
 
-def claims_problem(pending: Sequence, rows: Sequence[QRow], proposals: dict[str, Proposal]) -> str | None:
-    """Why the q(x) a drafter claimed for a rejected draft disagrees with the q row it sent for that
-    position, or None. pending: VerifyResults with a pending_position (the rejected draft's index).
+def audit_positions(results: Sequence, proposals: dict[str, Proposal], draw, rate: float = Q_AUDIT_RATE) -> dict[str, int]:
+    """seq_id -> the draft index whose q(x) to audit this step. results: the step's VerifyResults;
+    draw(): a uniform in [0, 1) (the decoder's own generator: nothing kept depends on it).
 
-    The rejection test accepted or rejected with min(1, p(x) / q(x)) on the claimed q(x); a drafter
-    whose claims are not its distribution (too small: its drafts are over-accepted) would bias the
-    output. Only rejected positions fetch a row, so this is where a claim can be checked: a drafter
-    that claims too much is caught at its first rejection; one whose every claim is tiny is never
-    rejected and never checked here (drafters are internal peers, behind the internal token)."""
-    by_id = {r.seq_id: r.row for r in rows}
-    for res in pending:
-        p, row = proposals.get(res.seq_id), by_id.get(res.seq_id)
-        if p is None or row is None or p.probs is None or res.pending_position >= len(p.probs):
+    Only sampled chains (a q(x) below 1: a deterministic drafter's one-hot q is no claim to
+    check) that were not left pending (those are checked at their rejected draft anyway), each with
+    probability `rate`. A drafter that claims too little q(x) has its drafts accepted more
+    often than the target allows, is never rejected there, and is caught only this way."""
+    out = {}
+    for r in results:
+        p = proposals.get(r.seq_id)
+        if (r.pending_position is not None or p is None or p.parents is not None or not p.token_ids
+                or p.probs is None or all(q == 1.0 for q in p.probs)):
             continue
-        j = res.pending_position
+        if draw() < rate:
+            out[r.seq_id] = min(int(draw() * len(p.token_ids)), len(p.token_ids) - 1)
+    return out
+
+
+def claims_problem(checked: dict[str, int], rows: Sequence[QRow], proposals: dict[str, Proposal]) -> str | None:
+    """Why a q(x) the drafter claimed disagrees with the q row it sent for that draft, or None.
+    checked: seq_id -> the draft index whose row was fetched (a rejected draft, or an audit).
+
+    The rejection test accepted or rejected with min(1, p(x) / q(x)) on the claimed q(x); claims
+    that are not the drafter's distribution bias the output. A drafter that claims too much is
+    caught at its first rejection (every rejected draft is checked); one that claims too little is
+    rarely rejected and is caught by the audits (audit_positions), after some steps; drafters sit
+    behind the internal token."""
+    by_id = {r.seq_id: r.row for r in rows}
+    for seq_id, j in checked.items():
+        p, row = proposals.get(seq_id), by_id.get(seq_id)
+        if p is None or row is None or p.probs is None or j >= len(p.probs):
+            continue
         x, claimed = p.token_ids[j], float(p.probs[j])
         actual = float(row[x]) / float(row.sum())
         if not math.isclose(claimed, actual, rel_tol=Q_CLAIM_REL_TOL, abs_tol=Q_CLAIM_ABS_TOL):
-            return f"q(x) {claimed:.6g} claimed for draft {j} of {res.seq_id!r}, its q row says {actual:.6g}"
+            return f"q(x) {claimed:.6g} claimed for draft {j} of {seq_id!r}, its q row says {actual:.6g}"
     return None

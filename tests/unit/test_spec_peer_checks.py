@@ -105,7 +105,7 @@ def _requests():
             GenerationRequest("ok-g", (12, 13, 14, 15), 20, ignore_eos=True)]
 
 
-def _run(tiny_llama, tiny_draft, drafter_wrap):
+def _run(tiny_llama, tiny_draft, drafter_wrap, audit_rate=None):
     tc = EngineConfig(model=str(tiny_llama), max_model_len=64, max_num_seqs=4)
     dc = EngineConfig(model=str(tiny_draft), max_model_len=64, max_num_seqs=4)
     colo = build_colocated(tc, dc, SpecConfig(num_speculative_tokens=3, disable_by_batch_size=0), show_progress=False)
@@ -113,6 +113,8 @@ def _run(tiny_llama, tiny_draft, drafter_wrap):
     colo.decoder.drafter = wrapped
     colo.decoder.verifier = CheckedVerifier(colo.target, 3)
     colo.decoder.drafter_retry_s = 0.0  # a drafter marked failed is retried at once
+    if audit_rate is not None:
+        colo.decoder.q_audit_rate = audit_rate
     states = {s.request.request_id: s for s in Scheduler(colo.decoder, colo.eos_token_ids, 4).run(_requests())}
     return colo, wrapped, states
 
@@ -194,11 +196,41 @@ def test_q_claims_that_disagree_with_the_q_row_abandon_the_step(tiny_llama, tiny
 
 
 def test_claims_problem_compares_q_x_with_the_row():
-    from specsplit.protocols import Proposal, QRow, VerifyResult
+    from specsplit.protocols import Proposal, QRow
     from specsplit.spec.peer_checks import claims_problem
 
     row = torch.tensor([1.0, 3.0, 4.0, 0.0])  # sent unnormalized: q = 0.125, 0.375, 0.5, 0
-    pending = [VerifyResult("a", 1, (), pending_position=1)]
-    assert claims_problem(pending, [QRow("a", row)], {"a": Proposal("a", (2, 1), (0.5, 0.375))}) is None
-    why = claims_problem(pending, [QRow("a", row)], {"a": Proposal("a", (2, 1), (0.5, 0.01))})
+    assert claims_problem({"a": 1}, [QRow("a", row)], {"a": Proposal("a", (2, 1), (0.5, 0.375))}) is None
+    why = claims_problem({"a": 1}, [QRow("a", row)], {"a": Proposal("a", (2, 1), (0.5, 0.01))})
     assert why is not None and "0.01" in why and "0.375" in why
+
+
+def test_audits_pick_sampled_chains_that_were_not_rejected():
+    from specsplit.protocols import Proposal, VerifyResult
+    from specsplit.spec.peer_checks import audit_positions
+
+    proposals = {"s": Proposal("s", (4, 5, 6), (0.2, 0.3, 0.4)), "pending": Proposal("pending", (4, 5), (0.2, 0.3)),
+                 "lookup": Proposal("lookup", (4, 5), (1.0, 1.0)), "greedy": Proposal("greedy", (4, 5)),
+                 "none": Proposal("none", ())}
+    results = [VerifyResult("s", 3, (4, 5, 6, 7)), VerifyResult("pending", 0, (), pending_position=0),
+               VerifyResult("lookup", 2, (4, 5, 9)), VerifyResult("greedy", 2, (4, 5, 9)), VerifyResult("none", 0, (9,))]
+    draws = iter([0.0, 0.99])  # audit it, at the last draft
+    assert audit_positions(results, proposals, lambda: next(draws), rate=0.5) == {"s": 2}
+    assert audit_positions(results, proposals, lambda: 0.7, rate=0.5) == {}
+
+
+def test_tiny_q_claims_are_caught_by_the_audits(tiny_llama, tiny_draft_far, reference, caplog):
+    """A drafter that claims far less q(x) than its distribution (1e-4 for every draft) has every
+    draft accepted (p / q >= 1), so no rejection ever fetches its rows; the audits (every
+    sequence-step here) fetch one accepted draft's row and find the claim false: the step is
+    abandoned, the drafter treated as failed and retried; nothing fails."""
+    tiny = lambda p: dataclasses.replace(p, probs=tuple(1e-4 for _ in p.probs)) if p.probs is not None else p  # noqa: E731
+
+    def wrap(engine):
+        return BadDrafter(engine, tiny)
+
+    with caplog.at_level("WARNING"):
+        colo, wrapped, states = _run(tiny_llama, tiny_draft_far, wrap, audit_rate=1.0)
+        assert colo.decoder.q_audits > 0
+        _check(colo, wrapped, states, reference)
+    assert "its q row says" in caplog.text
