@@ -419,7 +419,13 @@ class SpecDecoder:
         is resolved or abandoned after it, as the prompt's KV does)."""
         started = self._start_predraft(reqs, plan, stats) if self.predraft is not None and plan.k > 0 else None
         t0 = time.perf_counter()
-        results = self.verifier.verify(reqs)
+        try:
+            results = self.verifier.verify(reqs)
+        except BaseException:
+            # The pre-draft call is on the drafter's one client: wait for it (its deadline bounds
+            # the wait) before anything else (the scheduler's release of every sequence) uses it.
+            self._join_predraft(started)
+            raise
         prompt_logprobs = {r.seq_id: r.prompt_logprobs for r in results if r.prompt_logprobs is not None}
         verified = time.perf_counter()
         self._time_verify(verified - t0, sum(len(r.draft_token_ids) + 1 for r in reqs))

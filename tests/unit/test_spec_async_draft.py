@@ -7,17 +7,21 @@ target's distribution (chi-square and TV on the joint of four tokens). A drafter
 the middle of a pre-draft costs speed, never tokens."""
 from __future__ import annotations
 
-import torch
+import threading
+import time
+
 import pytest
+import torch
 
 from specsplit.config import EngineConfig, SpecConfig
+from specsplit.request import RequestError
 from specsplit.factory import build_colocated
 from specsplit.request import GenerationRequest
 from specsplit.scheduler import Scheduler
 from specsplit.sampling import logits_to_probs
 from specsplit.sampling.params import SamplingParams
 from tests.helpers.chisquare import joint_fit
-from tests.helpers.drafters import FailsAhead
+from tests.helpers.drafters import DrafterWrapper, FailsAhead
 from tests.helpers.greedy import assert_greedy_equal_or_tie
 from tests.unit.test_spec_greedy_equality import MAX_LEN, _requests
 
@@ -103,6 +107,75 @@ def test_drafter_lost_mid_pre_draft_keeps_greedy_output(tiny_llama, tiny_draft_c
         assert_greedy_equal_or_tie(ref, tiny_llama_logits, s.output, prompt=req.prompt_token_ids)
     assert flaky.failures >= 2 and sum(s.proposed for s in states) > 0
     _assert_released(colo)
+    colo.close()
+
+
+class OneCallAtATime(DrafterWrapper):
+    """Slow pre-drafts, and a count of calls that found another still inside: a drafter client is
+    single-threaded, so there must never be one."""
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.inside = 0
+        self.overlaps = 0
+        self.pre_drafts = 0
+        self._lock = threading.Lock()
+
+    def _call(self, fn, *args, slow=False, **kw):
+        with self._lock:
+            self.overlaps += self.inside > 0
+            self.inside += 1
+        try:
+            if slow:
+                time.sleep(0.2)  # the verify raises while this is still out
+            return fn(*args, **kw)
+        finally:
+            with self._lock:
+                self.inside -= 1
+
+    def add(self, seqs):
+        return self._call(self.engine.add, seqs)
+
+    def propose(self, reqs):
+        pre = any(r.pre_draft for r in reqs)
+        self.pre_drafts += pre
+        return self._call(self.engine.propose, reqs, slow=pre)
+
+    def fetch_rows(self, fetch):
+        return self._call(self.engine.fetch_rows, fetch)
+
+    def release(self, ids, finished=False):
+        return self._call(self.engine.release, ids, finished=finished)
+
+
+class FailsOnVerify:
+    """The real target engine, whose verify raises from its `at`-th call on (a verifier lost)."""
+
+    def __init__(self, engine, at: int):
+        self.engine, self.at, self.calls = engine, at, 0
+
+    def verify(self, reqs):
+        self.calls += 1
+        if self.calls >= self.at:
+            raise ConnectionError("verifier lost")
+        return self.engine.verify(reqs)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+def test_a_verify_that_raises_waits_for_the_pre_draft_call(tiny_llama, tiny_draft_close):
+    """Issue #24 finding 10: the pre-draft call runs on the drafter's one client while the target
+    verifies; when the verify raises, the step waits for that call before the failure is handled
+    (the scheduler then releases every sequence on the drafter): never two calls at once."""
+    colo = _colo(tiny_llama, tiny_draft_close, 3)
+    drafter = OneCallAtATime(colo.drafter)
+    colo.decoder.drafter = drafter
+    colo.decoder.verifier = FailsOnVerify(colo.target, at=4)
+    with pytest.raises(RequestError, match="verifier lost"):  # every request ends with the error
+        Scheduler(colo.decoder, colo.eos_token_ids, 16).run(_requests(4, seed=4))
+    assert drafter.pre_drafts > 0, "no pre-draft was in flight when the verify raised"
+    assert drafter.overlaps == 0
     colo.close()
 
 
