@@ -265,12 +265,29 @@ def build_split(args) -> Gateway:
                     max_num_seqs, vinfo.max_num_seqs, vinfo.max_num_seqs)
         max_num_seqs = vinfo.max_num_seqs
 
+    admitted_by = vinfo  # the limits admission is sized from (a restarted verifier may serve others)
+    shrunk: list[str] = []  # set once by engine_health: why this gateway can no longer admit correctly
+
     def engine_health() -> str | None:
         try:
             info = verifier.info(timeout=HEALTH_PROBE_S)
         except Exception:
             return "the verifier does not answer"
-        return None if info.serving else "the verifier reports NOT_SERVING"
+        if not info.serving:
+            return "the verifier reports NOT_SERVING"
+        why = limits_shrunk(admitted_by, info, max_num_seqs)
+        if why is not None:
+            if not shrunk:
+                log.error("gateway: the verifier now serves smaller limits than this gateway admits by (%s); exiting "
+                          "so that a supervisor restarts the gateway with them", why)
+                shrunk.append(why)
+            return f"the verifier restarted with smaller limits ({why})"
+        return None
+
+    async def fatal() -> str | None:  # admission sized from limits the verifier no longer has: restart
+        while not shrunk:
+            await asyncio.sleep(HEALTH_PROBE_S)
+        return f"the verifier restarted with smaller limits than this gateway admits by ({shrunk[0]})"
 
     async def services():
         out = [await _peer_status(verifier, "verifier")]
@@ -283,12 +300,38 @@ def build_split(args) -> Gateway:
         limits=Limits(vinfo.vocab_size, vinfo.max_model_len), max_num_seqs=max_num_seqs, max_queue=args.max_queue,
         mode="split", target_model=vinfo.model, draft_model=draft_model or (UNKNOWN if args.drafter else ""),
         services=services, timing_sources=[c for c in (verifier, drafter) if c is not None],
-        kv=kv, engine_health=engine_health,
+        kv=kv, engine_health=engine_health, fatal=fatal,
         # Admission compiles with the gateway's tokenizer (a bad grammar is refused here); the
         # verifier compiles the same text again for its matchers, in its own cache.
         grammars=GrammarCompiler(tokenizer.tokenizer, vinfo.vocab_size, tuple(vinfo.eos_token_ids),
                                  timeout_s=getattr(args, "grammar_timeout", DEFAULT_COMPILE_TIMEOUT_S)),
     )
+
+
+# A verifier's KV blocks may differ a little between start-ups of the same flags (the memory
+# profile); a smaller cache only makes its adds wait (RESOURCE_EXHAUSTED, which admission handles).
+# Past this shrink it is another configuration.
+KV_SHRINK_TOLERANCE = 0.10
+
+
+def limits_shrunk(admitted_by, now, max_num_seqs: int) -> str | None:
+    """Why a verifier's current ServiceInfo (`now`) cannot serve what a gateway admits by the one it
+    read at start (`admitted_by`): another vocabulary or KV block size, a smaller max_model_len, fewer
+    sequences than the gateway admits, or a KV cache more than KV_SHRINK_TOLERANCE smaller. None
+    when it can (the same limits, or larger ones: those are only left unused)."""
+    why = []
+    if now.vocab_size != admitted_by.vocab_size:
+        why.append(f"vocab_size {admitted_by.vocab_size} -> {now.vocab_size}")
+    if now.max_model_len < admitted_by.max_model_len:
+        why.append(f"max_model_len {admitted_by.max_model_len} -> {now.max_model_len}")
+    if now.max_num_seqs and now.max_num_seqs < max_num_seqs:
+        why.append(f"max_num_seqs {now.max_num_seqs}, this gateway admits {max_num_seqs}")
+    if admitted_by.kv.paged and admitted_by.kv.num_blocks:
+        if now.kv.block_size != admitted_by.kv.block_size:
+            why.append(f"KV block size {admitted_by.kv.block_size} -> {now.kv.block_size}")
+        elif now.kv.num_blocks < (1 - KV_SHRINK_TOLERANCE) * admitted_by.kv.num_blocks:
+            why.append(f"KV blocks {admitted_by.kv.num_blocks} -> {now.kv.num_blocks}")
+    return ", ".join(why) or None
 
 
 def _split_costs(verifier, drafter, vinfo, dinfo, timeout: float) -> StepCosts | None:

@@ -144,3 +144,38 @@ def test_the_gateway_follows_a_verifier_that_reports_not_serving(tmp_path, tiny_
         assert codes == [grpc.StatusCode.OK] * 4  # the drain let the live streams finish
     finally:
         stack.stop()
+
+
+def test_a_verifier_restarted_with_smaller_limits_makes_the_gateway_exit(tmp_path, tiny_llama):
+    """Issue #24 finding 13: the split gateway admits by the limits it read from the verifier at
+    start. A verifier restarted with the same flags is served on; one restarted with a smaller
+    --max-model-len would be over-admitted (requests it refuses), so the gateway reports
+    NOT_SERVING and exits non-zero, for a supervisor to restart it with the new limits."""
+    from tests.services.procs import generate, start_split
+
+    stack = start_split(tmp_path, tiny_llama, None, max_num_seqs=4).ready()
+    try:
+        verifier, gateway = stack["verifier"], stack["gateway"]
+        verifier.stop()
+        verifier.start()
+        verifier.wait_serving(240)
+
+        def served() -> bool:
+            try:
+                return len(generate(stack.gateway, request([5, 6, 7], max_tokens=4), timeout=30)["token_ids"]) == 4
+            except grpc.RpcError:  # the session of the verifier that stopped: lost once
+                return False
+
+        assert wait_for(served, 60, poll=0.5), stack.logs()
+        assert wait_for(lambda: health(stack.gateway) == "SERVING", 10, poll=0.2), stack.logs()
+        assert gateway.alive() and "smaller limits" not in gateway.log_tail(200)
+
+        verifier.stop()
+        verifier.argv = [*verifier.argv, "--max-model-len", "128"]  # TINY_ENGINE's is 256; the last one wins
+        verifier.start()
+        verifier.wait_serving(240)
+        assert gateway.proc.wait(60) != 0, stack.logs()
+        log = gateway.log_tail(200)
+        assert "the verifier restarted with smaller limits" in log and "max_model_len 256 -> 128" in log, log
+    finally:
+        stack.stop()
