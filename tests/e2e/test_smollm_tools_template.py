@@ -10,7 +10,8 @@ import json
 import pytest
 
 from tests.helpers.chat_templates import TOOLS_TEMPLATE
-from tests.services.procs import HOST, ServiceProcess, free_port
+from tests.helpers.structured import serve_smollm_http
+from tests.services.procs import HOST
 
 pytestmark = [pytest.mark.smollm, pytest.mark.slow]
 openai = pytest.importorskip("openai")
@@ -38,16 +39,9 @@ def server(tmp_path_factory):
     cfg.pop("chat_template", None)
     (model / "tokenizer_config.json").unlink()
     (model / "tokenizer_config.json").write_text(json.dumps(cfg))
-    port, http_port = free_port(), free_port()
-    proc = ServiceProcess("serve", ["serve", "--target", str(model), "--draft", "ngram", "--port", str(port),
-                                    "--http-port", str(http_port), "--max-model-len", "1024", "--max-num-seqs", "1",
-                                    "--threads", "1", "--grammar-timeout", "30"], tmp_path_factory.mktemp("logs"), port)
-    proc.serving(300)
-    try:
-        yield proc, openai.OpenAI(base_url=f"http://{HOST}:{http_port}/v1", api_key="unused", max_retries=0,
+    for proc in serve_smollm_http(tmp_path_factory.mktemp("logs"), 1024, target=str(model), max_num_seqs=1):
+        yield proc, openai.OpenAI(base_url=f"http://{HOST}:{proc.http_port}/v1", api_key="unused", max_retries=0,
                                   timeout=300)
-    finally:
-        assert proc.stop() == 0, proc.log_tail()
 
 
 def test_required_gives_a_valid_call_through_the_template(server):

@@ -28,16 +28,17 @@ def constrained_next_logits(next_logits: NextLogits, params: SamplingParams, pro
     return f
 
 
-def serve_smollm_http(root, max_model_len: int):
-    """A real `serve` of SmolLM2-135M with the n-gram draft and the HTTP API (2 sequences, 1
-    thread, 30 s grammar timeout) for the structured-output and tools tests: yields the process
-    (its `.http_port` set), stops it and checks it exited 0."""
+def serve_smollm_http(root, max_model_len: int, target: str = "smollm2-135m", max_num_seqs: int = 2):
+    """A real `serve` of SmolLM2-135M (or `target`: a copy of its directory) with the n-gram draft
+    and the HTTP API (1 thread, 30 s grammar timeout) for the structured-output and tools tests:
+    yields the process (its `.http_port` set), stops it and checks it exited 0."""
     from tests.services.procs import ServiceProcess, free_port
 
     port, http_port = free_port(), free_port()
-    proc = ServiceProcess("serve", ["serve", "--target", "smollm2-135m", "--draft", "ngram", "--port", str(port),
+    proc = ServiceProcess("serve", ["serve", "--target", target, "--draft", "ngram", "--port", str(port),
                                     "--http-port", str(http_port), "--max-model-len", str(max_model_len),
-                                    "--max-num-seqs", "2", "--threads", "1", "--grammar-timeout", "30"], root, port)
+                                    "--max-num-seqs", str(max_num_seqs), "--threads", "1", "--grammar-timeout", "30"],
+                          root, port)
     proc.serving(300)
     proc.http_port = http_port
     try:
