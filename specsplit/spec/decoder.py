@@ -47,7 +47,8 @@ from specsplit.protocols import (
 )
 from specsplit.recalibration import Recalibration
 from specsplit.spec.drafter_health import DrafterHealth, refused, target_only
-from specsplit.spec.peer_checks import Q_AUDIT_RATE, audit_positions, checked_proposals, claims_problem, rows_problem
+from specsplit.spec.peer_checks import (Q_AUDIT_RATE, audit_positions, checked_proposals, claims_problem, claims_q,
+                                         rows_problem)
 from specsplit.spec.predraft import PreDrafter
 from specsplit.spec.track import IDLE_FEATURE_ROWS, MAX_FEATURE_ROWS, Track
 
@@ -475,7 +476,7 @@ class SpecDecoder:
     # ---- phase 4: q rows (sampling) ----------------------------------------------------------
     def _resolve_pending(self, results: list[VerifyResult], proposals) -> list[VerifyResult]:
         pending = [r for r in results if r.pending_position is not None]
-        sampled = any(p.probs is not None and any(q != 1.0 for q in p.probs) for p in proposals.values())
+        sampled = any(claims_q(p) for p in proposals.values())
         if not pending and not sampled:
             return results
         # Rows of the rejected drafts, and of a few accepted ones whose claimed q(x) is audited.

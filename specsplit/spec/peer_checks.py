@@ -91,19 +91,23 @@ Q_CLAIM_ABS_TOL = 1e-6
 Q_AUDIT_RATE = 1 / 16
 
 
+def claims_q(p: Proposal) -> bool:
+    """Whether a proposal carries q(x) to check: a sampled chain (a q(x) below 1; a deterministic
+    drafter's one-hot q is no claim), whose rejections need the drafter's q rows."""
+    return p.probs is not None and any(q != 1.0 for q in p.probs)
+
+
 def audit_positions(results: Sequence, proposals: dict[str, Proposal], draw, rate: float = Q_AUDIT_RATE) -> dict[str, int]:
     """seq_id -> the draft index whose q(x) to audit this step. results: the step's VerifyResults;
     draw(): a uniform in [0, 1) (the decoder's own generator: nothing kept depends on it).
 
-    Only sampled chains (a q(x) below 1: a deterministic drafter's one-hot q is no claim to
-    check) that were not left pending (those are checked at their rejected draft anyway), each with
+    Only sampled chains (claims_q) that were not left pending (those are checked at their rejected draft anyway), each with
     probability `rate`. A drafter that claims too little q(x) has its drafts accepted more
     often than the target allows, is never rejected there, and is caught only this way."""
     out = {}
     for r in results:
         p = proposals.get(r.seq_id)
-        if (r.pending_position is not None or p is None or p.parents is not None or not p.token_ids
-                or p.probs is None or all(q == 1.0 for q in p.probs)):
+        if r.pending_position is not None or p is None or p.parents is not None or not p.token_ids or not claims_q(p):
             continue
         if draw() < rate:
             out[r.seq_id] = min(int(draw() * len(p.token_ids)), len(p.token_ids) - 1)
