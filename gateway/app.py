@@ -265,7 +265,6 @@ def build_split(args) -> Gateway:
                     max_num_seqs, vinfo.max_num_seqs, vinfo.max_num_seqs)
         max_num_seqs = vinfo.max_num_seqs
 
-    admitted_by = vinfo  # the limits admission is sized from (a restarted verifier may serve others)
     shrunk: list[str] = []  # set once by engine_health: why this gateway can no longer admit correctly
 
     def engine_health() -> str | None:
@@ -275,7 +274,7 @@ def build_split(args) -> Gateway:
             return "the verifier does not answer"
         if not info.serving:
             return "the verifier reports NOT_SERVING"
-        why = limits_shrunk(admitted_by, info, max_num_seqs)
+        why = limits_shrunk(vinfo, info, max_num_seqs)  # admission was sized from vinfo
         if why is not None:
             if not shrunk:
                 log.error("gateway: the verifier now serves smaller limits than this gateway admits by (%s); exiting "

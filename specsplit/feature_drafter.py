@@ -310,11 +310,12 @@ def use_cpu_kernels(head: Eagle3Head) -> None:
         m.keep(table)
         return m
 
+    quantize_layer = os.environ.get("SPECSPLIT_DRAFT_Q8", "1") != "0"
+
     def pick(w: torch.Tensor) -> Linear:
         return (quantized(w) if quantize_layer else None) or fast(w)
 
     layer = head.midlayer
-    quantize_layer = os.environ.get("SPECSPLIT_DRAFT_Q8", "1") != "0"
     head.fc = pick(head.fc.weight)
     for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
         setattr(layer, name, pick(getattr(layer, name).weight))
@@ -324,7 +325,7 @@ def use_cpu_kernels(head: Eagle3Head) -> None:
     else:
         head.head_linear = fast(head.lm_head)
     log.info("EAGLE-3 head on the CPU kernels: lm head %s, layer %s", "Q8_0" if quant is not None else "fp32",
-             "Q8_0" if isinstance(layer.qkv_proj, Linear) and layer.qkv_proj.quant is not None else "fp32")
+             "Q8_0" if layer.qkv_proj.quant is not None else "fp32")
 
 
 def quantized(w: torch.Tensor):
