@@ -26,9 +26,10 @@ from specsplit.config import EngineConfig, SpecConfig
 from specsplit.engine import DraftEngine, NgramDrafter, TargetEngine
 from specsplit.engine_build import (DRAFTER, NGRAM, VERIFIER, ModelService, allocate_engine, check_model_len, kv_shape,
                                     load_for, profile_steps)
-from specsplit.feature_drafter import FeatureDrafter, calibrate_feature_drafter, head_bytes, load_feature_drafter
+from specsplit.feature_drafter import FeatureDrafter, calibrate_feature_drafter, load_feature_drafter
 from specsplit.hybrid_drafter import FEATURE_NGRAM_MIN, LOOKUPS, HybridDrafter, split_draft_name
 from specsplit.suffix_drafter import SuffixDrafter
+from specsplit.kv.meters import tensor_storage_bytes
 from specsplit.kv.profiler import MemoryPlan, MemoryProfiler, ServicePlan
 from specsplit.models.gguf_native import QuantEmbedding
 from specsplit.models.loader import LoadedModel, load_tokenizer
@@ -74,7 +75,7 @@ def _feature_drafter(cfg: EngineConfig, spec: SpecConfig, embedding=None, num_ta
     """An EAGLE-3 head (its weights recorded in the plan's drafter row), calibrated for the K policy."""
     drafter = load_feature_drafter(cfg.model, cfg.max_model_len, cfg.device, cfg.dtype, embedding, num_target_layers)
     if plan is not None and DRAFTER in plan.services:
-        plan.services[DRAFTER].weights_bytes = head_bytes(drafter.head)
+        plan.services[DRAFTER].weights_bytes = tensor_storage_bytes(drafter.head)
         plan.services[DRAFTER].dtype = str(cfg.dtype).replace("torch.", "")
     if spec.k_policy == "auto" and spec.num_speculative_tokens > 0:
         drafter.step_costs = calibrate_feature_drafter(drafter, cfg.max_num_seqs)

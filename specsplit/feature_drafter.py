@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from specsplit.draft_tree import runner_up, tree_eligible
 from specsplit.engine import (EngineError, chain_proposal, check_propose, check_seq_adds, draft_grammar, draft_mask,
                               fetch_q_rows, ingest_chain, sample_drafts)
+from specsplit.kv.meters import tensor_storage_bytes
 from specsplit.models.eagle3 import DraftCache, Eagle3Head
 from specsplit.protocols import DrafterTraits, Proposal, ProposeRequest, QRow, RowRequest, SeqAdd
 from specsplit.sampling.grammar import GrammarCompiler, GrammarState, apply_masks
@@ -285,7 +286,7 @@ def load_feature_drafter(name: str, max_model_len: int, device: str | torch.devi
     use_cpu_kernels(head)
     drafter = FeatureDrafter(head, embedding, max_model_len)
     log.info("feature drafter %s: EAGLE-3 head over target layers %s, draft vocabulary %d, %.1f MB of weights (%s)",
-             name, drafter.feature_layers, head.draft_ids.numel(), head_bytes(head) / 1e6, dtype)
+             name, drafter.feature_layers, head.draft_ids.numel(), tensor_storage_bytes(head) / 1e6, dtype)
     return drafter
 
 
@@ -349,14 +350,6 @@ def quantized(w: torch.Tensor):
     m.set_quant(quant_linear.quantize_q8_0(w))
     m.requires_grad_(False)
     return m
-
-
-def head_bytes(head: Eagle3Head) -> int:
-    """The head's own weights (the embedding rows of a tied head are the target's), Q8_0 blocks
-    included (a quantized Linear's blocks are no parameter)."""
-    blocks = sum(b.numel() * b.element_size() for m in head.modules()
-                 if (b := getattr(m, "quant_blocks", None)) is not None)
-    return blocks + sum(p.numel() * p.element_size() for p in head.parameters())
 
 
 def calibrate_feature_drafter(drafter: FeatureDrafter, max_batch: int, context: int = 64, reps: int = 3):

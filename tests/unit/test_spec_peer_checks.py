@@ -152,12 +152,13 @@ def _check(colo, wrapped, states, reference):
 
 @pytest.mark.parametrize("case", list(CORRUPT))
 def test_bad_proposals_fall_back_to_target_only(tiny_llama, tiny_draft_close, reference, case):
-    def wrap(engine):
-        return BadDrafter(engine, CORRUPT[case])
-
+    corrupt = CORRUPT[case]
     if case.startswith("q(x)") or case == "no q(x)":  # only sampled sequences carry q(x)
-        def wrap(engine):  # noqa: F811
-            return BadDrafter(engine, lambda p: CORRUPT[case](p) if p.probs is not None else p)
+        corrupt = lambda p: CORRUPT[case](p) if p.probs is not None else p  # noqa: E731
+
+    def wrap(engine):
+        return BadDrafter(engine, corrupt)
+
     _check(*_run(tiny_llama, tiny_draft_close, wrap), reference)
 
 
