@@ -40,6 +40,15 @@ def tiny_llama_logits(hf_target):
 
 
 @pytest.fixture(scope="session")
+def tiny_head(tmp_path_factory):
+    """An EAGLE-3 head for tiny_llama in the public checkpoint format, over a draft vocabulary
+    subset (tokens 3..199 of 256)."""
+    from tests.helpers.eagle3 import write_tiny_head
+
+    return write_tiny_head(tmp_path_factory.mktemp("tiny-eagle3"), torch.arange(3, 200))
+
+
+@pytest.fixture(scope="session")
 def tiny_mistral(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("tiny-mistral"), "mistral", seed=1, sliding_window=None)
 

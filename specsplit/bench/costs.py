@@ -1,6 +1,7 @@
 """Measured step costs for the speedup model S = E / (k c + v(k) + o).
 
-c    = time of one draft forward (1 token) / time of one target forward (1 token)
+c    = time of one draft forward (1 token) / time of one target forward (1 token); a feature
+       drafter (no runner of its own) gives its calibrated cost per drafted token
 v(k) = time of a target forward over k+1 tokens / time of one over 1 token
 E    = expected tokens per step with per-token acceptance a: (1 - a^(k+1)) / (1 - a)
 o is the per-step overhead not in either forward; the prediction sets it to 0, so the gap between
@@ -34,12 +35,16 @@ def measure_costs(colo, prompt: list[int], ks: list[int]) -> dict:
     for k in ks:
         out["v"][k] = _time_forward(target, prompt, k + 1) / t1
     drafter = getattr(colo.drafter, "runner", None)
+    calibrated = getattr(colo.drafter, "step_costs", None)  # a feature drafter has no runner: its own calibration
     if drafter is not None:
         d1 = _time_forward(drafter, prompt, 1)
-        out["draft_step_ms"] = 1000 * d1
-        out["c"] = d1 / t1
+    elif calibrated is not None and calibrated.draft:
+        d1 = calibrated.draft_s(1)
     else:
-        out["c"] = 0.0
+        d1 = 0.0  # n-gram lookup: no forward
+    if d1:
+        out["draft_step_ms"] = 1000 * d1
+    out["c"] = d1 / t1
     return out
 
 

@@ -26,11 +26,6 @@ from tests.unit.test_spec_async_draft import NEW_TOKENS, NUM_SAMPLES, PARAMS, PR
 from tests.unit.test_spec_greedy_equality import MAX_LEN, _requests
 
 
-@pytest.fixture(scope="module")
-def tiny_head(tmp_path_factory):
-    return write_tiny_head(tmp_path_factory.mktemp("tiny-eagle3"), torch.arange(3, 200))  # a draft vocabulary subset
-
-
 def _colo(target, draft, k, max_num_seqs=16, async_draft=False, max_len=MAX_LEN):
     tc = EngineConfig(model=str(target), max_model_len=max_len, max_num_seqs=max_num_seqs)
     dc = EngineConfig(model=str(draft), max_model_len=max_len, max_num_seqs=max_num_seqs)

@@ -190,13 +190,6 @@ def test_a_drafter_that_loses_state_resyncs_with_trees(tiny_llama, tiny_draft_cl
         assert bm.num_free_blocks == bm.num_blocks
 
 
-@pytest.fixture(scope="module")
-def tiny_head(tmp_path_factory):
-    from tests.helpers.eagle3 import write_tiny_head
-
-    return write_tiny_head(tmp_path_factory.mktemp("tree-eagle3-head"), torch.arange(3, 200))  # a draft vocabulary subset
-
-
 @pytest.mark.parametrize("batch", [1, 4, 16])
 def test_feature_drafter_trees_greedy_equal(tiny_llama, tiny_head, tiny_llama_logits, reference, batch):
     out, totals = _run(_colo(tiny_llama, tiny_head, 3, 2), _requests(batch, seed=batch))
