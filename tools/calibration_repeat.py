@@ -48,6 +48,18 @@ def main() -> int:
     print("largest relative difference between runs per shape: " +
           " ".join(f"B{b}r{r}={100 * d:.0f}%" for (b, r), d in sorted(worst.items())))
     print(f"max {100 * max(worst.values()):.0f}% (goal <= 15%)")
+    # What the K policy's choice at a batch size depends on: each row count's cost relative to
+    # the one-row step of the same batch, v = t(B, r) / t(B, 1), measured in the same rounds (a
+    # machine that runs 1.7x slower for minutes moves both alike).
+    rel = {}
+    for b, r in tables[0]:
+        if r > 1:
+            vals = [t[(b, r)] / t[(b, 1)] for t in tables]
+            rel[(b, r)] = (max(vals) - min(vals)) / min(vals)
+    if rel:
+        print("v = t(B, r) / t(B, 1), largest relative difference between runs: " +
+              " ".join(f"B{b}r{r}={100 * d:.0f}%" for (b, r), d in sorted(rel.items())))
+        print(f"max {100 * max(rel.values()):.0f}%")
     return 0
 
 

@@ -132,35 +132,6 @@ def run_interleaved(arms: list[Arm], prompts: list[list[int]], repeats: int,
             for a in arms]
 
 
-def run_specsplit(name: str, colo, prompts: list[list[int]], new_tokens: int, repeats: int,
-                  k: int | None = None, concurrency: int = 1, progress: Callable[[], None] | None = None) -> ArmResult:
-    """specsplit (target-only or speculative, colocated) over the same SpecDecoder the server uses."""
-    max_num_seqs = max(concurrency, 1)
-    timings: list[Timing] = []
-
-    def one_batch(batch: list[list[int]], tag: str) -> list[Timing]:
-        return generate_timed(colo, batch, new_tokens, k, tag, max_num_seqs)
-
-    # warm-up (discarded)
-    one_batch(prompts[:1], "warm")
-    if concurrency <= 1:
-        for i, p in enumerate(prompts):
-            runs = [one_batch([p], f"p{i}r{j}")[0] for j in range(repeats)]
-            timings.append(median_timing(runs))
-            if progress:
-                progress()
-        return ArmResult(name, timings, {"concurrency": 1, "k": k or 0})
-    wall = 0.0
-    for j in range(repeats):
-        batch = [prompts[(j * concurrency + i) % len(prompts)] for i in range(concurrency)]
-        runs = one_batch(batch, f"c{j}")
-        wall += max(t.total_s for t in runs)
-        timings.extend(runs)
-        if progress:
-            progress()
-    return ArmResult(name, timings, {"concurrency": concurrency, "k": k or 0, "wall_s": wall})
-
-
 def hf_arm(name: str, model, new_tokens: int, assistant=None, assistant_mode: str | None = None,
            k: int | None = None, **extra) -> Arm:
     """transformers generate (optionally assisted generation with `assistant`)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import statistics
 import time
 
+from specsplit.feature_drafter import FeatureDrafter, calibrate_feature_drafter
 from specsplit.models.runner import ForwardItem, ModelRunner
 
 
@@ -35,11 +36,12 @@ def measure_costs(colo, prompt: list[int], ks: list[int]) -> dict:
     for k in ks:
         out["v"][k] = _time_forward(target, prompt, k + 1) / t1
     drafter = getattr(colo.drafter, "runner", None)
-    calibrated = getattr(colo.drafter, "step_costs", None)  # a feature drafter has no runner: its own calibration
+    feature = getattr(colo.drafter, "model", colo.drafter)  # a hybrid's model draft, or the drafter itself
     if drafter is not None:
         d1 = _time_forward(drafter, prompt, 1)
-    elif calibrated is not None and calibrated.draft:
-        d1 = calibrated.draft_s(1)
+    elif isinstance(feature, FeatureDrafter):  # no runner of its own: the head's calibration (a fixed-K
+        costs = feature.step_costs or calibrate_feature_drafter(feature, 1)  # server skips it)
+        d1 = costs.draft_s(1)
     else:
         d1 = 0.0  # n-gram lookup: no forward
     if d1:

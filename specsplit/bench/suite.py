@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specsplit.bench.arms import ArmResult, colocated_arm, hf_arm, run_interleaved, run_specsplit
+from specsplit.bench.arms import ArmResult, colocated_arm, hf_arm, run_interleaved
 from specsplit.bench.costs import measure_costs, predicted_speedup
 from specsplit.config import EngineConfig, SpecConfig, parse_dtype
 from specsplit.defaults import DEFAULT_DRAFT_STOP
@@ -231,6 +231,14 @@ class Bench:
         policy_name = f"specsplit colocated {self.served_draft} policy K<={policy_k}"
         arms.append(colocated_arm(policy_name, policy_colo, self.new_tokens, None, draft=self.served_draft,
                                   role="policy"))
+        policies = {policy_name: policy_colo}
+        if tree:  # --tree-nodes: the default configuration with trees the calibrated verify cost sizes
+            tree_policy = build_colocated(self._cfg(a.target, dtype), self._cfg(self.served_draft, dtype),
+                                          SpecConfig(num_speculative_tokens=policy_k, k_policy="auto", tree_nodes=tree,
+                                                     draft_stop=DEFAULT_DRAFT_STOP), show_progress=False)
+            policies[f"{policy_name} tree<={tree}"] = tree_policy
+            arms.append(colocated_arm(f"{policy_name} tree<={tree}", tree_policy, self.new_tokens, None,
+                                      draft=self.served_draft, role="policy"))
         also_policy = {}  # --also-draft: their default configuration too, interleaved
         for other in getattr(a, "also_draft", []):
             colo = build_colocated(self._cfg(a.target, dtype), self._cfg(other, dtype),
@@ -247,16 +255,17 @@ class Bench:
                             k=k, draft=model_draft) for mode, k in (("constant", 3), ("heuristic", 5))]
         results = run_interleaved(arms, prompts, self.repeats, self._tick)
         for r in results:
-            if r.name == policy_name:
-                r.extra["k_chosen"] = dict(sorted(policy_colo.decoder.k_chosen.items()))
-                r.extra["calibration"] = policy_colo.decoder.policy.costs.describe() if policy_colo.decoder.policy else None
+            if r.name in policies:
+                dec = policies[r.name].decoder
+                r.extra["k_chosen"] = dict(sorted(dec.k_chosen.items()))
+                r.extra["calibration"] = dec.policy.costs.describe() if dec.policy else None
         rows = [self._add(r, dtype=dtype, suite="spec") for r in results]
         baseline = rows[0]
         hf_ref = next((r for r in rows if r.get("role") == "hf_generate"), None)
         by_k: dict[str, dict[int, tuple[ArmResult, dict]]] = {}
         for result, row in zip(results, rows):
             name = row.get("draft")
-            if row.get("tree_nodes"):
+            if row.get("tree_nodes") or row.get("role") == "policy":  # no fixed chain: no prediction
                 row["speedup_vs_target_only"] = row["tokens_per_s"] / baseline["tokens_per_s"]
                 row["same_tokens_as_target_only"] = self._same_tokens(row, baseline)
             elif row["arm"].startswith("specsplit colocated"):
@@ -269,9 +278,6 @@ class Bench:
                     row["predicted_speedup"] = predicted_speedup(row["mean_accepted_length"] + 1, row["k"], self.costs)
             elif row["arm"].startswith("HF assisted"):
                 row["speedup_vs_target_only"] = row["tokens_per_s"] / baseline["tokens_per_s"]
-            if row.get("role") == "policy":
-                row["speedup_vs_target_only"] = row["tokens_per_s"] / baseline["tokens_per_s"]
-                row["same_tokens_as_target_only"] = self._same_tokens(row, baseline)
         if hf_ref is not None:
             baseline["ratio_vs_hf_generate"] = baseline["tokens_per_s"] / hf_ref["tokens_per_s"]
             best_hf = max((r for r in rows if r["arm"].startswith("HF assisted")), key=lambda r: r["tokens_per_s"])
@@ -279,7 +285,7 @@ class Bench:
                 if row["arm"].startswith("specsplit colocated") and row.get("draft") == model_draft:
                     row["ratio_vs_best_hf_assisted"] = row["tokens_per_s"] / best_hf["tokens_per_s"]
         del hf, assistant
-        for colo in (base, policy_colo, *colos.values(), *tree_colos.values(), *also_policy.values()):
+        for colo in (base, *policies.values(), *colos.values(), *tree_colos.values(), *also_policy.values()):
             colo.close()
         del base, colos
         if self.split_ks:

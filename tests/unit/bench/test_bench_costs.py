@@ -12,12 +12,13 @@ from specsplit.factory import build_colocated
 PROMPT = list(range(5, 37))
 
 
+@pytest.mark.parametrize("k_policy", ["auto", "fixed"])
 @pytest.mark.parametrize("draft", ["tiny_draft_close", "tiny_head", "ngram"])
-def test_draft_cost_is_measured_for_every_kind_of_draft(request, tiny_llama, draft):
+def test_draft_cost_is_measured_for_every_kind_of_draft(request, tiny_llama, draft, k_policy):
     model = draft if draft == "ngram" else str(request.getfixturevalue(draft))
     tc = EngineConfig(model=str(tiny_llama), max_model_len=128, max_num_seqs=2)
     dc = EngineConfig(model=model, max_model_len=128, max_num_seqs=2)
-    colo = build_colocated(tc, dc, SpecConfig(num_speculative_tokens=2, k_policy="auto"), show_progress=False)
+    colo = build_colocated(tc, dc, SpecConfig(num_speculative_tokens=2, k_policy=k_policy), show_progress=False)
     try:
         costs = measure_costs(colo, PROMPT, [1, 2])
     finally:
@@ -28,6 +29,6 @@ def test_draft_cost_is_measured_for_every_kind_of_draft(request, tiny_llama, dra
     else:
         assert costs["c"] > 0 and costs["draft_step_ms"] > 0
         assert costs["c"] == pytest.approx(costs["draft_step_ms"] / costs["target_step_ms"])
-    if draft == "tiny_head":  # the head's own calibration (build_colocated ran it: K policy auto)
-        drafter = colo.drafter.model if hasattr(colo.drafter, "model") else colo.drafter
+    drafter = colo.drafter.model if hasattr(colo.drafter, "model") else colo.drafter
+    if draft == "tiny_head" and k_policy == "auto":  # the head's own calibration (build_colocated ran it)
         assert costs["draft_step_ms"] == pytest.approx(1000 * drafter.step_costs.draft_s(1))

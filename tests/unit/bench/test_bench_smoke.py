@@ -14,7 +14,7 @@ def test_bench_quick_json(tmp_path, tiny_llama, tiny_draft_close):
     out = tmp_path / "bench"
     rc = main(["bench", "all", "--quick", "--target", str(tiny_llama), "--draft", str(tiny_draft_close),
                "--prompt-token-ids", "5,6,7,8,5,6,7,8,9", "--max-model-len", "128", "--new-tokens", "12",
-               "--threads", "1", "--no-progress", "--out", str(out)])
+               "--threads", "1", "--no-progress", "--tree-nodes", "2", "--out", str(out)])
     assert rc == 0
     report = json.loads((out / "bench.json").read_text())
     assert (out / "bench.png").stat().st_size > 0
@@ -22,7 +22,8 @@ def test_bench_quick_json(tmp_path, tiny_llama, tiny_draft_close):
     names = [a["arm"] for a in arms]
     for needle in ("native target-only", "transformers generate", "HF assisted constant", "HF assisted heuristic",
                    "specsplit colocated ngram K=2", "concurrency 4 spec", "specsplit split grpc",
-                   f"specsplit colocated {tiny_draft_close}+ngram K=2", f"specsplit colocated {tiny_draft_close} K=2"):
+                   f"specsplit colocated {tiny_draft_close}+ngram K=2", f"specsplit colocated {tiny_draft_close} K=2",
+                   "K=2 tree<=2", "policy K<=3 tree<=2"):
         assert any(needle in n for n in names), (needle, names)
     for a in arms:
         assert FIELDS <= set(a), (a["arm"], FIELDS - set(a))
@@ -42,12 +43,17 @@ def test_bench_quick_json(tmp_path, tiny_llama, tiny_draft_close):
                if a["arm"].startswith("specsplit colocated") and a.get("mode") is None)
     assert all(a["same_tokens_as_hf"] is True for a in arms if a["suite"] == "target" and "native" in a["arm"])
     spec = [a for a in arms if a["arm"].startswith("specsplit colocated") and a.get("draft") != "ngram"
-            and a.get("role") != "policy"]
+            and a.get("role") != "policy" and not a.get("tree_nodes")]
     assert spec and all("speedup_vs_target_only" in a and "predicted_speedup" in a for a in spec)
     # the K policy arm: calibrated at start-up, the K it chose per step reported
-    (policy,) = [a for a in arms if a.get("role") == "policy"]
-    assert policy["calibration"] and "B=1" in policy["calibration"]
-    assert sum(policy["k_chosen"].values()) > 0 and policy["same_tokens_as_target_only"] is True
+    # (--tree-nodes: the same with trees the calibrated verify cost sizes)
+    policies = [a for a in arms if a.get("role") == "policy"]
+    assert sorted(a["arm"].endswith("tree<=2") for a in policies) == [False, True]
+    for policy in policies:
+        assert policy["calibration"] and "B=1" in policy["calibration"]
+        assert sum(policy["k_chosen"].values()) > 0 and policy["same_tokens_as_target_only"] is True
+    trees = [a for a in arms if a.get("tree_nodes")]
+    assert trees and all(a["same_tokens_as_target_only"] is True for a in trees)
     sweep = [a for a in arms if a["suite"] == "concurrency" and a["speculation"]]
     assert sweep and all("k_chosen" in a and "speedup_vs_target_only" in a for a in sweep)
     assert {"c", "v", "target_step_ms"} <= set(report["costs"])
