@@ -7,6 +7,7 @@ of every request are equal, which they are only if the drafter saw the same feat
 as in memory. The wire format itself round-trips exactly (bf16)."""
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -83,3 +84,39 @@ def test_features_round_trip_the_wire():
     assert plain.features is None
     # 2 bytes a value: what one committed position costs on the wire with SmolLM2's three layers
     assert len(wire.features_to_pb(torch.zeros(1, 3 * 576), 0).bf16) == 3456
+
+
+def test_a_drafter_that_starts_after_the_gateway_gets_its_features(tmp_path, tiny_llama, head_dir, stacks, prompts,
+                                                                  reference, target_logits):
+    """A gateway whose drafter did not answer within --drafter-connect-timeout serves target-only and
+    knows no feature layers. Once the drafter answers, the re-sync's GetInfo gives them, the
+    verifier sends features with the steps, and the head drafts with the target's tokens."""
+    stack = start_split(tmp_path, tiny_llama, f"{head_dir}+ngram",
+                        gateway_extra=("--no-async-draft", "--drafter-connect-timeout", "1", *K))
+    try:
+        stack["drafter"].stop()  # the gateway is started while nothing listens on the drafter's port
+        stack["gateway"].stop()
+        stack["gateway"].start()
+        stack["verifier"].wait_serving()
+        stack["gateway"].wait_serving()
+        before = _run(stack.gateway, prompts[:2], 1)  # target-only while the drafter is away
+        assert all(r["usage"]["proposed_draft_tokens"] == 0 for r in before)
+        stack["drafter"].start()
+        stack["drafter"].wait_serving()
+        # The steps probe it off the step thread (spec/drafter_health.py): requests keep coming
+        # until one of them drafts, then the rest run with it
+        joined, deadline = [], time.monotonic() + 60
+        while not any(r["usage"]["proposed_draft_tokens"] for r in joined) and time.monotonic() < deadline:
+            joined += _run(stack.gateway, prompts[2:3], 1)
+        after = _run(stack.gateway, prompts[3:6], 1)
+        for ids, r in zip(prompts[:2] + prompts[2:3] * len(joined) + prompts[3:6], before + joined + after):
+            assert_greedy_equal_or_tie(reference(ids, MAX_TOKENS, ignore_eos=True), target_logits, r["token_ids"], prompt=ids)
+        assert sum(r["usage"]["proposed_draft_tokens"] for r in after) > 0
+        # Step for step what the colocated head drafts from the same features in memory
+        _, colo = stacks
+        for r, c in zip(after, _run(colo.gateway, prompts[3:6], 1)):
+            if r["token_ids"] == c["token_ids"]:
+                assert r["usage"]["proposed_draft_tokens"] == c["usage"]["proposed_draft_tokens"]
+                assert r["usage"]["accepted_draft_tokens"] == c["usage"]["accepted_draft_tokens"]
+    finally:
+        stack.stop()
