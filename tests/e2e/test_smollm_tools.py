@@ -5,7 +5,8 @@ official `openai` client, and lossless under speculation.
   * tool_choice "required" and a named function always give one parseable call whose arguments
     validate against that function's parameters schema (several tools and prompts, greedy), with
     finish_reason "tool_calls" and null content; streamed, the call comes in delta.tool_calls;
-  * streamed with tools (tool_choice auto and required), the answer is the non-streamed one: the
+  * streamed with tools (tool_choice auto and required; auto with a response_format that makes
+    the model write one call or a list of two), the answer is the non-streamed one: the
     same content, the same calls (each a header, then its arguments in pieces that join to the
     non-streamed arguments), the same finish_reason and logprobs; a plain answer comes as it is
     generated (several content deltas before the finish), not held back to the end;
@@ -150,6 +151,21 @@ def test_streamed_with_tools_equals_the_answer(client, tool_choice, prompt):
     streamed = _streamed(client, prompt, tool_choice, logprobs=True)
     assert {k: streamed[k] for k in whole} == whole
     assert whole["logprobs"]  # every token's, streamed too (none lost while the text was held back)
+
+
+@pytest.mark.parametrize("calls", [1, 2])
+def test_auto_calls_stream_as_the_answer(client, calls):
+    """SmolLM2 answers "auto" in words, so a response_format holding the forced call's schema (one
+    call, or a list of two) makes it write calls while tool_choice stays auto: the auto parser
+    streams them (a bare object, a bare list), equal to the non-streamed answer."""
+    one = plan_tools([WEATHER, TIME], "required").schema()
+    schema = one if calls == 1 else {"type": "array", "items": one, "minItems": 2, "maxItems": 2}
+    prompt = PROMPTS[0] if calls == 1 else "What is the weather in Paris and the time in Tokyo?"
+    kw = dict(response_format={"type": "json_schema", "json_schema": {"name": "calls", "schema": schema}}, logprobs=True)
+    whole = _whole(client, prompt, "auto", **kw)
+    assert len(whole["calls"]) == calls and whole["finish"] == "tool_calls" and whole["content"] == "", whole
+    streamed = _streamed(client, prompt, "auto", **kw)
+    assert {k: streamed[k] for k in whole} == whole
 
 
 def test_a_plain_answer_with_tools_streams_as_it_comes(client):
