@@ -6,7 +6,7 @@ local mode: token_ids, text, finish_reason, usage (and logprobs with --logprobs 
 --n N (2..16): N choices (GenerateRequest.n), their messages interleaved on the one stream and told
 apart by GenerateResponse.index. Each choice is printed whole when it ends, under a line
 "--- choice I (finish=...) ---"; with --json a list of N objects (each the one-choice object with
-its "index"), in index order.
+its "index"), in index order. The local mode (specsplit/cli/generate.py) prints its N the same way.
 """
 from __future__ import annotations
 
@@ -132,6 +132,11 @@ def collect_choices(responses, n: int) -> list[dict]:
     return [{"index": i, **collect(rs)} for i, rs in enumerate(by_index)]
 
 
+def choice_text(index: int, finish: str, text: str) -> str:
+    """One of n choices in text mode: a line naming it, then its text (the local mode's too)."""
+    return f"--- choice {index} (finish={finish}) ---\n{text}\n"
+
+
 def _print_choices(responses, n: int) -> list:
     """Text mode with n choices: each printed whole, under its index, when its last message comes."""
     held: list[list] = [[] for _ in range(n)]
@@ -140,8 +145,7 @@ def _print_choices(responses, n: int) -> list:
         held[r.index].append(r)
         if r.finish_reason:
             finals.append(r)
-            sys.stdout.write(f"--- choice {r.index} (finish={r.finish_reason}) ---\n"
-                             f"{''.join(m.text for m in held[r.index])}\n")
+            sys.stdout.write(choice_text(r.index, r.finish_reason, "".join(m.text for m in held[r.index])))
             sys.stdout.flush()
     return finals
 

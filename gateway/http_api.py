@@ -22,7 +22,8 @@ Chat takes OpenAI's function calling: tools and tool_choice (none, auto, require
 function; the last two forced through the structured-output grammar), assistant tool_calls and
 tool messages in the conversation, rendered by the model's chat template when it takes tools,
 else as a Hermes-style system block (gateway/chat_prompt.py decides, in the servicer's Tokenizer);
-the answer parsed back into tool_calls (gateway/tools.py).
+the answer parsed back into tool_calls (gateway/tools.py); streamed, as the text decides it
+(ToolCallStream: content deltas, or each call's header and then its arguments in pieces).
 
 Errors are OpenAI's JSON, {"error": {"message", "type", "param", "code"}}, with the HTTP status
 of the RequestError kind (invalid_argument 400, resource_exhausted 429, unavailable 503, other
@@ -57,7 +58,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specsplit.gateway.scheduler_thread import status_of
 from specsplit.gateway.service import MAX_CHOICES, GatewayServicer
-from specsplit.gateway.tools import ToolError, ToolPlan, message_calls, parse_calls, plan_tools
+from specsplit.gateway.tools import (ToolCallStream, ToolError, ToolPlan, finish_reason, message_calls, parse_calls,
+                                     plan_tools)
 from specsplit.v1 import common_pb2, gateway_pb2
 from specsplit.rpc.security import ServerSecurity
 from specsplit.rpc.wire import ServiceError
@@ -867,30 +869,26 @@ def create_app(backend: HttpBackend) -> FastAPI:
             content, calls = parse_calls(text, plan)
             if not calls:
                 return {"content": content}, finish
-            return {"content": content, "tool_calls": calls}, "tool_calls" if finish == "stop" else finish
+            return {"content": content, "tool_calls": calls}, finish_reason(calls, finish)
 
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
             started = [False] * len(lives)
-            held: list[list[Event]] = [[] for _ in lives]  # with tools: each choice's events, parsed at its end
+            tools = [ToolCallStream(plan) for _ in lives] if plan is not None and plan.renders else []
 
             def tool_chunks(i: int, ev: Event) -> list[dict]:
-                """With tools the answer is held back and parsed when it ends: one delta with the
-                content or the calls (OpenAI's delta.tool_calls, each with its index), then the finish."""
-                held[i].append(ev)
-                if ev.finish_reason is None:
-                    return []
-                evs = held[i]
-                fields, finish = answer("".join(e.text for e in evs), ev.finish_reason)
-                lps = [c for e in evs if (x := lp_of(e)) for c in x["content"]]
-                lp = {"content": lps, "refusal": None} if logprobs is not None else None
-                delta: dict = {"content": fields["content"]} if fields["content"] is not None else {}
-                if "tool_calls" in fields:
-                    delta["tool_calls"] = [{"index": j, **c} for j, c in enumerate(fields["tool_calls"])]
-                out = []
-                if delta:
-                    out.append(envelope([{"index": i, "delta": delta, "logprobs": lp, "finish_reason": None}], chunk=True))
-                out.append(envelope([{"index": i, "delta": {}, "logprobs": None, "finish_reason": finish}], chunk=True))
+                """With tools: the deltas ToolCallStream gives for the text so far (content, or each
+                call's header and then its arguments in pieces; nothing while the text is undecided),
+                this event's logprobs on the first (an empty delta when there is none), then the finish."""
+                deltas = tools[i].feed(ev.text) if ev.finish_reason is None else tools[i].finish(ev.text)
+                lp = lp_of(ev)
+                if lp is not None and not deltas:
+                    deltas = [{}]
+                out = [envelope([{"index": i, "delta": d, "logprobs": lp if j == 0 else None, "finish_reason": None}],
+                                chunk=True) for j, d in enumerate(deltas)]
+                if ev.finish_reason is not None:
+                    finish = finish_reason(tools[i].final[1], ev.finish_reason)
+                    out.append(envelope([{"index": i, "delta": {}, "logprobs": None, "finish_reason": finish}], chunk=True))
                 return out
 
             def chunks(i: int, ev: Event) -> list[dict]:
@@ -899,7 +897,7 @@ def create_app(backend: HttpBackend) -> FastAPI:
                     started[i] = True
                     out.append(envelope([{"index": i, "delta": {"role": "assistant", "content": ""},
                                           "logprobs": None, "finish_reason": None}], chunk=True))
-                if plan is not None and plan.renders:
+                if tools:
                     return out + tool_chunks(i, ev)
                 if ev.text or ev.token_ids:
                     out.append(envelope([{"index": i, "delta": {"content": ev.text}, "logprobs": lp_of(ev),

@@ -28,7 +28,8 @@ from specsplit.gateway.scheduler_thread import Event, SchedulerThread, status_of
 from specsplit.gateway.tools import ToolError
 from specsplit.v1 import gateway_pb2, gateway_pb2_grpc
 from specsplit.rpc.wire import ServiceError, grammar_from_pb, logprobs_to_pb
-from specsplit.request import MAX_CHOICES, MAX_REQUEST_ID_BYTES, GenerationRequest, Limits, RequestError, validate
+from specsplit.request import (MAX_CHOICES, MAX_REQUEST_ID_BYTES, GenerationRequest, Limits, RequestError, choice_seed,
+                               validate)
 from specsplit.sampling.grammar import GrammarCompiler, GrammarError
 from specsplit.sampling.params import SamplingParams
 
@@ -177,7 +178,7 @@ def nth_choice(msg: gateway_pb2.GenerateRequest, i: int) -> gateway_pb2.Generate
     out.CopyFrom(msg)
     out.request_id = f"{msg.request_id}-{i}"
     if msg.HasField("seed"):
-        out.seed = (msg.seed + i) % 2**64
+        out.seed = choice_seed(msg.seed, i)
     return out
 
 

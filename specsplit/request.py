@@ -25,6 +25,13 @@ MAX_STOP_STRINGS = 16
 MAX_CHOICES = 16  # n (gRPC GenerateRequest.n, the HTTP API, `specsplit generate --n`) at most: each choice is a request
 
 
+def choice_seed(seed: int | None, i: int) -> int | None:
+    """Choice i of a seeded request's n draws with seed + i (mod 2**64): the n choices of a seed are
+    reproducible and choice 0 is the seed's own stream (the gateway's nth_choice, `specsplit
+    generate --n` without --server). None: unseeded."""
+    return None if seed is None else (seed + i) % 2**64
+
+
 class RequestError(Exception):
     """A request that cannot run, or stopped running. kind: invalid_argument | resource_exhausted |
     unavailable | internal | (any other gRPC status name, lower case, from a peer's error)."""

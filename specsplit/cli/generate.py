@@ -1,7 +1,10 @@
 """`specsplit generate`: one generation, in-process (target-only or colocated speculative), or
-streamed from a running gateway with --server. Prints one JSON object with --json."""
+streamed from a running gateway with --server. Prints one JSON object with --json. --n N: N
+independent samples either way (choice i of a seeded request draws with seed + i), printed as
+gateway/generate_client.py prints the server's choices."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -31,8 +34,8 @@ def add_arguments(p, name: str) -> None:
                    help="with --json: each token's log-probability under the target and the N (0..20) most "
                         "likely alternatives at its position")
     p.add_argument("--n", type=int, default=1, metavar="N",
-                   help="--server: N independent samples of the prompt (1..16; a seeded request's choice i draws "
-                        "with seed + i); each printed under its index, with --json a list of objects")
+                   help="N independent samples of the prompt (1..16; a seeded request's choice i draws with "
+                        "seed + i); each printed under its index, with --json a list of objects")
     p.add_argument("--timeout", type=float, default=None, help="--server: deadline in seconds")
     p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (0 = off)")
     p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (0 = off)")
@@ -65,9 +68,6 @@ def validate(args) -> None:
 
     if not 1 <= args.n <= MAX_CHOICES:
         raise ValueError(f"--n must be in [1, {MAX_CHOICES}], got {args.n}")
-    if args.n > 1 and args.server is None:
-        raise ValueError("--n above 1 needs --server (the local mode runs one request; start a server with "
-                         "`specsplit serve` and add --server HOST:PORT)")
     if args.logprobs is not None and args.logprobs > MAX_LOGPROBS:
         raise ValueError(f"--logprobs must be in [0, {MAX_LOGPROBS}], got {args.logprobs}")
     if args.prompt_token_ids is not None:
@@ -116,45 +116,56 @@ def run(args) -> int:
 
 def run_local(args) -> int:
     from specsplit.factory import build_colocated, set_threads
-    from specsplit.request import GenerationRequest
+    from specsplit.gateway.generate_client import choice_text, logprobs_json
+    from specsplit.request import GenerationRequest, choice_seed
     from specsplit.scheduler import Scheduler
     set_threads(args.threads)
-    # One request: size the profile run and the cache for one sequence, not --max-num-seqs.
-    args.max_num_seqs = 1
+    # --n requests at once: size the profile run and the cache for them, not --max-num-seqs.
+    n = args.max_num_seqs = args.n
     target = engine_config(args, args.target)
     draft = engine_config(args, args.draft, args.draft_device) if args.draft else None
     spec = spec_config(args, args.draft)
     t0 = time.perf_counter()
     colo = build_colocated(target, draft, spec, show_progress=not args.json)
     load_s = time.perf_counter() - t0
-    ids = _prompt_ids(args, colo.tokenizer)
+    ids = tuple(_prompt_ids(args, colo.tokenizer))
     params = params_from_args(args)
-    request = GenerationRequest("cli", tuple(ids), args.max_tokens, params, args.ignore_eos, logprobs=args.logprobs)
-    # The same Scheduler as the gateway's: it validates the request (vocabulary, max_model_len, the
-    # KV cache) and runs it.
-    gen = Scheduler(colo.decoder, colo.eos_token_ids, max_num_seqs=1)
+    requests = [GenerationRequest("cli" if n == 1 else f"cli-{i}", ids, args.max_tokens,
+                                  dataclasses.replace(params, seed=choice_seed(params.seed, i)), args.ignore_eos,
+                                  logprobs=args.logprobs) for i in range(n)]
+    # The same Scheduler as the gateway's: it validates the requests (vocabulary, max_model_len,
+    # the KV cache) and runs them.
+    gen = Scheduler(colo.decoder, colo.eos_token_ids, max_num_seqs=n)
 
     def stream(state, kept):
-        if not args.json:
+        if not args.json and n == 1:
             sys.stdout.write(colo.tokenizer.decode(kept))
             sys.stdout.flush()
 
     t1 = time.perf_counter()
-    (state,) = gen.run([request], on_tokens=stream)
+    states = gen.run(requests, on_tokens=stream)
     gen_s = time.perf_counter() - t1
-    result = {
-        "token_ids": state.output,
-        "text": colo.tokenizer.decode(state.output),
-        "finish_reason": state.finish_reason,
-        "usage": state.usage(),  # the same dict the gateway streams as Usage
-    }
-    if state.logprobs is not None:
-        from specsplit.gateway.generate_client import logprobs_json
-
-        result["logprobs"] = logprobs_json(state.logprobs)
-    if args.json:
-        print(json.dumps(result))
+    results = []
+    for state in states:
+        result = {
+            "token_ids": state.output,
+            "text": colo.tokenizer.decode(state.output),
+            "finish_reason": state.finish_reason,
+            "usage": state.usage(),  # the same dict the gateway streams as Usage
+        }
+        if state.logprobs is not None:
+            result["logprobs"] = logprobs_json(state.logprobs)
+        results.append(result)
+    if args.json:  # one object; with --n a list of them, each with its "index" (the server mode's)
+        print(json.dumps(results[0] if n == 1 else [{"index": i, **r} for i, r in enumerate(results)]))
+    elif n > 1:
+        for i, r in enumerate(results):
+            sys.stdout.write(choice_text(i, r["finish_reason"], r["text"]))
+        tokens = sum(len(st.output) for st in states)
+        rate = tokens / gen_s if gen_s > 0 else float("inf")
+        print(f"[{n} choices, {tokens} tokens in {gen_s:.2f}s = {rate:.1f} tok/s; load {load_s:.1f}s]", file=sys.stderr)
     else:
+        (state,) = states
         rate = len(state.output) / gen_s if gen_s > 0 else float("inf")
         acc = f", acceptance {state.accepted / state.proposed:.2f}" if state.proposed else ""
         print(f"\n[{len(state.output)} tokens in {gen_s:.2f}s = {rate:.1f} tok/s{acc}; load {load_s:.1f}s; finish={state.finish_reason}]",

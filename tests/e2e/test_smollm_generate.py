@@ -147,6 +147,28 @@ def test_speculative_greedy_equals_target_only(target_only, hf_reference, hf_log
     colo.close()
 
 
+def _cli_json(*flags: str):
+    proc = subprocess.run(
+        [sys.executable, "-m", "specsplit.cli", "generate", "--target", "smollm2-135m", "--draft", "ngram",
+         "--max-tokens", "16", "--ignore-eos", "--max-model-len", "256", "--threads", "1", "--json", *flags, PROMPTS[0]],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_cli_generate_n_without_a_server():
+    """--n N locally: N choices, a list in index order; greedy ones are equal; sampled with a seed,
+    choice i is the one-choice run of seed + i (the server's rule, specsplit.request.choice_seed)."""
+    greedy = _cli_json("--n", "2")
+    assert [c["index"] for c in greedy] == [0, 1] and greedy[0]["token_ids"] == greedy[1]["token_ids"]
+    assert len(greedy[0]["token_ids"]) == 16 and greedy[0]["finish_reason"] == "length"
+    sampled = _cli_json("--n", "2", "--temperature", "0.8", "--seed", "7")
+    assert sampled[0]["token_ids"] != sampled[1]["token_ids"]
+    alone = _cli_json("--temperature", "0.8", "--seed", "8")
+    assert isinstance(alone, dict) and alone["token_ids"] == sampled[1]["token_ids"] and alone["text"] == sampled[1]["text"]
+
+
 def test_bad_inputs_exit_nonzero_with_one_line():
     cases = [
         (["--target", "no-such-model", "hi"], "unknown model"),

@@ -5,6 +5,11 @@ official `openai` client, and lossless under speculation.
   * tool_choice "required" and a named function always give one parseable call whose arguments
     validate against that function's parameters schema (several tools and prompts, greedy), with
     finish_reason "tool_calls" and null content; streamed, the call comes in delta.tool_calls;
+  * streamed with tools (tool_choice auto and required; auto with a response_format that makes
+    the model write one call or a list of two), the answer is the non-streamed one: the
+    same content, the same calls (each a header, then its arguments in pieces that join to the
+    non-streamed arguments), the same finish_reason and logprobs; a plain answer comes as it is
+    generated (several content deltas before the finish), not held back to the end;
   * "none" gives plain content; a multi-turn conversation with an assistant's tool_calls and a
     tool message is accepted;
   * bad tools / tool_choice / messages are a 400 naming the field;
@@ -53,6 +58,7 @@ TOOLS = [WEATHER, TIME, EMAIL, ADD]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 PROMPTS = ["What is the weather in Paris?", "What time is it in Tokyo?",
            "Email bob@example.com that the meeting moved to 3pm.", "What is 17 plus 25?"]
+PLAIN_PROMPT = "Write two sentences about the sea."  # with tools offered, SmolLM2 answers it in words
 ENGINE = dict(max_model_len=1024, max_prefill_tokens=256, max_num_seqs=2)
 
 
@@ -105,6 +111,72 @@ def test_streamed_call_equals_the_answer(client):
             finish = d.finish_reason or finish
     assert finish == "tool_calls" and list(calls) == [0]
     assert calls[0]["name"] == whole["name"] and json.loads(calls[0]["arguments"]) == whole["arguments"]
+
+
+def _streamed(client, prompt: str, tool_choice, **kw) -> dict:
+    """A streamed answer, joined: content, calls [(name, arguments)], finish_reason, the number of
+    content deltas, and the logprobs' tokens."""
+    out = {"content": "", "calls": {}, "finish": None, "content_deltas": 0, "logprobs": []}
+    for chunk in _call(client, prompt, tool_choice, stream=True, **kw):
+        for d in chunk.choices:
+            if d.delta.content:
+                out["content"] += d.delta.content
+                out["content_deltas"] += 1
+            for tc in d.delta.tool_calls or ():
+                if tc.index not in out["calls"]:  # its header: id, type, name, arguments ""
+                    assert tc.id.startswith("call_") and tc.type == "function" and tc.function.arguments == "", tc
+                    out["calls"][tc.index] = (tc.function.name, "")
+                else:
+                    assert tc.id is None and tc.function.name is None, tc
+                    name, args = out["calls"][tc.index]
+                    out["calls"][tc.index] = (name, args + tc.function.arguments)
+            if d.logprobs is not None:
+                out["logprobs"] += [t.token for t in d.logprobs.content or ()]
+            out["finish"] = d.finish_reason or out["finish"]
+    assert list(out["calls"]) == list(range(len(out["calls"])))
+    out["calls"] = list(out["calls"].values())
+    return out
+
+
+def _whole(client, prompt: str, tool_choice, **kw) -> dict:
+    choice = _call(client, prompt, tool_choice, **kw).choices[0]
+    return {"content": choice.message.content or "", "finish": choice.finish_reason,
+            "calls": [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or ()],
+            "logprobs": [t.token for t in choice.logprobs.content] if choice.logprobs else []}
+
+
+@pytest.mark.parametrize("tool_choice, prompt", [("auto", p) for p in PROMPTS] + [("required", p) for p in PROMPTS[:2]])
+def test_streamed_with_tools_equals_the_answer(client, tool_choice, prompt):
+    whole = _whole(client, prompt, tool_choice, logprobs=True)
+    streamed = _streamed(client, prompt, tool_choice, logprobs=True)
+    assert {k: streamed[k] for k in whole} == whole
+    assert whole["logprobs"]  # every token's, streamed too (none lost while the text was held back)
+
+
+@pytest.mark.parametrize("calls", [1, 2])
+def test_auto_calls_stream_as_the_answer(client, calls):
+    """SmolLM2 answers "auto" in words, so a response_format holding the forced call's schema (one
+    call, or a list of two) makes it write calls while tool_choice stays auto: the auto parser
+    streams them (a bare object, a bare list), equal to the non-streamed answer."""
+    one = plan_tools([WEATHER, TIME], "required").schema()
+    schema = one if calls == 1 else {"type": "array", "items": one, "minItems": 2, "maxItems": 2}
+    prompt = PROMPTS[0] if calls == 1 else "What is the weather in Paris and the time in Tokyo?"
+    kw = dict(response_format={"type": "json_schema", "json_schema": {"name": "calls", "schema": schema}}, logprobs=True)
+    whole = _whole(client, prompt, "auto", **kw)
+    assert len(whole["calls"]) == calls and whole["finish"] == "tool_calls" and whole["content"] == "", whole
+    streamed = _streamed(client, prompt, "auto", **kw)
+    assert {k: streamed[k] for k in whole} == whole
+
+
+def test_a_plain_answer_with_tools_streams_as_it_comes(client):
+    """Tools offered (auto), the model answers in words: the content comes in many deltas before
+    the finish (only a possible call's start and whitespace are ever held back)."""
+    prompt = PLAIN_PROMPT
+    whole = _whole(client, prompt, "auto")
+    assert not whole["calls"] and whole["content"], whole
+    streamed = _streamed(client, prompt, "auto")
+    assert {k: streamed[k] for k in whole} == whole
+    assert streamed["content_deltas"] > 1
 
 
 def test_none_is_plain_content_and_a_tool_conversation_is_accepted(client):

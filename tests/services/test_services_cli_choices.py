@@ -1,7 +1,8 @@
 """`specsplit generate --server --n N` through the real CLI (specsplit.cli.main) against one real
 colocated tiny server (n-gram speculation): --json prints a list of N objects in index order, choice
 i of a seeded request is seed + i's own one-choice completion; text mode prints each choice whole
-under its index; --n outside [1, 16], or above 1 without --server, is a one-line error (exit 2)."""
+under its index; --n outside [1, 16] is a one-line error (exit 2). Without --server the local mode
+runs the N choices itself and prints the same: the server's choices of a seed, the same text blocks."""
 from __future__ import annotations
 
 import json
@@ -66,6 +67,20 @@ def test_bad_n_is_a_one_line_error(server, capsys, flags, words):
     assert code == 2 and err.strip() == f"specsplit generate: {words}" and out == ""
 
 
-def test_n_needs_a_server(capsys, tiny_llama):
-    code, out, err = _run(capsys, ["generate", "--target", str(tiny_llama), "--prompt-token-ids", PROMPT, "--n", "2"])
-    assert code == 2 and err.count("\n") == 1 and "--n above 1 needs --server" in err
+def test_local_n_is_the_server_s_n(server, capsys, tiny_llama):
+    """Without --server: the same N choices (choice i of a seed draws with seed + i, one rule:
+    specsplit.request.choice_seed), printed the same way."""
+    local = ["generate", "--target", str(tiny_llama), "--draft", "ngram", "--prompt-token-ids", PROMPT,
+             "--max-tokens", "8", "--ignore-eos", "--max-model-len", "256", "--threads", "1"]
+    for flags in (["--temperature", "1", "--seed", "40", "--n", "3", "--json"], ["--temperature", "0", "--n", "2", "--json"]):
+        code, out, _ = _run(capsys, _generate(server, *flags))
+        served = json.loads(out.strip().splitlines()[-1])
+        code, out, err = _run(capsys, local + flags)
+        assert code == 0, err
+        mine = json.loads(out.strip().splitlines()[-1])
+        assert [(c["index"], c["token_ids"], c["text"], c["finish_reason"]) for c in mine] == \
+            [(c["index"], c["token_ids"], c["text"], c["finish_reason"]) for c in served]
+    assert mine[0]["token_ids"] == mine[1]["token_ids"]  # greedy: two equal choices
+    code, out, err = _run(capsys, local + ["--temperature", "0", "--n", "2"])
+    assert code == 0 and "[2 choices, 16 tokens" in err
+    assert out == "".join(f"--- choice {i} (finish=length) ---\n{mine[i]['text']}\n" for i in range(2))

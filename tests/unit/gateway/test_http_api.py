@@ -381,3 +381,25 @@ def test_tools_and_calls_reach_the_servicer_s_tokenizer(server):
         _client(http).chat.completions.create(model=MODEL, tools=[WEATHER], messages=[
             {"role": "user", "content": "w4", "tool_calls": messages[1]["tool_calls"]}])
     assert err.value.body["param"] == "messages" and "only allowed on assistant messages" in err.value.body["message"]
+
+
+def test_a_tool_answer_streams_as_it_comes_with_its_logprobs(server):
+    """With tools the answer is parsed as it comes (gateway/tools.py ToolCallStream): a plain one
+    arrives in a content delta per event (the whitespace at each end held until more content
+    comes, or the answer ends without a call), every token's logprobs with it, and joins to the
+    non-streamed answer."""
+    servicer, http = server
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "w4"}], tools=[WEATHER], max_tokens=5, logprobs=True)
+    try:
+        for finish, content in (("length", "w5 w6 w7 w8 w9"), ("stop", "w5 w6 w7 w8 ")):
+            servicer.scheduler.finish = finish
+            whole = _client(http).chat.completions.create(**kw).choices[0]
+            chunks = [c.choices[0] for c in _client(http).chat.completions.create(**kw, stream=True)]
+            deltas = [c.delta.content for c in chunks if c.delta.content]
+            assert "".join(deltas) == whole.message.content == content and len(deltas) >= 2, deltas
+            assert [t.token for c in chunks if c.logprobs for t in c.logprobs.content] == \
+                [t.token for t in whole.logprobs.content] == [f"w{t}" for t in range(5, 10)]
+            assert chunks[-1].finish_reason == whole.finish_reason == finish
+            assert not any(c.delta.tool_calls for c in chunks) and whole.message.tool_calls is None
+    finally:
+        servicer.scheduler.finish = "length"
