@@ -23,7 +23,7 @@ function; the last two forced through the structured-output grammar), assistant 
 tool messages in the conversation, rendered by the model's chat template when it takes tools,
 else as a Hermes-style system block (gateway/chat_prompt.py decides, in the servicer's Tokenizer);
 the answer parsed back into tool_calls (gateway/tools.py); streamed, as the text decides it
-(ToolCallStream: content deltas, or each call's header and then its arguments in pieces).
+(gateway/tool_stream.py ToolCallStream: content deltas, or each call's header and then its arguments in pieces).
 
 Errors are OpenAI's JSON, {"error": {"message", "type", "param", "code"}}, with the HTTP status
 of the RequestError kind (invalid_argument 400, resource_exhausted 429, unavailable 503, other
@@ -58,7 +58,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specsplit.gateway.scheduler_thread import status_of
 from specsplit.gateway.service import MAX_CHOICES, GatewayServicer
-from specsplit.gateway.tools import (ToolCallStream, ToolError, ToolPlan, finish_reason, message_calls, parse_calls,
+from specsplit.gateway.tool_stream import ToolCallStream
+from specsplit.gateway.tools import (ToolError, ToolPlan, finish_reason, message_calls, parse_calls,
                                      plan_tools)
 from specsplit.v1 import common_pb2, gateway_pb2
 from specsplit.rpc.security import ServerSecurity

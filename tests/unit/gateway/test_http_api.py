@@ -384,7 +384,7 @@ def test_tools_and_calls_reach_the_servicer_s_tokenizer(server):
 
 
 def test_a_tool_answer_streams_as_it_comes_with_its_logprobs(server):
-    """With tools the answer is parsed as it comes (gateway/tools.py ToolCallStream): a plain one
+    """With tools the answer is parsed as it comes (gateway/tool_stream.py ToolCallStream): a plain one
     arrives in a content delta per event (the whitespace at each end held until more content
     comes, or the answer ends without a call), every token's logprobs with it, and joins to the
     non-streamed answer."""

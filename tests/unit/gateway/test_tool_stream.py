@@ -1,4 +1,4 @@
-"""gateway/tools.py ToolCallStream: parse_calls for an answer that comes in pieces. Every accepted
+"""gateway/tool_stream.py ToolCallStream: parse_calls for an answer that comes in pieces. Every accepted
 form (bare JSON object or list, <|python_tag|>, <tool_call> blocks, closed or cut at the stop
 token) and the texts that are not calls, fed whole, character by character and in seeded random
 pieces: the content deltas joined and each call's arguments fragments joined equal parse_calls'
@@ -12,7 +12,8 @@ import random
 
 import pytest
 
-from specsplit.gateway.tools import ToolCallStream, parse_calls, plan_tools
+from specsplit.gateway.tool_stream import ToolCallStream
+from specsplit.gateway.tools import parse_calls, plan_tools
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
