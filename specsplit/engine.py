@@ -755,8 +755,9 @@ class DraftEngine(_EngineBase, DrafterTraits):
     # compiler (the builders share the verifier's, or give the service its own) its grammar's mask,
     # so its drafts follow the target's rules and fewer are rejected or cut; q is the distribution
     # the draft was drawn from (rejection sampling stays exact whatever q is). The mask is best
-    # effort: without a compiler, or where it cannot follow (a grammar that does not compile here,
-    # a chain with tokens outside it), the drafter drafts unmasked and the verifier cuts.
+    # effort: without a compiler, until a grammar is compiled (DraftGrammar: never waited for), or
+    # where it cannot follow (a grammar that does not compile here, a chain with tokens outside
+    # it), the drafter drafts unmasked and the verifier cuts.
     grammars: GrammarCompiler | None = None
 
     def add(self, seqs: Sequence[SeqAdd]) -> None:

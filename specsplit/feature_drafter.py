@@ -25,9 +25,11 @@ Drafts are drawn from q = the head's distribution over its draft vocabulary (the
 outside it get q = 0) under the request's temperature / top-k / top-p, with the same keyed random
 numbers and coupled sampling as the model drafter, so rejection sampling stays lossless.
 
-Structured output: with a compiler (`grammars`; colocated, the verifier's), a sequence with a
-grammar drafts from the head's logits masked by its matcher after the tokens and the chain so far
-(q is that masked distribution, so rejection sampling stays exact), as the model drafter does: its
+Structured output: with a compiler (`grammars`; colocated, the verifier's; a drafter service, its
+own over the target's tokenizer: factory.feature_grammars), a sequence with a grammar, once it is
+compiled (engine.DraftGrammar: never waited for), drafts from the head's logits masked by its
+matcher after the tokens and the chain so far (q is that masked distribution, so rejection
+sampling stays exact), as the model drafter does: its
 drafts stay in the grammar instead of being cut by the verifier. Where the grammar allows no token
 of the draft vocabulary, the chain ends there; where the matcher cannot follow (a chain it refuses),
 the draft is unmasked and the verifier cuts. Such sequences draft chains, no tree leaves.
