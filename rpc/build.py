@@ -15,6 +15,7 @@ from specsplit.defaults import DEFAULT_K_NGRAM, DEFAULT_K_POLICY, engine_config
 from specsplit.config import EngineConfig, SpecConfig
 from specsplit.factory import build_draft_engine, build_target_engine
 from specsplit.engine import DraftEngine
+from specsplit.feature_drafter import FeatureDrafter
 from specsplit.factory import grammar_compiler, without_lookup
 from specsplit.models.loader import hf_dir_for, load_tokenizer
 
@@ -94,8 +95,11 @@ def build_engine(args, role: str) -> BuiltEngine:
     else:
         engine, plan = build_draft_engine(cfg, spec)
     plan_dict = plan.to_dict() if plan is not None else static_plan(engine, cfg, lookahead)
+    feature = getattr(engine, "model", engine)  # an EAGLE-3 head (+ngram) compiles in its target's vocabulary
+    if isinstance(feature, FeatureDrafter) and feature.grammars is not None and getattr(args, "grammar_timeout", None):
+        feature.grammars.timeout_s = args.grammar_timeout
     runner = getattr(engine, "runner", None)
-    if runner is None:  # the n-gram proposer
+    if runner is None:  # the n-gram proposer, a feature drafter
         return BuiltEngine(engine, cfg, lookahead, 0, (), "", plan_dict)
     mcfg = runner.model.cfg
     tokenizer_dir = str(hf_dir_for(cfg.model, show_progress=False)) if role == "verifier" else ""

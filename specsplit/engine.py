@@ -10,6 +10,7 @@ pending rejection until resolve. Nothing else survives a step.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Container, Sequence
 
@@ -65,7 +66,7 @@ class _Seq:
     feature_layers: tuple[int, ...] = ()  # verifier: layers to return fused features of (SeqAdd)
     step_features: torch.Tensor | None = None  # verifier: [rows, F] of the last verify, from its start
     prompt_len: int = 0  # tokens[:prompt_len] is the prompt, the rest generated (penalties, grammar)
-    grammar: GrammarState | None = None  # verifier: the sequence's matcher (specsplit.sampling.grammar)
+    grammar: GrammarState | DraftGrammar | None = None  # verifier: the sequence's matcher; drafter: DraftGrammar
     prompt_logprobs: int | None = None  # verifier: alternatives per prompt position, until its first verify
 
 
@@ -217,29 +218,54 @@ def chain_proposal(seq_id: str, new: Sequence[int], q_x: Sequence[float] | None,
     return Proposal(seq_id, tuple(new), tuple(q_x) if q_x is not None else None)
 
 
-def draft_grammar(grammars: GrammarCompiler | None, seq_id: str, params: SamplingParams) -> GrammarState | None:
-    """A drafter's matcher for a request's grammar (best effort: None without a compiler, without
-    a grammar, or where it does not compile here; the verifier then cuts the drafts)."""
+class DraftGrammar:
+    """A drafter's matcher for one sequence's grammar, best effort and never waited for.
+
+    A drafter answers within the step's deadline (a remote one: about a verify's time), and a
+    grammar's first compile takes far longer (the tokenizer's table on the first one, then each
+    new schema: tens of ms to seconds). So the compile runs on the compiler's threads and the
+    sequence drafts unmasked until it is done; from then on its drafts are masked (the matcher
+    takes the output so far at its first mask). A grammar that does not compile here, or a chain
+    the matcher refuses (a lookup's drafts), is drafted unmasked: the verifier cuts."""
+
+    def __init__(self, grammars: GrammarCompiler, seq_id: str, params: SamplingParams):
+        self.seq_id = seq_id
+        self.vocab_size = grammars.vocab_size
+        self.state: GrammarState | None = None
+        self.pending: Future | None = grammars.submit(params.grammar)
+
+    def _ready(self) -> GrammarState | None:
+        if self.state is None and self.pending is not None and self.pending.done():
+            future, self.pending = self.pending, None
+            try:
+                self.state = GrammarState(future.result(), self.vocab_size)
+            except Exception as e:  # noqa: BLE001 - GrammarError, or a tokenizer that does not load here
+                log.info("drafter: sequence %r drafts without its grammar's mask: %s", self.seq_id, e)
+        return self.state
+
+    def mask(self, generated: Sequence[int]) -> torch.Tensor | None:
+        """The bitmask [1, W] of the tokens the grammar allows after `generated` (the output and the
+        chain so far); None: not compiled (yet), or a chain the matcher refuses."""
+        state = self._ready()
+        if state is None:
+            return None
+        try:
+            state.sync(generated)
+            return state.masks(())[1]
+        except GrammarError:
+            return None
+
+
+def draft_grammar(grammars: GrammarCompiler | None, seq_id: str, params: SamplingParams) -> DraftGrammar | None:
+    """A drafter's matcher for a request's grammar (DraftGrammar; None without a compiler or a grammar)."""
     if grammars is None or params.grammar is None:
         return None
-    try:
-        return grammars.state(params.grammar)
-    except GrammarError as e:
-        log.info("drafter: sequence %r drafts without its grammar's mask: %s", seq_id, e)
-        return None
+    return DraftGrammar(grammars, seq_id, params)
 
 
-def draft_mask(grammar: GrammarState | None, generated: Sequence[int]) -> torch.Tensor | None:
-    """The bitmask [1, W] of the tokens a drafter's grammar allows after `generated` (the output and
-    the chain so far); None: no grammar, or a chain the matcher refuses (e.g. a lookup's drafts),
-    drafted unmasked this time."""
-    if grammar is None:
-        return None
-    try:
-        grammar.sync(generated)
-        return grammar.masks(())[1]
-    except GrammarError:
-        return None
+def draft_mask(grammar: DraftGrammar | None, generated: Sequence[int]) -> torch.Tensor | None:
+    """DraftGrammar.mask (None: no grammar; drafted unmasked this time)."""
+    return None if grammar is None else grammar.mask(generated)
 
 
 def fetch_q_rows(get, fetch: Sequence[RowRequest]) -> list[QRow]:
@@ -729,8 +755,9 @@ class DraftEngine(_EngineBase, DrafterTraits):
     # compiler (the builders share the verifier's, or give the service its own) its grammar's mask,
     # so its drafts follow the target's rules and fewer are rejected or cut; q is the distribution
     # the draft was drawn from (rejection sampling stays exact whatever q is). The mask is best
-    # effort: without a compiler, or where it cannot follow (a grammar that does not compile here,
-    # a chain with tokens outside it), the drafter drafts unmasked and the verifier cuts.
+    # effort: without a compiler, until a grammar is compiled (DraftGrammar: never waited for), or
+    # where it cannot follow (a grammar that does not compile here, a chain with tokens outside
+    # it), the drafter drafts unmasked and the verifier cuts.
     grammars: GrammarCompiler | None = None
 
     def add(self, seqs: Sequence[SeqAdd]) -> None:

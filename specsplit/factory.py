@@ -15,6 +15,7 @@ Each returns the MemoryPlan it sized with; MemoryPlan.to_dict() is what GetServe
 """
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field, replace
 from typing import Callable, NamedTuple
@@ -74,6 +75,8 @@ def _feature_drafter(cfg: EngineConfig, spec: SpecConfig, embedding=None, num_ta
                      plan: MemoryPlan | None = None) -> FeatureDrafter:
     """An EAGLE-3 head (its weights recorded in the plan's drafter row), calibrated for the K policy."""
     drafter = load_feature_drafter(cfg.model, cfg.max_model_len, cfg.device, cfg.dtype, embedding, num_target_layers)
+    if embedding is None:  # not colocated (a drafter service): its own compiler, in the target's vocabulary
+        drafter.grammars = feature_grammars(cfg.model)
     if plan is not None and DRAFTER in plan.services:
         plan.services[DRAFTER].weights_bytes = tensor_storage_bytes(drafter.head)
         plan.services[DRAFTER].dtype = str(cfg.dtype).replace("torch.", "")
@@ -137,6 +140,28 @@ def grammar_compiler(tokenizer, config, timeout_s: float | None = None) -> Gramm
     timeout_s: --grammar-timeout (None: the default)."""
     return GrammarCompiler(tokenizer, config.vocab_size, tuple(config.eos_token_ids),
                            **({} if timeout_s is None else {"timeout_s": timeout_s}))
+
+
+def feature_grammars(head: str, timeout_s: float | None = None) -> GrammarCompiler | None:
+    """The compiler an EAGLE-3 head masks its drafts with where it has no verifier beside it (a
+    drafter service): the head drafts in its target's vocabulary, so grammars compile with the
+    target's tokenizer and config, read from the head's `specsplit_base_model` (the config now, the
+    tokenizer when a grammar first comes, as the verifier service does). None, logged, where the
+    base model cannot be read: the head drafts unmasked and the verifier cuts."""
+    from specsplit.feature_drafter import base_model
+    from specsplit.models.loader import hf_dir_for, model_config_from_hf
+
+    try:
+        base = base_model(head)
+        if not base:
+            raise ValueError("its config.json names no specsplit_base_model")
+        hf_dir = hf_dir_for(base, show_progress=False)
+        config = model_config_from_hf(json.loads((hf_dir / "config.json").read_text()))
+    except Exception as e:  # noqa: BLE001 - best effort: the mask is an optimization on a drafter
+        log.warning("feature drafter %s: no structured-output compiler (drafts unmasked, the verifier cuts): %s",
+                    head, e)
+        return None
+    return grammar_compiler(lambda: load_tokenizer(hf_dir), config, timeout_s)
 
 
 def plan_memory(target: EngineConfig, draft: EngineConfig | None = None, spec: SpecConfig = SpecConfig(),
@@ -346,6 +371,9 @@ def _build_colocated_tp(target: EngineConfig, draft: EngineConfig | None, spec: 
                 drafter = lookup_drafter(base.model, spec, loaded.config.vocab_size, target.max_model_len)
             else:
                 drafter, d_plan = draft_engine_and_plan(draft, spec, show_progress, allocate=True, vocab_size=loaded.config.vocab_size)
+                model = getattr(drafter, "model", drafter)  # MODEL+ngram: the model part
+                if isinstance(model, (DraftEngine, FeatureDrafter)) and getattr(verifier, "grammars", None) is not None:
+                    model.grammars = verifier.grammars  # drafts from the grammar's mask too (one compiler)
         services = dict(t_plan.services)
         if d_plan is not None:
             services[DRAFTER] = d_plan.services[DRAFTER]

@@ -25,9 +25,11 @@ Drafts are drawn from q = the head's distribution over its draft vocabulary (the
 outside it get q = 0) under the request's temperature / top-k / top-p, with the same keyed random
 numbers and coupled sampling as the model drafter, so rejection sampling stays lossless.
 
-Structured output: with a compiler (`grammars`; colocated, the verifier's), a sequence with a
-grammar drafts from the head's logits masked by its matcher after the tokens and the chain so far
-(q is that masked distribution, so rejection sampling stays exact), as the model drafter does: its
+Structured output: with a compiler (`grammars`; colocated, the verifier's; a drafter service, its
+own over the target's tokenizer: factory.feature_grammars), a sequence with a grammar, once it is
+compiled (engine.DraftGrammar: never waited for), drafts from the head's logits masked by its
+matcher after the tokens and the chain so far (q is that masked distribution, so rejection
+sampling stays exact), as the model drafter does: its
 drafts stay in the grammar instead of being cut by the verifier. Where the grammar allows no token
 of the draft vocabulary, the chain ends there; where the matcher cannot follow (a chain it refuses),
 the draft is unmasked and the verifier cuts. Such sequences draft chains, no tree leaves.
@@ -43,12 +45,12 @@ import torch
 import torch.nn.functional as F
 
 from specsplit.draft_tree import runner_up, tree_eligible
-from specsplit.engine import (EngineError, chain_proposal, check_propose, check_seq_adds, draft_grammar, draft_mask,
-                              fetch_q_rows, ingest_chain, sample_drafts)
+from specsplit.engine import (DraftGrammar, EngineError, chain_proposal, check_propose, check_seq_adds, draft_grammar,
+                              draft_mask, fetch_q_rows, ingest_chain, sample_drafts)
 from specsplit.kv.meters import tensor_storage_bytes
 from specsplit.models.eagle3 import DraftCache, Eagle3Head
 from specsplit.protocols import DrafterTraits, Proposal, ProposeRequest, QRow, RowRequest, SeqAdd
-from specsplit.sampling.grammar import GrammarCompiler, GrammarState, apply_masks
+from specsplit.sampling.grammar import GrammarCompiler, apply_masks
 from specsplit.sampling.params import SamplingParams
 from specsplit.sampling.rng import SeqRandom
 
@@ -67,7 +69,7 @@ class _FSeq:
     drafted: list[int] = field(default_factory=list)  # the chain of drafts past `tokens`
     q_rows: list = field(default_factory=list)  # per chain draft: [V] q row (sampled) or None
     prompt_len: int = 0  # tokens before the output (a resumed sequence's generated ones excluded)
-    grammar: GrammarState | None = None  # the request's matcher (structured output), with a compiler
+    grammar: DraftGrammar | None = None  # the request's matcher (structured output), with a compiler
 
 
 class FeatureDrafter(DrafterTraits):
@@ -250,21 +252,30 @@ class FeatureDrafter(DrafterTraits):
         return fetch_q_rows(self._get, fetch)
 
 
+def base_model(name: str) -> str | None:
+    """The model argument of the target an EAGLE-3 head (alias or directory) was trained for: its
+    config.json's `specsplit_base_model` (None where it has none). The head drafts in that target's
+    vocabulary, so a drafter service reads the target's embedding, tokenizer and config from it."""
+    import json
+
+    from specsplit.models.registry import resolve_model_path
+
+    raw = json.loads((resolve_model_path(name) / "config.json").read_text())
+    return raw.get("specsplit_base_model") or None
+
+
 def load_feature_drafter(name: str, max_model_len: int, device: str | torch.device = "cpu",
                          dtype: torch.dtype = torch.float32, embedding: torch.Tensor | None = None,
                          num_target_layers: int | None = None) -> FeatureDrafter:
     """An EAGLE-3 head by alias or directory. embedding: the target's token embedding [V, H]
     (colocated: the loaded target's; None: read from the head's `specsplit_base_model`)."""
-    import json
-
     from specsplit.models.eagle3 import load_eagle3
     from specsplit.models.loader import TensorSource, hf_dir_for
     from specsplit.models.registry import resolve_model_path
 
     path = resolve_model_path(name)
-    raw = json.loads((path / "config.json").read_text())
     if embedding is None:
-        base = raw.get("specsplit_base_model")
+        base = base_model(name)
         if not base:
             raise ValueError(f"{name}: an EAGLE-3 head needs its target's token embedding; run it colocated with the "
                              "target, or add \"specsplit_base_model\" (the target's model argument) to its config.json")

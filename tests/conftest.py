@@ -40,12 +40,14 @@ def tiny_llama_logits(hf_target):
 
 
 @pytest.fixture(scope="session")
-def tiny_head(tmp_path_factory):
+def tiny_head(tmp_path_factory, tiny_llama):
     """An EAGLE-3 head for tiny_llama in the public checkpoint format, over a draft vocabulary
-    subset (tokens 3..199 of 256)."""
+    subset (tokens 3..199 of 256); its config names tiny_llama as `specsplit_base_model`, so a
+    drafter service (not colocated) reads the target's embedding, tokenizer and config there."""
     from tests.helpers.eagle3 import write_tiny_head
 
-    return write_tiny_head(tmp_path_factory.mktemp("tiny-eagle3"), torch.arange(3, 200))
+    return write_tiny_head(tmp_path_factory.mktemp("tiny-eagle3"), torch.arange(3, 200),
+                           extra_json={"specsplit_base_model": str(tiny_llama)})
 
 
 @pytest.fixture(scope="session")

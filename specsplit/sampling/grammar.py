@@ -149,23 +149,34 @@ class GrammarCompiler:
                 self._cached_bytes -= _size(old)
         return compiled
 
-    def compile(self, g: Grammar, timeout_s: float | None = None):
-        """The compiled grammar (cached), or GrammarError: invalid, or not compiled within the
-        bound (it goes on compiling in the background and lands in the cache if it finishes)."""
+    def submit(self, g: Grammar) -> Future:
+        """The grammar's compile, not waited for: a done future when it is cached, else the compile
+        in flight (started on the compiler's threads when none is). Its result() is the compiled
+        grammar, or raises GrammarError (invalid, does not compile)."""
         try:
             g.validate()
         except ValueError as e:
-            raise GrammarError(str(e)) from None
+            future = Future()
+            future.set_exception(GrammarError(str(e)))
+            return future
         key = g.key
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
-                return self._cache[key]
+                future = Future()
+                future.set_result(self._cache[key])
+                return future
             future = self._inflight.get(key)
             if future is None:
                 future = self._pool.submit(self._compile_and_cache, key, g)
                 self._inflight[key] = future
                 self.compiles += 1
+        return future
+
+    def compile(self, g: Grammar, timeout_s: float | None = None):
+        """The compiled grammar (cached), or GrammarError: invalid, or not compiled within the
+        bound (it goes on compiling in the background and lands in the cache if it finishes)."""
+        future = self.submit(g)
         bound = self.timeout_s if timeout_s is None else timeout_s
         try:
             return future.result(timeout=bound)

@@ -165,3 +165,127 @@ def test_eagle3_head_drafts_inside_the_grammar(tiny_llama, tiny_llama_logits, re
         f = constrained_next_logits(tiny_llama_logits, params, len(req.prompt_token_ids), references["compiler"])
         assert_greedy_equal_or_tie(r, f, s.output, prompt=req.prompt_token_ids)
     colo.close()
+
+
+def _service_engine(role: str, model, *flags: str):
+    """An engine built as `specsplit drafter` / `specsplit verifier` builds it (rpc/build.py, its
+    own process's way: a drafter with no verifier beside it)."""
+    from specsplit.cli import build_parser
+    from specsplit.rpc.build import build_engine
+
+    args = build_parser().parse_args([role, "--model", str(model), "--max-model-len", str(MAX_LEN), "--max-num-seqs", "8",
+                                      "--num-speculative-tokens", "3", "--k-policy", "fixed", *flags])
+    return build_engine(args, role).engine
+
+
+def _split_run(tiny_llama, draft: str, reqs, masked: bool):
+    """The drafter service's feature drafter (its own compiler) and the verifier service's engine
+    behind one SpecDecoder: (states, the head's chains after each propose, its draft grammars seen)."""
+    from specsplit.factory import colocated_decoder
+    from specsplit.feature_drafter import FeatureDrafter
+
+    drafter = _service_engine("drafter", draft, "--draft-stop", "0")
+    fd = getattr(drafter, "model", drafter)  # MODEL+ngram: the head behind the lookup
+    assert isinstance(fd, FeatureDrafter) and fd.grammars is not None
+    if masked:  # compiled before the run (a drafter never waits for a compile: unmasked until it is done)
+        fd.grammars.compile(GRAMMAR)
+    else:
+        fd.grammars = None  # as before: the drafter service's head had no compiler
+    target = _service_engine("verifier", tiny_llama)
+    chains, with_grammar = [], []
+    propose = fd.propose
+
+    def recording(preqs):
+        out = propose(preqs)
+        for r in preqs:
+            s = fd.seqs[r.seq_id]
+            chains.append(s.tokens[s.prompt_len:] + s.drafted)
+            with_grammar.append(s.grammar is not None)
+        return out
+
+    fd.propose = recording
+    decoder = colocated_decoder(target, drafter, SpecConfig(num_speculative_tokens=3, k_policy="fixed"), MAX_LEN)
+    states = Scheduler(decoder, tuple(target.runner.model.cfg.eos_token_ids), 8).run(reqs)
+    assert fd.num_running == 0 and target.num_running == 0
+    return states, chains, with_grammar
+
+
+@pytest.mark.parametrize("vocab, hybrid", [(256, False), (256, True), (200, False)],
+                         ids=["full-vocab", "full-vocab+ngram", "subset-vocab"])
+def test_eagle3_head_on_a_drafter_service_drafts_inside_the_grammar(tiny_llama, tiny_llama_logits, tiny_head, references,
+                                                                     tmp_path, vocab, hybrid):
+    """A drafter service's EAGLE-3 head (no verifier beside it) compiles the request's grammar with
+    its target's tokenizer and config (the head's `specsplit_base_model`): the grammar reaches it
+    through the drafter's add (behind prompt lookup too), every chain it drafts is one the grammar
+    takes, and the output is still the constrained target's. Acceptance with and without the
+    drafter's mask is printed (docs/structured-output.md), not asserted."""
+    from tests.helpers.eagle3 import write_tiny_head
+
+    head = tiny_head if vocab == 200 else write_tiny_head(tmp_path, torch.arange(3, vocab),
+                                                          extra_json={"specsplit_base_model": str(tiny_llama)})
+    params = CASES["grammar"]
+    reqs = _requests(params)
+    draft = f"{head}+ngram" if hybrid else str(head)
+    states, chains, with_grammar = _split_run(tiny_llama, draft, reqs, masked=True)
+    assert sum(s.proposed for s in states) > 0 and chains and all(with_grammar)
+    for chain in chains:
+        references["compiler"].state(params.grammar).sync(chain)  # GrammarError on a draft outside it
+    for req, s, r in zip(reqs, states, references["grammar"]):
+        f = constrained_next_logits(tiny_llama_logits, params, len(req.prompt_token_ids), references["compiler"])
+        assert_greedy_equal_or_tie(r, f, s.output, prompt=req.prompt_token_ids)
+    unmasked, _, _ = _split_run(tiny_llama, draft, _requests(params), masked=False)
+    print(f"\n{draft.rsplit('/', 1)[-1]}: drafter-side mask {sum(s.accepted for s in states)}/"
+          f"{sum(s.proposed for s in states)} drafts accepted, unmasked "
+          f"{sum(s.accepted for s in unmasked)}/{sum(s.proposed for s in unmasked)}")
+
+
+def test_feature_grammars_without_a_base_model(tiny_llama, tmp_path, caplog):
+    """A head whose config names no base model (or one that cannot be read) gets no compiler: one
+    line in the log, drafted unmasked as before (load_feature_drafter itself needs the embedding,
+    so the drafter service cannot load such a head; this is the compiler's own fallback)."""
+    from specsplit.factory import feature_grammars
+    from tests.helpers.eagle3 import write_tiny_head
+
+    bare = write_tiny_head(tmp_path / "bare", torch.arange(3, 256))
+    gone = write_tiny_head(tmp_path / "gone", torch.arange(3, 256), extra_json={"specsplit_base_model": str(tmp_path / "nope")})
+    with caplog.at_level("WARNING", logger="specsplit.factory"):
+        assert feature_grammars(str(bare)) is None and feature_grammars(str(gone)) is None
+    assert sum("no structured-output compiler" in r.message for r in caplog.records) == 2
+    compiler = feature_grammars(str(write_tiny_head(tmp_path / "ok", torch.arange(3, 256),
+                                                    extra_json={"specsplit_base_model": str(tiny_llama)})))
+    assert compiler is not None and compiler.vocab_size == 256 and compiler._compiler is None  # the tokenizer: on first use
+    compiler.state(CASES["grammar"].grammar)
+    assert compiler.compiles == 1
+
+
+def test_a_drafter_never_waits_for_a_compile(tiny_llama, tiny_head):
+    """A drafter answers within the step's deadline, and a first compile (here: the tokenizer's
+    table, held back until the test lets it load) takes longer: the sequence is added at once and
+    drafts unmasked, then masked once its grammar is compiled; a grammar that does not compile is
+    drafted unmasked (logged), never an error."""
+    import threading
+
+    from specsplit.engine import draft_grammar
+    from specsplit.factory import grammar_compiler
+    from specsplit.models.loader import load_tokenizer, model_config_from_hf
+    import json
+
+    gate = threading.Event()
+
+    def slow_tokenizer():
+        gate.wait(30)
+        return load_tokenizer(tiny_llama)
+
+    config = model_config_from_hf(json.loads((tiny_llama / "config.json").read_text()))
+    compiler = grammar_compiler(slow_tokenizer, config)
+    g = draft_grammar(compiler, "s", CASES["grammar"])
+    assert g.mask([]) is None and g.pending is not None  # not compiled yet: unmasked, nothing waited for
+    gate.set()
+    g.pending.result(timeout=30)
+    mask = g.mask([3 + 5])  # w5 (a small word): a large one must follow
+    assert mask is not None and g.state is not None
+    allowed = {t for t in range(256) if (int(mask[0, t // 32]) >> (t % 32)) & 1}
+    assert 3 + 210 in allowed and 3 + 5 not in allowed
+    bad = draft_grammar(compiler, "b", SamplingParams(grammar=Grammar("regex", "(w1")))
+    bad.pending.exception(timeout=30)
+    assert bad.mask([]) is None and bad.state is None and bad.pending is None

@@ -226,6 +226,8 @@ def test_tp2_colocated_k_policy_auto_is_calibrated_across_the_group(tiny_llama, 
         assert colo.target.step_costs is not None and colo.target.step_costs.verify
         assert colo.decoder.policy is not None
         assert colo.decoder.policy.costs.verify == colo.target.step_costs.verify
+        # the draft masks with the verifier's compiler (one compiler, one cache), as on one device
+        assert colo.target.grammars is not None and colo.drafter.grammars is colo.target.grammars
         (state,) = Scheduler(colo.decoder, colo.eos_token_ids, 4).run(
             [GenerationRequest("r0", (5, 6, 7, 5, 6, 7, 5, 6), 12, ignore_eos=True)])
         assert len(state.output) == 12
