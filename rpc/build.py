@@ -15,7 +15,6 @@ from specsplit.defaults import DEFAULT_K_NGRAM, DEFAULT_K_POLICY, engine_config
 from specsplit.config import EngineConfig, SpecConfig
 from specsplit.factory import build_draft_engine, build_target_engine
 from specsplit.engine import DraftEngine
-from specsplit.feature_drafter import FeatureDrafter
 from specsplit.factory import grammar_compiler, without_lookup
 from specsplit.models.loader import hf_dir_for, load_tokenizer
 
@@ -95,9 +94,6 @@ def build_engine(args, role: str) -> BuiltEngine:
     else:
         engine, plan = build_draft_engine(cfg, spec)
     plan_dict = plan.to_dict() if plan is not None else static_plan(engine, cfg, lookahead)
-    feature = getattr(engine, "model", engine)  # an EAGLE-3 head (+ngram) compiles in its target's vocabulary
-    if isinstance(feature, FeatureDrafter) and feature.grammars is not None and getattr(args, "grammar_timeout", None):
-        feature.grammars.timeout_s = args.grammar_timeout
     runner = getattr(engine, "runner", None)
     if runner is None:  # the n-gram proposer, a feature drafter
         return BuiltEngine(engine, cfg, lookahead, 0, (), "", plan_dict)
@@ -106,8 +102,8 @@ def build_engine(args, role: str) -> BuiltEngine:
     model_drafter = getattr(engine, "model", engine)  # MODEL+ngram: the model part
     if role == "drafter" and isinstance(model_drafter, DraftEngine):  # masks its drafts (best effort)
         draft_dir = hf_dir_for(without_lookup(cfg)[0].model, show_progress=False)  # the model, not MODEL+ngram
-        model_drafter.grammars = grammar_compiler(lambda: load_tokenizer(draft_dir), mcfg,
-                                                  getattr(args, "grammar_timeout", None))
+        # (no --grammar-timeout: a drafter never waits for a compile, engine.DraftGrammar)
+        model_drafter.grammars = grammar_compiler(lambda: load_tokenizer(draft_dir), mcfg)
     if role == "verifier" and hasattr(engine, "grammars"):  # loads the tokenizer when a grammar first comes
         engine.grammars = grammar_compiler(lambda: load_tokenizer(tokenizer_dir), mcfg,
                                            getattr(args, "grammar_timeout", None))

@@ -142,7 +142,7 @@ def grammar_compiler(tokenizer, config, timeout_s: float | None = None) -> Gramm
                            **({} if timeout_s is None else {"timeout_s": timeout_s}))
 
 
-def feature_grammars(head: str, timeout_s: float | None = None) -> GrammarCompiler | None:
+def feature_grammars(head: str) -> GrammarCompiler | None:
     """The compiler an EAGLE-3 head masks its drafts with where it has no verifier beside it (a
     drafter service): the head drafts in its target's vocabulary, so grammars compile with the
     target's tokenizer and config, read from the head's `specsplit_base_model` (the config now, the
@@ -161,7 +161,7 @@ def feature_grammars(head: str, timeout_s: float | None = None) -> GrammarCompil
         log.warning("feature drafter %s: no structured-output compiler (drafts unmasked, the verifier cuts): %s",
                     head, e)
         return None
-    return grammar_compiler(lambda: load_tokenizer(hf_dir), config, timeout_s)
+    return grammar_compiler(lambda: load_tokenizer(hf_dir), config)  # no timeout: a drafter never waits
 
 
 def plan_memory(target: EngineConfig, draft: EngineConfig | None = None, spec: SpecConfig = SpecConfig(),
