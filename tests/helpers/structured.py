@@ -3,6 +3,7 @@ logit_bias and a grammar: what certifies a greedy near-tie of the *constrained* 
 (tests/helpers/greedy.py)."""
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Sequence
 
 from specsplit.sampling.grammar import GrammarCompiler, apply_masks
@@ -45,3 +46,26 @@ def serve_smollm_http(root, max_model_len: int, target: str = "smollm2-135m", ma
         yield proc
     finally:
         assert proc.stop() == 0, proc.log_tail()
+
+
+@contextmanager
+def constrained_target(model, max_tokens: int):
+    """Target-only greedy generation in-process, with whatever penalties and grammar the params
+    carry: yields (run(ids, params) -> output tokens, the target's grammar compiler)."""
+    from specsplit.config import EngineConfig, SpecConfig
+    from specsplit.factory import build_colocated
+    from specsplit.request import GenerationRequest
+    from specsplit.scheduler import Scheduler
+
+    colo = build_colocated(EngineConfig(model=str(model), max_model_len=256, max_prefill_tokens=128, max_num_seqs=1),
+                           None, SpecConfig(num_speculative_tokens=0), show_progress=False)
+
+    def run(ids, params):
+        (state,) = Scheduler(colo.decoder, colo.eos_token_ids, 1).run([GenerationRequest("ref", tuple(ids), max_tokens,
+                                                                                        params=params)])
+        return state.output
+
+    try:
+        yield run, colo.target.grammars
+    finally:
+        colo.close()

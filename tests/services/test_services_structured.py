@@ -21,21 +21,10 @@ BIAS = {12: 3.0, 13: -100.0}
 @pytest.fixture(scope="module")
 def constrained_reference(tiny_llama):
     """Target-only greedy tokens with the grammar and penalties, and the compiler (in-process)."""
-    from specsplit.config import EngineConfig, SpecConfig
-    from specsplit.factory import build_colocated
-    from specsplit.request import GenerationRequest
-    from specsplit.scheduler import Scheduler
+    from tests.helpers.structured import constrained_target
 
-    colo = build_colocated(EngineConfig(model=str(tiny_llama), max_model_len=256, max_prefill_tokens=128, max_num_seqs=1),
-                           None, SpecConfig(num_speculative_tokens=0), show_progress=False)
-
-    def run(ids, params):
-        (state,) = Scheduler(colo.decoder, colo.eos_token_ids, 1).run([GenerationRequest("ref", tuple(ids), MAX_TOKENS,
-                                                                                        params=params)])
-        return state.output
-
-    yield run, colo.target.grammars
-    colo.close()
+    with constrained_target(tiny_llama, MAX_TOKENS) as ref:
+        yield ref
 
 
 def _params() -> SamplingParams:

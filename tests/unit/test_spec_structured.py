@@ -146,7 +146,17 @@ def test_eagle3_head_drafts_inside_the_grammar(tiny_llama, tiny_llama_logits, re
                            SpecConfig(num_speculative_tokens=3, k_policy="fixed"), show_progress=False)
     fd = colo.drafter
     assert fd.grammars is colo.target.grammars
-    chains = []
+    chains, _ = _record_chains(fd)
+    states = Scheduler(colo.decoder, colo.eos_token_ids, 8).run(reqs)
+    assert sum(s.proposed for s in states) > 0 and chains
+    _assert_inside_the_grammar_and_exact(chains, reqs, states, params, references, tiny_llama_logits)
+    colo.close()
+
+
+def _record_chains(fd) -> tuple[list, list]:
+    """Wraps a feature drafter's propose: (each proposed sequence's output + chain after the call,
+    whether it had a draft grammar), filled as it drafts."""
+    chains, with_grammar = [], []
     propose = fd.propose
 
     def recording(preqs):
@@ -154,17 +164,19 @@ def test_eagle3_head_drafts_inside_the_grammar(tiny_llama, tiny_llama_logits, re
         for r in preqs:
             s = fd.seqs[r.seq_id]
             chains.append(s.tokens[s.prompt_len:] + s.drafted)
+            with_grammar.append(s.grammar is not None)
         return out
 
     fd.propose = recording
-    states = Scheduler(colo.decoder, colo.eos_token_ids, 8).run(reqs)
-    assert sum(s.proposed for s in states) > 0 and chains
+    return chains, with_grammar
+
+
+def _assert_inside_the_grammar_and_exact(chains, reqs, states, params, references, next_logits):
     for chain in chains:
         references["compiler"].state(params.grammar).sync(chain)  # GrammarError on a draft outside it
     for req, s, r in zip(reqs, states, references["grammar"]):
-        f = constrained_next_logits(tiny_llama_logits, params, len(req.prompt_token_ids), references["compiler"])
+        f = constrained_next_logits(next_logits, params, len(req.prompt_token_ids), references["compiler"])
         assert_greedy_equal_or_tie(r, f, s.output, prompt=req.prompt_token_ids)
-    colo.close()
 
 
 def _service_engine(role: str, model, *flags: str):
@@ -192,18 +204,7 @@ def _split_run(tiny_llama, draft: str, reqs, masked: bool):
     else:
         fd.grammars = None  # as before: the drafter service's head had no compiler
     target = _service_engine("verifier", tiny_llama)
-    chains, with_grammar = [], []
-    propose = fd.propose
-
-    def recording(preqs):
-        out = propose(preqs)
-        for r in preqs:
-            s = fd.seqs[r.seq_id]
-            chains.append(s.tokens[s.prompt_len:] + s.drafted)
-            with_grammar.append(s.grammar is not None)
-        return out
-
-    fd.propose = recording
+    chains, with_grammar = _record_chains(fd)
     decoder = colocated_decoder(target, drafter, SpecConfig(num_speculative_tokens=3, k_policy="fixed"), MAX_LEN)
     states = Scheduler(decoder, tuple(target.runner.model.cfg.eos_token_ids), 8).run(reqs)
     assert fd.num_running == 0 and target.num_running == 0
@@ -228,11 +229,7 @@ def test_eagle3_head_on_a_drafter_service_drafts_inside_the_grammar(tiny_llama, 
     draft = f"{head}+ngram" if hybrid else str(head)
     states, chains, with_grammar = _split_run(tiny_llama, draft, reqs, masked=True)
     assert sum(s.proposed for s in states) > 0 and chains and all(with_grammar)
-    for chain in chains:
-        references["compiler"].state(params.grammar).sync(chain)  # GrammarError on a draft outside it
-    for req, s, r in zip(reqs, states, references["grammar"]):
-        f = constrained_next_logits(tiny_llama_logits, params, len(req.prompt_token_ids), references["compiler"])
-        assert_greedy_equal_or_tie(r, f, s.output, prompt=req.prompt_token_ids)
+    _assert_inside_the_grammar_and_exact(chains, reqs, states, params, references, tiny_llama_logits)
     unmasked, _, _ = _split_run(tiny_llama, draft, _requests(params), masked=False)
     print(f"\n{draft.rsplit('/', 1)[-1]}: drafter-side mask {sum(s.accepted for s in states)}/"
           f"{sum(s.proposed for s in states)} drafts accepted, unmasked "
