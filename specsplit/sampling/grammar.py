@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
 from typing import Sequence
@@ -130,12 +131,15 @@ class GrammarCompiler:
 
     def _compile_and_cache(self, key, g: Grammar):
         """On a compile thread: compile, then cache (before the waiting caller wakes up)."""
+        t0 = time.perf_counter()
         try:
             compiled = self._compile_now(g)
         except BaseException:
             with self._lock:
                 self._inflight.pop(key, None)
             raise
+        # once per distinct grammar (then cached); the first also loads the tokenizer's table
+        log.info("grammar compiled: %s of %d characters in %.2fs", g.kind, len(g.text), time.perf_counter() - t0)
         with self._lock:
             self._inflight.pop(key, None)
             self._cache[key] = compiled
