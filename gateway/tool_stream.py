@@ -8,7 +8,7 @@ import json
 import logging
 import re
 
-from specsplit.gateway.tools import ToolPlan, call_id, json_or_none, parse_calls
+from specsplit.gateway.tools import ToolPlan, arguments_text, call_id, parse_calls
 
 log = logging.getLogger(__name__)
 
@@ -247,10 +247,8 @@ class _CallReader:
             start, end = members[self.key]
             if start is not None and out[start] == '"':
                 if end is not None:  # arguments as JSON text: a JSON object inside
-                    args = json_or_none(json.loads(out[start:end]))
-                    if isinstance(args, dict):
-                        self.parsed = json.dumps(args, ensure_ascii=False)
-                    else:
+                    self.parsed = arguments_text(json.loads(out[start:end]))
+                    if self.parsed is None:
                         self.ok = False
             elif start is not None and out[start] != "{":
                 self.ok = False

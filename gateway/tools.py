@@ -35,15 +35,14 @@ ids "call_<24 hex>", `arguments` as a JSON string, the remaining text as `conten
 none; its trailing whitespace dropped, and its leading whitespace when the answer opens with a
 call) and finish_reason "tool_calls" (a stopped answer; a cut one keeps "length").
 
-Streaming: gateway/tool_stream.py's ToolCallStream reads the answer as it comes and sends what parse_calls will return as
-soon as the text decides it: content deltas, and for each call a header then its arguments' JSON
-text in pieces (its notes say what is held back and when).
+Streaming: gateway/tool_stream.py's ToolCallStream reads the answer as it comes and sends what
+parse_calls will return as soon as the text decides it: content deltas, and for each call a header
+then its arguments' JSON text in pieces (its notes say what is held back and when).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import re
 import uuid
 
@@ -53,9 +52,8 @@ MAX_TOOLS = 64
 MAX_TOOL_NAME_CHARS = 64  # OpenAI's rule: a-z, A-Z, 0-9, underscores and dashes, at most 64
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 TOOL_CHOICES = ("none", "auto", "required")
-log = logging.getLogger(__name__)
 
-__all__ = ["MAX_TOOLS", "Function", "ToolError", "ToolPlan", "call_id", "finish_reason", "functions_of", "json_or_none",
+__all__ = ["MAX_TOOLS", "Function", "ToolError", "ToolPlan", "arguments_text", "call_id", "finish_reason", "functions_of",
            "message_calls", "normalize_calls", "parse_calls", "plan_tools", "render_messages", "template_messages"]
 
 
@@ -290,19 +288,21 @@ def call_id() -> str:
 def _call(obj, names: frozenset[str]) -> dict | None:
     if not isinstance(obj, dict) or obj.get("name") not in names:
         return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except ValueError:
-            return None
-    if not isinstance(args, dict):
+    arguments = arguments_text(obj.get("arguments", obj.get("parameters", {})))
+    if arguments is None:
         return None
-    return {"id": call_id(), "type": "function",
-            "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
+    return {"id": call_id(), "type": "function", "function": {"name": obj["name"], "arguments": arguments}}
 
 
-def json_or_none(text: str):
+def arguments_text(args) -> str | None:
+    """A call's `arguments` as parse_calls gives them: the object (or a JSON string holding one) as
+    JSON text; None where they are not an object."""
+    if isinstance(args, str):
+        args = _json(args)
+    return json.dumps(args, ensure_ascii=False) if isinstance(args, dict) else None
+
+
+def _json(text: str):
     try:
         return json.loads(text)
     except ValueError:
@@ -314,14 +314,14 @@ def parse_calls(text: str, plan: ToolPlan) -> tuple[str | None, list[dict]]:
     if not plan.renders:
         return text, []
     names = frozenset(plan.allowed or [f.name for f in plan.functions])
-    whole = json_or_none(_PYTHON_TAG.sub("", text.strip(), count=1).strip())
+    whole = _json(_PYTHON_TAG.sub("", text.strip(), count=1).strip())
     listed = whole if isinstance(whole, list) and whole else [whole]
     calls = [_call(obj, names) for obj in listed]
     if all(c is not None for c in calls):
         return None, calls
     calls, rest, last = [], [], 0
     for m in _BLOCK.finditer(text):
-        call = _call(json_or_none(m.group(1).strip()), names)
+        call = _call(_json(m.group(1).strip()), names)
         if call is None:
             continue
         calls.append(call)
