@@ -142,6 +142,14 @@ def grammar_compiler(tokenizer, config, timeout_s: float | None = None) -> Gramm
                            **({} if timeout_s is None else {"timeout_s": timeout_s}))
 
 
+def share_grammars(drafter, grammars: GrammarCompiler | None) -> None:
+    """Colocated: the drafter's model part (a DraftEngine or an EAGLE-3 head, behind prompt lookup
+    too) drafts from the grammar's mask with the verifier's compiler (one compiler, one cache)."""
+    model = getattr(drafter, "model", drafter)
+    if grammars is not None and isinstance(model, (DraftEngine, FeatureDrafter)):
+        model.grammars = grammars
+
+
 def feature_grammars(head: str) -> GrammarCompiler | None:
     """The compiler an EAGLE-3 head masks its drafts with where it has no verifier beside it (a
     drafter service): the head drafts in its target's vocabulary, so grammars compile with the
@@ -327,20 +335,17 @@ def build_colocated(
     verifier.grammars = grammar_compiler(tokenizer[0], t.loaded.config)
     drafter = None
     if d is not None:
-        engine = allocate_engine(d, plan.services[DRAFTER], calibrate)
-        if isinstance(engine, DraftEngine):  # drafts from the grammar's mask too (one compiler, one cache)
-            engine.grammars = verifier.grammars
-        drafter = with_lookup(engine, hybrid, spec)
+        drafter = with_lookup(allocate_engine(d, plan.services[DRAFTER], calibrate), hybrid, spec)
     elif draft is not None and is_eagle3(draft.model):
         emb = t.loaded.model.embed_tokens
         # a GGUF target's quantized embedding is shared as the module (no dense fp32 copy)
         embedding = emb if isinstance(emb, QuantEmbedding) else emb.weight
         feature = _feature_drafter(replace(draft, max_model_len=target.max_model_len), spec, embedding,
                                    t.loaded.config.num_layers, plan)
-        feature.grammars = verifier.grammars  # drafts from the grammar's mask too (one compiler, one cache)
         drafter = with_lookup(feature, hybrid, spec)
     elif draft is not None:
         drafter = lookup_drafter(draft.model, spec, t.loaded.config.vocab_size, target.max_model_len)
+    share_grammars(drafter, verifier.grammars)
     decoder = colocated_decoder(verifier, drafter, spec, target.max_model_len)
     return Colocated(decoder, verifier, drafter, t.loaded, d.loaded if d else None, tokenizer[0], plan)
 
@@ -371,9 +376,7 @@ def _build_colocated_tp(target: EngineConfig, draft: EngineConfig | None, spec: 
                 drafter = lookup_drafter(base.model, spec, loaded.config.vocab_size, target.max_model_len)
             else:
                 drafter, d_plan = draft_engine_and_plan(draft, spec, show_progress, allocate=True, vocab_size=loaded.config.vocab_size)
-                model = getattr(drafter, "model", drafter)  # MODEL+ngram: the model part
-                if isinstance(model, (DraftEngine, FeatureDrafter)) and getattr(verifier, "grammars", None) is not None:
-                    model.grammars = verifier.grammars  # drafts from the grammar's mask too (one compiler)
+                share_grammars(drafter, getattr(verifier, "grammars", None))
         services = dict(t_plan.services)
         if d_plan is not None:
             services[DRAFTER] = d_plan.services[DRAFTER]
