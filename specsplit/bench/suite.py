@@ -215,9 +215,18 @@ class Bench:
         # The default configuration: the served draft with the K policy (K <= its default maximum).
         from specsplit.defaults import default_k_for
 
-        policy_k = default_k_for(self.served_draft)
-        policy_colo = build_colocated(self._cfg(a.target, dtype), self._cfg(self.served_draft, dtype),
-                                      SpecConfig(num_speculative_tokens=policy_k, k_policy="auto", draft_stop=DEFAULT_DRAFT_STOP), show_progress=False)
+        policies: dict[str, object] = {}  # policy arm name -> its colocated engines
+
+        def policy_arm(name: str, tree_nodes: int = 0):
+            """A draft's default configuration (the K policy, K <= its default maximum), with trees the
+            calibrated verify cost sizes when tree_nodes > 0."""
+            k = default_k_for(name)
+            arm = f"specsplit colocated {name} policy K<={k}" + (f" tree<={tree_nodes}" if tree_nodes else "")
+            policies[arm] = build_colocated(self._cfg(a.target, dtype), self._cfg(name, dtype),
+                                            SpecConfig(num_speculative_tokens=k, k_policy="auto", tree_nodes=tree_nodes,
+                                                       draft_stop=DEFAULT_DRAFT_STOP), show_progress=False)
+            return colocated_arm(arm, policies[arm], self.new_tokens, None, draft=name, role="policy")
+
         model_draft = draft if draft not in (None, "ngram") else None
         if model_draft is not None:
             self.costs = measure_costs(colos[model_draft], prompts[0], self.ks)
@@ -228,25 +237,10 @@ class Bench:
             if name in tree_colos:
                 arms += [colocated_arm(f"specsplit colocated {name} K={k} tree<={tree}", tree_colos[name],
                                        self.new_tokens, k, draft=name, tree_nodes=tree) for k in self.ks]
-        policy_name = f"specsplit colocated {self.served_draft} policy K<={policy_k}"
-        arms.append(colocated_arm(policy_name, policy_colo, self.new_tokens, None, draft=self.served_draft,
-                                  role="policy"))
-        policies = {policy_name: policy_colo}
-        if tree:  # --tree-nodes: the default configuration with trees the calibrated verify cost sizes
-            tree_policy = build_colocated(self._cfg(a.target, dtype), self._cfg(self.served_draft, dtype),
-                                          SpecConfig(num_speculative_tokens=policy_k, k_policy="auto", tree_nodes=tree,
-                                                     draft_stop=DEFAULT_DRAFT_STOP), show_progress=False)
-            policies[f"{policy_name} tree<={tree}"] = tree_policy
-            arms.append(colocated_arm(f"{policy_name} tree<={tree}", tree_policy, self.new_tokens, None,
-                                      draft=self.served_draft, role="policy"))
-        also_policy = {}  # --also-draft: their default configuration too, interleaved
-        for other in getattr(a, "also_draft", []):
-            colo = build_colocated(self._cfg(a.target, dtype), self._cfg(other, dtype),
-                                   SpecConfig(num_speculative_tokens=default_k_for(other), k_policy="auto", draft_stop=DEFAULT_DRAFT_STOP),
-                                   show_progress=False)
-            also_policy[other] = colo
-            arms.append(colocated_arm(f"specsplit colocated {other} policy K<={default_k_for(other)}", colo,
-                                      self.new_tokens, None, draft=other, role="policy"))
+        arms.append(policy_arm(self.served_draft))
+        if tree:  # --tree-nodes: the default configuration with sized trees too
+            arms.append(policy_arm(self.served_draft, tree))
+        arms += [policy_arm(other) for other in getattr(a, "also_draft", [])]  # their default configuration too
         hf = assistant = None
         if model_draft is not None and not a.no_hf:
             hf, assistant = _hf_models(colos[model_draft], model_draft, parse_dtype(dtype))
@@ -285,7 +279,7 @@ class Bench:
                 if row["arm"].startswith("specsplit colocated") and row.get("draft") == model_draft:
                     row["ratio_vs_best_hf_assisted"] = row["tokens_per_s"] / best_hf["tokens_per_s"]
         del hf, assistant
-        for colo in (base, *policies.values(), *colos.values(), *tree_colos.values(), *also_policy.values()):
+        for colo in (base, *policies.values(), *colos.values(), *tree_colos.values()):
             colo.close()
         del base, colos
         if self.split_ks:
