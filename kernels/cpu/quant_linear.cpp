@@ -62,6 +62,20 @@ inline void row_scales(const uint8_t* row, int64_t nb, float* out) {
   for (; i < n; ++i) out[i] = half_to_float(h + 2 * i);
 }
 
+
+// Software prefetch. A decode step streams ~96 MB of blocks through these loops once each, and the
+// hardware prefetcher alone left them waiting on memory: all 121 linears of SmolLM2-135M Q4_1 at one
+// x row took 19-20 ms in model order, 12.8 ms when each weight was re-run hot (Intel Xeon with AMX, 1
+// thread). Each row loop asks for the bytes PREFETCH_BYTES past the row it starts, about 3-6 rows
+// ahead; measured, interleaved (median of 9, three rounds): 0 B 18.2-20.5 ms, 512 B 13.5-18.1, 1 KB
+// 12.6-14.1, 2 KB 11.3-13.4, 4 KB 12.6-13.9; the AVX2 loop 21 -> 14 ms at one row, 28 -> 22 ms at
+// four. A prefetch past the end of the buffer is a hint the CPU drops, never a fault.
+constexpr int64_t PREFETCH_BYTES = 2048;
+
+inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_BYTES + o), _MM_HINT_T0);
+}
+
 // ---- AVX2: one block -> 4 x 8 fp32 ------------------------------------------------------------
 
 // qs: the block's quants; dv, mv: its scales
@@ -106,6 +120,7 @@ void rows_avx2(const float* x, int64_t K, const uint8_t* blocks, int64_t n0, int
   std::vector<float> sc(nb * NS);  // the row's scales in fp32: d (, m) per block
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = blocks + n * row_bytes;
+    prefetch_ahead(row, row_bytes);
     row_scales<T>(row, nb, sc.data());
     // NA accumulators per x row: 4 independent FMA chains while registers allow (one FMA per
     // chain per block), else 2 (16 ymm registers)
@@ -167,6 +182,7 @@ SPECSPLIT_AVX512 void rows_avx512(const float* x, int64_t K, const uint8_t* bloc
   std::vector<float> sc(nb * NS);  // the row's scales in fp32: d (, m) per block
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = blocks + n * row_bytes;
+    prefetch_ahead(row, row_bytes);
     row_scales<T>(row, nb, sc.data());
     __m512 a0[MP], a1[MP];
     for (int m = 0; m < MP; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
@@ -213,6 +229,7 @@ SPECSPLIT_AVX512 void row_pairs_avx512(const float* x, int64_t K, const uint8_t*
   for (; n + 2 <= n1; n += 2) {
     const uint8_t* r0 = blocks + n * row_bytes;
     const uint8_t* r1 = r0 + row_bytes;
+    prefetch_ahead(r0, 2 * row_bytes);
     row_scales<T>(r0, nb, s0);
     row_scales<T>(r1, nb, s1);
     __m512 a0[MP], a1[MP];
@@ -362,6 +379,7 @@ torch::Tensor quant_dequantize(const torch::Tensor& blocks, int64_t qtype, int64
   at::parallel_for(0, N, 256, [&](int64_t n0, int64_t n1) {
     std::vector<float> sc(K / QK * 2);
     for (int64_t n = n0; n < n1; ++n) {
+      prefetch_ahead(bp + n * row_bytes, row_bytes);  // prefill's dense copies: 70-74 -> 67-70 ms for all 121
       switch (qtype) {
         case Q4_0: dequant_row_avx2<Q4_0>(bp + n * row_bytes, K, wp + n * K, sc.data()); break;
         case Q4_1: dequant_row_avx2<Q4_1>(bp + n * row_bytes, K, wp + n * K, sc.data()); break;
