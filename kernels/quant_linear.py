@@ -18,6 +18,7 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -123,6 +124,13 @@ def linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, av
     """x [M, in] fp32 -> [M, out] fp32; equal to `reference` within fp32 summation order.
     avx512=False runs the AVX2 loop (None: the AVX-512 one where the CPU has it)."""
     return load().quant_linear(x, w.blocks, TYPES[w.qtype][0], bias, _avx512 if avx512 is None else avx512)
+
+
+def bind(w: QuantWeight, bias: torch.Tensor | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`linear(x, w, bias)` with everything but x fixed, for a hot loop (models/lean_layer.py):
+    the same compiled call with the same arguments. Needs the extension (load() not None)."""
+    fn, blocks, code, avx512 = load().quant_linear, w.blocks, TYPES[w.qtype][0], _avx512
+    return lambda x: fn(x, blocks, code, bias, avx512)
 
 
 def dequantize(w: QuantWeight) -> torch.Tensor:

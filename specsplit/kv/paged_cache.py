@@ -30,6 +30,8 @@ class PagedKVCache:
         self.data = torch.zeros(
             (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=self.device
         )
+        # each layer's (k, v) views, made once: a step asks for all of them (two index ops each)
+        self._layers = [(self.data[i, 0], self.data[i, 1]) for i in range(num_layers)]
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -42,4 +44,4 @@ class PagedKVCache:
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k_cache, v_cache) of one layer, each [num_blocks, block_size, num_kv_heads, head_dim]."""
-        return self.data[index, 0], self.data[index, 1]
+        return self._layers[index]

@@ -15,10 +15,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from specsplit.config import ModelConfig
-from specsplit.kernels import decode_ops, quant_linear, skinny_linear
+from specsplit.kernels import decode_ops, dispatch, quant_linear, skinny_linear
 from specsplit.models import cpu_linear
 from specsplit.kv.paged_cache import PagedKVCache
 from specsplit.models.attention import BatchMetadata, paged_attention, store_kv
+from specsplit.models.lean_layer import LeanLayer
 
 log = logging.getLogger(__name__)
 
@@ -225,6 +226,9 @@ class LlamaForCausalLM(nn.Module):
         self.kernel_tables: dict[str, cpu_linear.RowKernels] = {}  # "qkv 960x576" -> rows -> kernel
         self.head_skinny: torch.Tensor | None = None  # the head's skinny copy (counted as weights)
         self.untracked_weight_bytes = 0  # bytes of prepacked weights (opaque to storage tracking)
+        # per layer, its step as direct kernel calls where select_kernels found every piece on the
+        # CPU kernels (models/lean_layer.py); None: the modules run
+        self.lean_layers: list[LeanLayer] | None = None
         self.requires_grad_(False)
 
     def select_kernels(self, policy: str | None = None) -> bool:
@@ -277,6 +281,7 @@ class LlamaForCausalLM(nn.Module):
             total += self._keep_head(head, table)
         self._head = head
         self.untracked_weight_bytes = total
+        self.lean_layers = self._lean_layers()
         self._warm_packed(groups, head)
         log.info("CPU linear kernels (%s, %s): %s", policy, str(self.dtype).replace("torch.", ""),
                  "; ".join(f"{n}: {t.describe()}" for n, t in self.kernel_tables.items()))
@@ -287,6 +292,25 @@ class LlamaForCausalLM(nn.Module):
         chooses again for the shard's shapes)."""
         self._head = None
         self.kernel_tables = {}
+        self.lean_layers = None
+
+    def _lean_layers(self) -> list[LeanLayer] | None:
+        """Each layer's step as direct kernel calls (models/lean_layer.py), for the row counts at
+        which all its linears run the quantized kernel; None unless every layer qualifies: fp32 on
+        the CPU with the C++ glue, plain Linears (not tensor-parallel or row-wise ones) on GGUF
+        blocks, the paged attention (not --deterministic's)."""
+        if self.device.type != "cpu" or self.dtype != torch.float32 or decode_ops.load() is None \
+                or quant_linear.load() is None or self.cfg.head_dim % 8 or dispatch.use_triton(self.device):
+            return None
+        rows = cpu_linear.QUANT_ROWS
+        for layer in self.layers:
+            linears = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+            if layer.attention is not paged_attention or layer.gate_up_proj.out_features % 16 \
+                    or any(type(m) is not Linear or m.quant is None or m.kernels is None for m in linears):
+                return None
+            rows = min([rows] + [next((r - 1 for r in range(1, rows + 1) if m.kernels.kernel(r) != cpu_linear.QUANT),
+                                      rows) for m in linears])
+        return [LeanLayer(layer, rows) for layer in self.layers] if rows > 0 else None
 
     def wrap_head(self, wrap: Callable[[_Head], object]) -> None:
         """Replace the head by wrap(head): the chosen one, or the plain head where no kernels were
@@ -418,9 +442,15 @@ class LlamaForCausalLM(nn.Module):
         stream after it, Hugging Face's hidden_states[i + 1]) for a feature drafter."""
         x = self.embed_tokens(input_ids)  # [T, hidden]
         rope_tables = self.rope.tables(meta.positions)
+        lean = self.lean_layers
+        if lean is not None and (x.shape[0] > lean[0].rows or meta.block_tables is None or meta.has_tree):
+            lean = None  # prefill-sized, or a draft tree (the torch attention): the modules
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv.layer(i)
-            x = layer(x, rope_tables, meta, k_cache, v_cache)
+            if lean is not None:
+                x = lean[i](x, *rope_tables, meta, k_cache, v_cache)
+            else:
+                x = layer(x, rope_tables, meta, k_cache, v_cache)
             if capture is not None and i in capture:
                 capture[i] = x
         x = self.norm(x[meta.logits_index])  # [N, hidden]

@@ -1,0 +1,113 @@
+"""models/lean_layer: the GGUF target's decode and verify steps as direct kernel calls give the
+modules' results bit for bit (the same calls with the same arguments), prefill and draft trees
+still run the modules, and the lean step is only chosen where every piece runs on the CPU kernels
+(not with dense fp32 weights, not after --deterministic swaps the attention)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specsplit.kernels import decode_ops, quant_linear
+from specsplit.models import cpu_linear
+from specsplit.models.deterministic import make_deterministic
+from specsplit.models.lean_layer import LeanLayer
+from specsplit.models.loader import load_model
+from specsplit.models.registry import ModelNotFound, smollm2_gguf_path
+from specsplit.models.runner import ForwardItem, ModelRunner
+
+try:
+    smollm2_gguf_path()
+    NO_MODEL = ""
+except ModelNotFound as e:
+    NO_MODEL = str(e)
+
+pytestmark = [
+    pytest.mark.skipif(bool(NO_MODEL), reason=NO_MODEL or "-"),
+    pytest.mark.skipif(quant_linear.load() is None or decode_ops.load() is None,
+                       reason="no AVX2/FMA/F16C CPU or no C++ compiler: no CPU kernels to call"),
+]
+
+
+@pytest.fixture(scope="module")
+def native():
+    mp = pytest.MonkeyPatch()
+    mp.setenv(cpu_linear.ENV_POLICY, "static")  # no timing: deterministic tables, a fast load
+    try:
+        return load_model("smollm2-135m", show_progress=False).model
+    finally:
+        mp.undo()
+
+
+def _steps(model, prompt: list[int], decode: list[int], verify: list[int], lean: bool) -> list[torch.Tensor]:
+    """Logits of a prefill, one-token decodes, then a (len(verify))-row verify, with the lean
+    layers on or off; the model's own lean_layers are put back afterwards."""
+    kept = model.lean_layers
+    if not lean:
+        model.lean_layers = None
+    try:
+        runner = ModelRunner(model, num_blocks=16, block_size=16, max_model_len=256)
+        out = [runner.forward([ForwardItem("s", 0, prompt, num_logits=1)])[0]]
+        pos = len(prompt)
+        for t in decode:
+            out.append(runner.forward([ForwardItem("s", pos, [t], num_logits=1)])[0])
+            pos += 1
+        out.append(runner.forward([ForwardItem("s", pos, verify, num_logits=len(verify))])[0])
+        return out
+    finally:
+        model.lean_layers = kept
+
+
+def test_native_target_gets_a_lean_step_for_the_quantized_rows(native):
+    lean = native.lean_layers
+    assert lean is not None and len(lean) == len(native.layers)
+    assert all(isinstance(layer, LeanLayer) for layer in lean)
+    # the static table runs the quantized kernel at 1-16 rows, so does the lean step
+    assert lean[0].rows == cpu_linear.QUANT_ROWS
+
+
+def test_lean_steps_equal_the_modules_bit_for_bit(native):
+    prompt = [1, 504, 3458, 282, 4054, 314, 253, 1345, 30, 1204, 2]  # an 11-row prefill
+    decode = [585, 17, 4991, 42]
+    verify = [28, 906, 2012, 15, 389]  # a 5-row verify step
+    seen = []
+    original = LeanLayer.__call__
+
+    def counting(self, *a, **k):
+        seen.append(a[0].shape[0])
+        return original(self, *a, **k)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(LeanLayer, "__call__", counting)
+        lean = _steps(native, prompt, decode, verify, lean=True)
+    plain = _steps(native, prompt, decode, verify, lean=False)
+    assert set(seen) == {11, 1, 5}  # every step of up to 16 rows ran the lean layers
+    for a, b in zip(lean, plain):
+        assert torch.equal(a, b)
+
+
+def test_more_rows_than_the_quantized_kernel_serves_run_the_modules(native):
+    seen = []
+    original = LeanLayer.__call__
+
+    def counting(self, *a, **k):
+        seen.append(a[0].shape[0])
+        return original(self, *a, **k)
+
+    prompt = list(range(100, 140))  # 40 rows: the dequantized GEMM, the modules
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(LeanLayer, "__call__", counting)
+        lean = _steps(native, prompt, [7], [8, 9], lean=True)
+    plain = _steps(native, prompt, [7], [8, 9], lean=False)
+    assert 40 not in seen and set(seen) == {1, 2}
+    for a, b in zip(lean, plain):
+        assert torch.equal(a, b)
+
+
+def test_no_lean_step_with_dense_weights_or_batch_invariant_attention(monkeypatch):
+    monkeypatch.setenv(cpu_linear.ENV_POLICY, "static")
+    dense = load_model("smollm2-135m", show_progress=False, weights="fp32").model
+    assert dense.lean_layers is None  # fp32 linears: MKL / oneDNN, not the quantized kernel
+    native = load_model("smollm2-135m", show_progress=False).model
+    assert native.lean_layers is not None
+    make_deterministic(native)  # row-wise linears and the batch-invariant attention
+    assert native.lean_layers is None
