@@ -7,11 +7,19 @@ llama-bench on the same file, one thread (docs/kernels.md, "GGUF weights at thei
 Each round runs `llama-bench -m FILE -t 1 -p 0 -n TOKENS -r 1` (its tg TOKENS), then a greedy
 decode of TOKENS one-token steps (after an 8-token prompt) with each weights mode, in turn, so the
 shared machine's drift hits every arm alike; prints each arm's median and the ratios to llama.cpp.
+
+--spec-prompts N adds two arms through the server's SpecDecoder (the first weights mode): the
+target alone and the target with its default draft and flags (`specsplit serve --target MODEL`),
+each generating TOKENS greedy tokens for N held-out ShareGPT prompts (chat template) per round;
+their rate is decode tokens per second after the first token (prefill left out, as tg leaves it
+out), over the round's prompts. Their contexts are the prompts' (tens to hundreds of tokens), where
+llama-bench's tg starts from an empty one.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import time
@@ -24,6 +32,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--llama-bench", default=None, help="a built llama-bench binary (omit: our arms only)")
+    p.add_argument("--spec-prompts", type=int, default=0,
+                   help="also target-only and default-flags speculative arms through the SpecDecoder over "
+                        "this many held-out prompts per round (0: none)")
     args = p.parse_args()
 
     import torch
@@ -58,6 +69,8 @@ def main() -> None:
     runs: dict[str, list[float]] = {w: [] for w in modes}
     if args.llama_bench:
         runs = {"llama.cpp": [], **runs}
+    engines = served_arms(args.model, modes[0], args.spec_prompts, args.tokens) if args.spec_prompts else {}
+    runs.update({name: [] for name in engines})
     tokens: dict[str, list[int]] = {}
     for _ in range(args.rounds):
         if args.llama_bench:
@@ -65,16 +78,55 @@ def main() -> None:
         for w in modes:
             tps, tokens[w] = decode(models[w], args.tokens)
             runs[w].append(tps)
+        for name, once in engines.items():
+            runs[name].append(once())
     flags = open("/proc/cpuinfo").read()
     isa = "AMX" if "amx_tile" in flags else ("AVX-512" if "avx512f" in flags else "AVX2")
+    limits = [f"{k}={os.environ[k]}" for k in ("SPECSPLIT_QUANT_AVX512", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+              if k in os.environ]
+    if limits:  # an AVX-512 machine standing in for an AVX2-only one
+        isa += f" (ours limited by {' '.join(limits)})"
     print(f"{gguf.name}, decode {args.tokens} tokens, 1 thread, CPU {isa}, medians of {args.rounds} alternating rounds")
     ref = statistics.median(runs["llama.cpp"]) if args.llama_bench else None
+    width = max(len(a) for a in runs)
     for arm, v in runs.items():
         med = statistics.median(v)
         ratio = f"  {med / ref:.2f}x llama.cpp" if ref and arm != "llama.cpp" else ""
-        print(f"  {arm:10s} {med:6.1f} tok/s{ratio}   runs: {', '.join(f'{x:.1f}' for x in v)}")
+        print(f"  {arm:{width}s} {med:6.1f} tok/s{ratio}   runs: {', '.join(f'{x:.1f}' for x in v)}")
     if len(modes) > 1:
         print("  same greedy tokens across weights modes:", len({tuple(t) for t in tokens.values()}) == 1)
+
+
+def served_arms(model: str, weights: str, num_prompts: int, new_tokens: int) -> dict:
+    """name -> one round of that arm (decode tok/s after the first token over the held-out
+    prompts): the target alone and with its default draft and flags, through SpecDecoder."""
+    from specsplit.bench.arms import generate_timed
+    from specsplit.bench.suite import heldout_prompts
+    from specsplit.config import EngineConfig, SpecConfig
+    from specsplit.defaults import resolve_draft, spec_config
+    from specsplit.factory import build_colocated
+
+    def cfg(name: str) -> EngineConfig:
+        return EngineConfig(model=name, weights=weights, max_model_len=1024, max_num_seqs=1, prefix_caching=False)
+
+    draft = resolve_draft(model, None)
+    base = build_colocated(cfg(model), None, SpecConfig(num_speculative_tokens=0), show_progress=False)
+    flags = argparse.Namespace(num_speculative_tokens=None, device="cpu")  # `specsplit serve`'s defaults
+    spec = build_colocated(cfg(model), cfg(draft), spec_config(flags, draft), show_progress=False)
+    prompts = heldout_prompts(base.tokenizer, num_prompts, 512, chat=True)
+
+    def arm(colo):
+        def once() -> float:
+            tokens = seconds = 0.0
+            for i, p in enumerate(prompts):
+                t = generate_timed(colo, [p], new_tokens, None, f"r{i}")[0]
+                tokens += t.tokens - 1
+                seconds += t.total_s - t.ttft_s
+            return tokens / seconds
+        once()  # warm up (calibration, first features)
+        return once
+
+    return {"served target-only": arm(base), f"served {draft}": arm(spec)}
 
 
 if __name__ == "__main__":

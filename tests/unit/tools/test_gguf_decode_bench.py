@@ -1,0 +1,37 @@
+"""tools/gguf_decode_bench.py end to end on the shipped GGUF (no llama-bench here): the raw decode
+arms per weights mode and the served arms (target alone, default draft and flags) each report a
+rate, and the weights modes decode the same greedy tokens."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specsplit.kernels import quant_linear
+from specsplit.models.registry import ModelNotFound, smollm2_gguf_path
+
+ROOT = Path(__file__).resolve().parents[3]
+
+try:
+    smollm2_gguf_path()
+    NO_MODEL = ""
+except ModelNotFound as e:
+    NO_MODEL = str(e)
+
+
+@pytest.mark.skipif(bool(NO_MODEL), reason=NO_MODEL or "-")
+@pytest.mark.skipif(quant_linear.load() is None, reason="no quantized kernel: native weights load dense")
+def test_raw_and_served_arms_report_rates():
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "tools/gguf_decode_bench.py", "--weights", "native,fp32", "--rounds", "1",
+                          "--tokens", "6", "--spec-prompts", "1"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rates = dict(re.findall(r"^\s+(\S.*?)\s+([\d.]+) tok/s", out.stdout, re.M))
+    assert set(rates) == {"native", "fp32", "served target-only", "served smollm2-135m-eagle3+ngram"}, out.stdout
+    assert all(float(v) > 0 for v in rates.values())
+    assert "same greedy tokens across weights modes: True" in out.stdout
