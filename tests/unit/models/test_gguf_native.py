@@ -13,20 +13,10 @@ from specsplit.kv.meters import tensor_storage_bytes
 from specsplit.models import cpu_linear
 from specsplit.models.gguf_native import QuantEmbedding, reverse_permute_rows
 from specsplit.models.loader import load_model
-from specsplit.models.registry import ModelNotFound, smollm2_gguf_path
 from specsplit.models.runner import ForwardItem, ModelRunner
+from tests.helpers.gguf import NEEDS_GGUF, NEEDS_QUANT_KERNEL
 
-try:
-    smollm2_gguf_path()
-    NO_MODEL = ""
-except ModelNotFound as e:
-    NO_MODEL = str(e)
-
-pytestmark = [
-    pytest.mark.skipif(bool(NO_MODEL), reason=NO_MODEL or "-"),
-    pytest.mark.skipif(quant_linear.load() is None,
-                       reason="no AVX2/FMA/F16C CPU or no C++ compiler: GGUF weights load dense"),
-]
+pytestmark = [NEEDS_GGUF, NEEDS_QUANT_KERNEL]
 
 
 @pytest.fixture(scope="module")

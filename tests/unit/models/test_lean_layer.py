@@ -7,25 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specsplit.kernels import decode_ops, quant_linear
+from specsplit.kernels import decode_ops
 from specsplit.models import cpu_linear
 from specsplit.models.deterministic import make_deterministic
 from specsplit.models.lean_layer import LeanLayer
 from specsplit.models.loader import load_model
-from specsplit.models.registry import ModelNotFound, smollm2_gguf_path
 from specsplit.models.runner import ForwardItem, ModelRunner
+from tests.helpers.gguf import NEEDS_GGUF, NEEDS_QUANT_KERNEL
 
-try:
-    smollm2_gguf_path()
-    NO_MODEL = ""
-except ModelNotFound as e:
-    NO_MODEL = str(e)
-
-pytestmark = [
-    pytest.mark.skipif(bool(NO_MODEL), reason=NO_MODEL or "-"),
-    pytest.mark.skipif(quant_linear.load() is None or decode_ops.load() is None,
-                       reason="no AVX2/FMA/F16C CPU or no C++ compiler: no CPU kernels to call"),
-]
+pytestmark = [NEEDS_GGUF, NEEDS_QUANT_KERNEL,
+              pytest.mark.skipif(decode_ops.load() is None, reason="no AVX2/FMA CPU or no C++ compiler: no decode ops")]
 
 
 @pytest.fixture(scope="module")

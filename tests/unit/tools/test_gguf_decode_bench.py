@@ -9,22 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-from specsplit.kernels import quant_linear
-from specsplit.models.registry import ModelNotFound, smollm2_gguf_path
+from tests.helpers.gguf import NEEDS_GGUF, NEEDS_QUANT_KERNEL
 
 ROOT = Path(__file__).resolve().parents[3]
 
-try:
-    smollm2_gguf_path()
-    NO_MODEL = ""
-except ModelNotFound as e:
-    NO_MODEL = str(e)
 
-
-@pytest.mark.skipif(bool(NO_MODEL), reason=NO_MODEL or "-")
-@pytest.mark.skipif(quant_linear.load() is None, reason="no quantized kernel: native weights load dense")
+@NEEDS_GGUF
+@NEEDS_QUANT_KERNEL
 def test_raw_and_served_arms_report_rates():
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     out = subprocess.run([sys.executable, "tools/gguf_decode_bench.py", "--weights", "native,fp32", "--rounds", "1",
