@@ -62,7 +62,6 @@ inline void row_scales(const uint8_t* row, int64_t nb, float* out) {
   for (; i < n; ++i) out[i] = half_to_float(h + 2 * i);
 }
 
-
 // Software prefetch. A decode step streams ~96 MB of blocks through these loops once each, and the
 // hardware prefetcher alone left them waiting on memory: all 121 linears of SmolLM2-135M Q4_1 at one
 // x row took 19-20 ms in model order, 12.8 ms when each weight was re-run hot (Intel Xeon with AMX, 1

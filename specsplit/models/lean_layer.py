@@ -4,9 +4,9 @@ With GGUF blocks on the CPU (kernels/cpu/quant_linear.cpp) and the C++ glue
 (kernels/cpu/decode_ops.cpp), every piece of a layer is one compiled call: two norms, four
 linears, rope, the KV store, attention, silu * up. Through the modules a layer still cost ~15
 Python-level calls more than that (nn.Module.__call__, the rows -> kernel lookup of
-cpu_linear.run, the dispatch and usability checks of each op): about 1.5 ms of SmolLM2-135M's
-13-15 ms one-token step, measured on the AMX Xeon by swapping the layer's forward
-(`/work/probe`-style A/B, interleaved).
+cpu_linear.run, the dispatch and usability checks of each op): about 1.5-2 ms of SmolLM2-135M's
+13-17 ms one-token step on the AMX Xeon (one thread; this path on and off, interleaved, 6 rounds:
+14.4 -> 12.2 ms at context 40, 16.9 -> 15.2 ms at context 300).
 
 `LeanLayer` makes the same calls with the same arguments in the same order, so a step's output is
 the module path's bit for bit (tests/unit/models/test_lean_layer.py). Which layers may run it, and
