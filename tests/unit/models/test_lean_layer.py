@@ -76,6 +76,45 @@ def test_lean_steps_equal_the_modules_bit_for_bit(native):
         assert torch.equal(a, b)
 
 
+def test_a_batch_of_sequences_with_mixed_rows_equals_the_modules(native):
+    """Three sequences in one forward, as a batched verify step: one decode row, a 4-row verify
+    and a 2-row verify (7 rows); then a verify of a draft tree, which runs the modules (the torch
+    attention) with or without the lean layers."""
+    prompts = {"a": [1, 504, 3458, 282], "b": [1, 9690, 198, 2683, 359, 253], "c": [1, 28, 906]}
+
+    def run(lean: bool) -> list[torch.Tensor]:
+        kept = native.lean_layers
+        if not lean:
+            native.lean_layers = None
+        try:
+            runner = ModelRunner(native, num_blocks=16, block_size=16, max_model_len=256)
+            runner.forward([ForwardItem(s, 0, p, num_logits=1) for s, p in prompts.items()])
+            out = runner.forward([ForwardItem("a", 4, [585], num_logits=1),
+                                  ForwardItem("b", 6, [17, 4991, 42, 28], num_logits=4),
+                                  ForwardItem("c", 3, [2012, 15], num_logits=2)])
+            # b's next verify: its last token, then a tree of 3 drafts (one, and two children of it)
+            out += runner.forward([ForwardItem("b", 10, [389, 7, 8, 9], num_logits=4, tree=(-1, 0, 0))])
+            return out
+        finally:
+            native.lean_layers = kept
+
+    seen = []
+    original = LeanLayer.__call__
+
+    def counting(self, *a, **k):
+        seen.append(a[0].shape[0])
+        return original(self, *a, **k)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(LeanLayer, "__call__", counting)
+        lean = run(True)
+    plain = run(False)
+    assert set(seen) == {13, 7}  # the 13-row prefill and the 7-row verify batch, not the tree step
+    assert len(lean) == len(plain)
+    for a, b in zip(lean, plain):
+        assert torch.equal(a, b)
+
+
 def test_more_rows_than_the_quantized_kernel_serves_run_the_modules(native):
     seen = []
     original = LeanLayer.__call__
