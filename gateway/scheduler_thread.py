@@ -62,6 +62,7 @@ class _Metrics(Observer):
         st = out.stats
         net = {getattr(s, "role", "peer"): s.take_network_seconds() for s in self.timing_sources}
         metrics.STEP_SECONDS.labels("total").observe(total_s)
+        metrics.STEPS.labels(str(out.k)).inc()
         metrics.STEP_SECONDS.labels("verify").observe(max(0.0, st.verify_s - net.get("verifier", 0.0)))
         if out.speculated:
             metrics.STEP_SECONDS.labels("draft").observe(max(0.0, st.draft_s - net.get("drafter", 0.0)))

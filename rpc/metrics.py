@@ -9,6 +9,8 @@ Served over HTTP by `start_metrics_server` when a service gets --metrics-port. N
   specsplit_draft_position_proposed_total{position}, specsplit_draft_position_accepted_total{position}
                                                     acceptance per draft position = accepted / proposed
   specsplit_step_seconds{phase}                     gateway: draft, verify (engine time), network, total
+  specsplit_steps_total{k}                          gateway: steps by the drafts per sequence the step asked for
+                                                    (the K policy's choice; 0: speculation off that step)
   specsplit_sequences{service,state}                running / waiting sequences
   specsplit_drafter_up                              gateway: 0 while decoding target-only after a drafter failure
   specsplit_drafter_catch_up_pieces_total           gateway: bounded pieces the drafter computed to catch up with a
@@ -54,6 +56,8 @@ TREE_NODES = Counter("specsplit_draft_tree_nodes", "Branch nodes of draft trees 
 POSITION_PROPOSED = Counter("specsplit_draft_position_proposed", "Drafts proposed at each position", ["position"])
 POSITION_ACCEPTED = Counter("specsplit_draft_position_accepted", "Drafts accepted at each position", ["position"])
 STEP_SECONDS = Histogram("specsplit_step_seconds", "Step latency by phase", ["phase"], buckets=_STEP_BUCKETS)
+STEPS = Counter("specsplit_steps", "Steps by the drafts per sequence they asked for (the K policy's choice; "
+                "0: speculation off that step)", ["k"])
 SEQUENCES = Gauge("specsplit_sequences", "Sequences by state", ["service", "state"])
 BRANCHES = Counter("specsplit_branches", "Pre-drafted branches by outcome (hit: the step emitted its prefix)", ["outcome"])
 DRAFT_WAIT = Histogram("specsplit_draft_wait_seconds", "Per step: seconds the verifier waited for drafts (pre-drafting)",

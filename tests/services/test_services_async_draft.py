@@ -18,6 +18,9 @@ def test_split_gateway_pre_drafts_and_counts_branches(split_stack, colocated_sta
     gw = scrape(split_stack["gateway"].metrics_port)
     assert gw['specsplit_branches_total{outcome="hit"}'] + gw['specsplit_branches_total{outcome="miss"}'] > 0
     assert gw["specsplit_draft_wait_seconds_count"] > 0
+    # the K choices of its steps: some asked for drafts (the branches above came from them)
+    steps = {key: v for key, v in gw.items() if key.startswith("specsplit_steps_total{")}
+    assert sum(v for key, v in steps.items() if key != 'specsplit_steps_total{k="0"}') > 0, steps
 
 
 def test_split_async_many_streams_equal_target_only(split_stack, prompts, expect_greedy):
