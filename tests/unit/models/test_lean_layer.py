@@ -4,6 +4,8 @@ still run the modules, and the lean step is only chosen where every piece runs o
 (not with dense fp32 weights, not after --deterministic swaps the attention)."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -29,23 +31,43 @@ def native():
         mp.undo()
 
 
-def _steps(model, prompt: list[int], decode: list[int], verify: list[int], lean: bool) -> list[torch.Tensor]:
-    """Logits of a prefill, one-token decodes, then a (len(verify))-row verify, with the lean
-    layers on or off; the model's own lean_layers are put back afterwards."""
-    kept = model.lean_layers
-    if not lean:
+@contextmanager
+def _lean(model, on: bool):
+    """Rows of every lean step run in the block (a list filled as they run), with the lean layers
+    on, or off (the modules); the model's own lean_layers are put back afterwards."""
+    kept, seen = model.lean_layers, []
+    original = LeanLayer.__call__
+
+    def counting(self, *a, **k):
+        seen.append(a[0].shape[0])
+        return original(self, *a, **k)
+
+    if not on:
         model.lean_layers = None
     try:
-        runner = ModelRunner(model, num_blocks=16, block_size=16, max_model_len=256)
-        out = [runner.forward([ForwardItem("s", 0, prompt, num_logits=1)])[0]]
-        pos = len(prompt)
-        for t in decode:
-            out.append(runner.forward([ForwardItem("s", pos, [t], num_logits=1)])[0])
-            pos += 1
-        out.append(runner.forward([ForwardItem("s", pos, verify, num_logits=len(verify))])[0])
-        return out
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(LeanLayer, "__call__", counting)
+            yield seen
     finally:
         model.lean_layers = kept
+
+
+def _steps(model, prompt: list[int], decode: list[int], verify: list[int]) -> list[torch.Tensor]:
+    """Logits of a prefill, one-token decodes, then a (len(verify))-row verify."""
+    runner = ModelRunner(model, num_blocks=16, block_size=16, max_model_len=256)
+    out = [runner.forward([ForwardItem("s", 0, prompt, num_logits=1)])[0]]
+    pos = len(prompt)
+    for t in decode:
+        out.append(runner.forward([ForwardItem("s", pos, [t], num_logits=1)])[0])
+        pos += 1
+    out.append(runner.forward([ForwardItem("s", pos, verify, num_logits=len(verify))])[0])
+    return out
+
+
+def _assert_equal(lean: list[torch.Tensor], plain: list[torch.Tensor]) -> None:
+    assert len(lean) == len(plain)
+    for a, b in zip(lean, plain):
+        assert torch.equal(a, b)
 
 
 def test_native_target_gets_a_lean_step_for_the_quantized_rows(native):
@@ -60,20 +82,12 @@ def test_lean_steps_equal_the_modules_bit_for_bit(native):
     prompt = [1, 504, 3458, 282, 4054, 314, 253, 1345, 30, 1204, 2]  # an 11-row prefill
     decode = [585, 17, 4991, 42]
     verify = [28, 906, 2012, 15, 389]  # a 5-row verify step
-    seen = []
-    original = LeanLayer.__call__
-
-    def counting(self, *a, **k):
-        seen.append(a[0].shape[0])
-        return original(self, *a, **k)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(LeanLayer, "__call__", counting)
-        lean = _steps(native, prompt, decode, verify, lean=True)
-    plain = _steps(native, prompt, decode, verify, lean=False)
-    assert set(seen) == {11, 1, 5}  # every step of up to 16 rows ran the lean layers
-    for a, b in zip(lean, plain):
-        assert torch.equal(a, b)
+    with _lean(native, True) as seen:
+        lean = _steps(native, prompt, decode, verify)
+    with _lean(native, False) as none:
+        plain = _steps(native, prompt, decode, verify)
+    assert set(seen) == {11, 1, 5} and not none  # every step of up to 16 rows ran the lean layers
+    _assert_equal(lean, plain)
 
 
 def test_a_batch_of_sequences_with_mixed_rows_equals_the_modules(native):
@@ -82,55 +96,31 @@ def test_a_batch_of_sequences_with_mixed_rows_equals_the_modules(native):
     attention) with or without the lean layers."""
     prompts = {"a": [1, 504, 3458, 282], "b": [1, 9690, 198, 2683, 359, 253], "c": [1, 28, 906]}
 
-    def run(lean: bool) -> list[torch.Tensor]:
-        kept = native.lean_layers
-        if not lean:
-            native.lean_layers = None
-        try:
-            runner = ModelRunner(native, num_blocks=16, block_size=16, max_model_len=256)
-            runner.forward([ForwardItem(s, 0, p, num_logits=1) for s, p in prompts.items()])
-            out = runner.forward([ForwardItem("a", 4, [585], num_logits=1),
-                                  ForwardItem("b", 6, [17, 4991, 42, 28], num_logits=4),
-                                  ForwardItem("c", 3, [2012, 15], num_logits=2)])
-            # b's next verify: its last token, then a tree of 3 drafts (one, and two children of it)
-            out += runner.forward([ForwardItem("b", 10, [389, 7, 8, 9], num_logits=4, tree=(-1, 0, 0))])
-            return out
-        finally:
-            native.lean_layers = kept
+    def run() -> list[torch.Tensor]:
+        runner = ModelRunner(native, num_blocks=16, block_size=16, max_model_len=256)
+        runner.forward([ForwardItem(s, 0, p, num_logits=1) for s, p in prompts.items()])
+        out = runner.forward([ForwardItem("a", 4, [585], num_logits=1),
+                              ForwardItem("b", 6, [17, 4991, 42, 28], num_logits=4),
+                              ForwardItem("c", 3, [2012, 15], num_logits=2)])
+        # b's next verify: its last token, then a tree of 3 drafts (one, and two children of it)
+        return out + runner.forward([ForwardItem("b", 10, [389, 7, 8, 9], num_logits=4, tree=(-1, 0, 0))])
 
-    seen = []
-    original = LeanLayer.__call__
-
-    def counting(self, *a, **k):
-        seen.append(a[0].shape[0])
-        return original(self, *a, **k)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(LeanLayer, "__call__", counting)
-        lean = run(True)
-    plain = run(False)
+    with _lean(native, True) as seen:
+        lean = run()
+    with _lean(native, False):
+        plain = run()
     assert set(seen) == {13, 7}  # the 13-row prefill and the 7-row verify batch, not the tree step
-    assert len(lean) == len(plain)
-    for a, b in zip(lean, plain):
-        assert torch.equal(a, b)
+    _assert_equal(lean, plain)
 
 
 def test_more_rows_than_the_quantized_kernel_serves_run_the_modules(native):
-    seen = []
-    original = LeanLayer.__call__
-
-    def counting(self, *a, **k):
-        seen.append(a[0].shape[0])
-        return original(self, *a, **k)
-
     prompt = list(range(100, 140))  # 40 rows: the dequantized GEMM, the modules
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(LeanLayer, "__call__", counting)
-        lean = _steps(native, prompt, [7], [8, 9], lean=True)
-    plain = _steps(native, prompt, [7], [8, 9], lean=False)
-    assert 40 not in seen and set(seen) == {1, 2}
-    for a, b in zip(lean, plain):
-        assert torch.equal(a, b)
+    with _lean(native, True) as seen:
+        lean = _steps(native, prompt, [7], [8, 9])
+    with _lean(native, False):
+        plain = _steps(native, prompt, [7], [8, 9])
+    assert set(seen) == {1, 2}  # not the 40-row prefill
+    _assert_equal(lean, plain)
 
 
 def test_no_lean_step_with_dense_weights_or_batch_invariant_attention(monkeypatch):
