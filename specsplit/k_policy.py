@@ -21,10 +21,15 @@ The policy picks the k in 0..K that maximizes the batch's sum of E(k) over T(k),
 that beats target-only by `margin` (3%, about the calibration's noise): speculation turns itself
 off wherever it cannot pay, at batch 1 or 32 alike. With k = 0 it still drafts one
 token for one sequence (in turn) every `probe_every` steps while speculation could pay at all, so
-a request whose text turns predictable is noticed at the cost of one verify row. Greedy output does not depend on k (verification is exact for any k).
+a request whose text turns predictable is noticed at the cost of one verify row; where probes were
+measured to cost more than `probe_budget` of the time at that rate (ProbeCost), they come less
+often. Greedy output does not depend on k (verification is exact for any k).
 """
 from __future__ import annotations
 
+import math
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 from specsplit.calibration import StepCosts
@@ -133,9 +138,41 @@ def tree_nodes(costs: StepCosts | None, batch: int, k: int, expected: float, val
     return n if rate[n] >= rate[0] * (1.0 + margin) else 0
 
 
+class ProbeCost:
+    """What a probe step costs beyond a k = 0 step, measured: the decoder times every step whole
+    (drafting, the verify, the network), and each probe or k = 0 step's time over the price of a
+    k = 0 step at its batch (T(0), so drift of the verify table cancels) is kept, the last `window`
+    of each per batch.
+
+    A probe pays a verify row, the propose call and the drafter's catch-up with every position
+    emitted since it last drafted. In the split stack at two streams, with speculation off, a probe
+    took 26-29 ms against 15-16 ms for a k = 0 step (a feature drafter committing ~40 positions
+    over RPC) and gained 0.6 tokens: at one probe in 16 steps, a loss of ~3% of the time."""
+
+    def __init__(self, window: int = 16, min_samples: int = 8):
+        self.window = window
+        self.min_samples = min_samples
+        self._ratios: dict[tuple[int, bool], deque[float]] = {}
+
+    def observe(self, batch: int, probe: bool, ratio: float) -> None:
+        """A probe step (or a k = 0 step) of `batch` sequences took `ratio` times T(0)."""
+        self._ratios.setdefault((batch, probe), deque(maxlen=self.window)).append(ratio)
+
+    def samples(self, batch: int, probe: bool) -> int:
+        return len(self._ratios.get((batch, probe), ()))
+
+    def extra(self, batch: int) -> float | None:
+        """A probe step's cost beyond a k = 0 step's, as a fraction of one (the medians'; None
+        until both have min_samples at this batch)."""
+        mine, base = self._ratios.get((batch, True), ()), self._ratios.get((batch, False), ())
+        if len(mine) < self.min_samples or len(base) < self.min_samples:
+            return None
+        return max(0.0, statistics.median(mine) / statistics.median(base) - 1.0)
+
+
 class KPolicy:
     def __init__(self, costs: StepCosts, max_k: int, model_tokens: int | None = None, probe_every: int = 16,
-                 async_draft: bool = False, margin: float = 0.03):
+                 async_draft: bool = False, margin: float = 0.03, probe_budget: float = 0.01):
         self.costs = costs
         # Speculate only where it is expected to beat target-only by this fraction: calibration
         # times each shape a few times (large batches once), so a gain below the timing noise is
@@ -148,6 +185,9 @@ class KPolicy:
         # lookup step costs no draft forward (SpecDecoder refreshes it each step)
         self.model_fraction = 1.0
         self.probe_every = probe_every
+        self.probe_budget = probe_budget  # the share of the time probes may cost (ProbeCost)
+        self.probe_cost = ProbeCost()
+        self._priced: tuple[int, float] | None = None  # the last choice's batch and T(0) there
         self._since_probe = 0
         self.probing = False  # the last choice was a probe: the caller drafts for one sequence only
 
@@ -188,7 +228,24 @@ class KPolicy:
                     hit *= a.branch_hit(min(k, c))
             rows = sum(a.expected_rows(min(k, c)) for a, c in zip(accs, caps)) / max(b, 1)
             out.append(sum(a.expected_tokens(min(k, c)) for a, c in zip(accs, caps)) / self.step_time(b, k, hit, rows))
+        self._priced = (b, self.step_time(b, 0))
         return out
+
+    def observe(self, k: int, seconds: float | None) -> None:
+        """The step of the last choice took `seconds` (None: not one to learn from: a prompt was
+        computed in it, the drafter did not answer). Probe and k = 0 steps are kept (ProbeCost)."""
+        priced, self._priced = self._priced, None
+        if seconds is None or priced is None or priced[1] <= 0 or (k > 0 and not self.probing):
+            return
+        self.probe_cost.observe(priced[0], self.probing, seconds / priced[1])
+
+    def probe_interval(self, batch: int) -> int:
+        """Steps at k = 0 between probes: probe_every, or more where a probe was measured to cost
+        more than probe_budget of the time at that rate (ProbeCost)."""
+        extra = self.probe_cost.extra(batch)
+        if extra is None:
+            return self.probe_every
+        return max(self.probe_every, math.ceil(extra / self.probe_budget))
 
     def choose(self, accs: list[Acceptance], caps: list[int] | None = None) -> int:
         self.probing = False
@@ -202,7 +259,7 @@ class KPolicy:
             self._since_probe = 0
             return k
         self._since_probe += 1
-        if self._since_probe >= self.probe_every and self._could_pay(len(accs)):
+        if self._since_probe >= self.probe_interval(len(accs)) and self._could_pay(len(accs)):
             self._since_probe = 0
             self.probing = True  # one sequence drafts one token: a row more, not a batch more
             return 1

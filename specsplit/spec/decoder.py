@@ -236,11 +236,18 @@ class SpecDecoder:
         plan = self._choose_k([s for s in ids if s not in chunks], budgets or {})
         plan.chunks = chunks
         self.k_chosen[plan.k] += 1
+        started = time.perf_counter()
+        computes_prompt = bool(chunks) or any(self.tracks[s].prefill_left for s in ids)
         proposals = self._drafts(ids, plan, stats)
         reqs = [VerifyRequest(s, proposals[s].token_ids, proposals[s].probs, proposals[s].parents)
                 if s in proposals and proposals[s].token_ids else VerifyRequest(s, prefill_tokens=chunks.get(s, 0))
                 for s in ids]
         results, branches, prompt_logprobs = self._verify(reqs, proposals, plan, stats)
+        if self.policy is not None:
+            # the whole step, for what probes cost (k_policy.ProbeCost): not one that computed a
+            # prompt, nor a probe whose draft never came
+            drafted = plan.k == 0 or bool(proposals)
+            self.policy.observe(plan.k, None if computes_prompt or not drafted else time.perf_counter() - started)
         out = self._account(reqs, results, branches, asked_drafter=bool(proposals), stats=stats, chunks=chunks)
         out.prompt_logprobs = prompt_logprobs
         out.speculated = bool(proposals)

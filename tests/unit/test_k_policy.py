@@ -10,7 +10,7 @@ from specsplit.config import EngineConfig, SpecConfig
 from specsplit.factory import build_colocated
 from specsplit.request import GenerationRequest
 from specsplit.scheduler import Scheduler
-from specsplit.k_policy import Acceptance, KPolicy
+from specsplit.k_policy import Acceptance, KPolicy, ProbeCost
 from specsplit.protocols import SeqAdd
 from tests.helpers.greedy import assert_outputs_equal_or_tie
 
@@ -251,3 +251,67 @@ def test_a_gain_below_the_margin_stays_target_only():
     assert KPolicy(costs, 4).choose([a]) == 0
     b = Acceptance(prior_rate=0.06, prior_weight=1000.0)  # E(1) = 1.06: +3.9% at k = 1
     assert KPolicy(costs, 4).choose([b]) == 1 and KPolicy(costs, 4, margin=0.05).choose([b]) == 0
+
+
+# ---- what probes cost (ProbeCost) ------------------------------------------------------------------
+def test_probe_cost_is_the_median_probe_over_the_median_k0_step():
+    c = ProbeCost(window=16, min_samples=4)
+    for r in (1.0, 1.1, 0.9, 1.0):
+        c.observe(2, False, r)
+    for r in (1.8, 1.9, 40.0):  # one outlier (a pause): the median ignores it
+        c.observe(2, True, r)
+    assert c.extra(2) is None  # 3 probes < min_samples
+    c.observe(2, True, 1.7)
+    assert c.extra(2) == pytest.approx(0.85)
+    assert c.extra(1) is None and c.samples(2, True) == 4 and c.samples(2, False) == 4
+    for _ in range(4):
+        c.observe(4, False, 1.0)
+        c.observe(4, True, 0.9)
+    assert c.extra(4) == 0.0  # a probe cheaper than a step (noise): no negative cost
+
+
+def test_probes_that_cost_more_than_their_budget_come_less_often():
+    policy = KPolicy(_costs([1.0, 1.02, 1.04, 1.06, 1.08]), max_k=4, probe_every=4, probe_budget=0.01)
+    nothing = [Acceptance(prior_rate=0.0, prior_weight=1000.0)] * 2
+    probes_at = []
+    for step in range(400):
+        k = policy.choose(nothing, [4, 4])
+        if policy.probing:
+            probes_at.append(step)
+        policy.observe(k, policy.step_time(2, 0) * (1.5 if policy.probing else 1.0))  # a probe: +0.5 of a step
+    assert policy.probe_cost.extra(2) == pytest.approx(0.5)
+    assert policy.probe_interval(2) == 50 and policy.probe_interval(1) == 4  # batch 1: no probe measured
+    gaps = [b - a for a, b in zip(probes_at, probes_at[1:])]
+    assert gaps[:7] == [4] * 7 and set(gaps[-3:]) == {50}  # every 4 until 8 probes were measured
+
+
+def test_observe_keeps_only_probe_and_k0_steps_the_policy_chose():
+    policy = KPolicy(_costs([1.0, 1.02, 1.04, 1.06, 1.08], draft=0.0), max_k=4)
+    policy.observe(0, 1.0)  # never chose: nothing to compare with
+    policy.choose([_acc(0.0)])
+    policy.observe(0, None)  # a step that computed a prompt
+    policy.observe(0, 1.0)  # its choice was consumed already
+    assert policy.probe_cost.samples(1, False) == 0
+    assert policy.choose([_acc(0.0)]) == 0
+    policy.observe(0, 1.0)
+    assert policy.choose([_acc(0.9)]) > 0 and not policy.probing
+    policy.observe(2, 1.0)  # a drafting step: not a probe, not k = 0
+    assert policy.probe_cost.samples(1, False) == 1 and policy.probe_cost.samples(1, True) == 0
+
+
+def test_the_decoder_times_its_steps_for_the_policy(tiny_llama, tiny_draft_close):
+    """Every decode step at k = 0 and every probe is timed for ProbeCost; the prompt's step is not."""
+    tc = EngineConfig(model=str(tiny_llama), max_model_len=MAX_LEN, max_num_seqs=4)
+    colo = build_colocated(tc, EngineConfig(model=str(tiny_draft_close), max_model_len=MAX_LEN, max_num_seqs=4),
+                           SpecConfig(num_speculative_tokens=3, k_policy="auto"), show_progress=False)
+    decoder = colo.decoder
+    decoder.policy.costs, decoder.policy.probe_every = _costs([1.0, 1.05, 1.1, 1.15, 1.2], draft=0.0), 2
+    for r in _requests(2, seed=5):
+        decoder.add(SeqAdd(r.request_id, r.prompt_token_ids, r.params))
+        decoder.tracks[r.request_id].acceptance = Acceptance(prior_rate=0.0, prior_weight=1000.0)
+    for _ in range(13):
+        decoder.step()
+    cost = decoder.policy.probe_cost
+    assert decoder.k_chosen[0] == 7 and decoder.k_chosen[1] == 6
+    assert cost.samples(2, False) == 6 and cost.samples(2, True) == 6  # the first step computed the prompts
+    colo.close()
