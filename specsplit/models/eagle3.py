@@ -218,6 +218,9 @@ class Eagle3Head(nn.Module):
         self.register_buffer("draft_ids", torch.arange(cfg.draft_vocab_size), persistent=False)
         self.lm_head: torch.Tensor | None = None  # [draft_vocab, H]; set by use_head()
         self.head_linear = None  # a faster callable over lm_head (the CPU kernels; feature_drafter)
+        # the decode path's rope rows, cos and sign-folded sin [positions, hd] (fp32, CPU), grown
+        # by doubling: each extend slices them instead of computing a dozen small ops
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ vocabulary and head
     def use_head(self, weight: torch.Tensor, draft_ids: torch.Tensor) -> None:
@@ -294,8 +297,7 @@ class Eagle3Head(nn.Module):
         eps = cfg.rms_norm_eps
         x = torch.cat([ops.rms_norm(embeds, layer.input_layernorm, eps), ops.rms_norm(g, layer.hidden_norm, eps)], -1)
         qkv = layer.qkv_proj(x)  # [n, (nh + 2 kvh) hd]
-        cos, sin = rope_cos_sin(torch.arange(start, start + n), hd, cfg.rope_theta, torch.float32)  # [n, hd]
-        signed = torch.cat([-sin[:, : hd // 2], sin[:, hd // 2:]], -1)
+        cos, signed = self._rope_rows(start, n)  # [n, hd] each
         qk = ops.rope(qkv[:, : (nh + kvh) * hd].view(n, nh + kvh, hd), cos, signed)  # [n, nh + kvh, hd]
         cache.append(qk[:, nh:], qkv[:, (nh + kvh) * hd:].view(n, kvh, hd))
         L, cap = len(cache), cache.k.shape[0]
@@ -305,6 +307,17 @@ class Eagle3Head(nn.Module):
         h = g + layer.o_proj(attn.view(n, nh * hd))
         gate_up = layer.gate_up_proj(ops.rms_norm(h, layer.post_attention_layernorm, eps))
         return h + layer.down_proj(ops.silu_mul(gate_up))
+
+    def _rope_rows(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin (-sin on the first half: decode_ops.rope's rotate-half form)
+        [n, hd] for positions start..start+n-1: slices of a table computed the way rope_cos_sin
+        computes them (elementwise, so each row is the same bits)."""
+        if self._rope is None or start + n > self._rope[0].shape[0]:
+            hd = self.cfg.hd
+            size = max(256, start + n, 2 * (0 if self._rope is None else self._rope[0].shape[0]))
+            cos, sin = rope_cos_sin(torch.arange(size), hd, self.cfg.rope_theta, torch.float32)
+            self._rope = cos, torch.cat([-sin[:, : hd // 2], sin[:, hd // 2:]], -1)
+        return self._rope[0][start:start + n], self._rope[1][start:start + n]
 
     def fuse(self, feats: torch.Tensor) -> torch.Tensor:
         """feats [n, 3H] -> g [n, H]."""

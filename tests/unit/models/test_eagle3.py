@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specsplit.models.eagle3 import (Eagle3Config, Eagle3Head, DraftCache, d2t_from_ids, load_eagle3,
-                                     save_eagle3)
+                                     rope_cos_sin, save_eagle3)
 
 
 def tiny_cfg(vocab: int = 64) -> Eagle3Config:
@@ -42,6 +42,17 @@ def test_ttt_unroll_equals_incremental_chain(anchor):
             chain.append(h)
     for j in range(steps):
         torch.testing.assert_close(chain[j][0], outs[j][0, anchor], rtol=1e-4, atol=1e-5)
+
+
+def test_rope_rows_are_the_rows_rope_cos_sin_computes():
+    """The decode path slices one rope table (grown by doubling) instead of computing each
+    extend's rows: the same bits, past the table's first size too."""
+    head, hd = random_head(), tiny_cfg().hd
+    for start, n in [(0, 1), (5, 3), (250, 10), (255, 1), (600, 40), (3, 2), (2047, 1)]:
+        cos, sin = rope_cos_sin(torch.arange(start, start + n), hd, head.cfg.rope_theta, torch.float32)
+        c, signed = head._rope_rows(start, n)
+        assert torch.equal(c, cos) and torch.equal(signed, torch.cat([-sin[:, : hd // 2], sin[:, hd // 2:]], -1))
+    assert head._rope[0].shape[0] >= 2048
 
 
 def test_truncate_drops_chain_entries():
