@@ -31,27 +31,45 @@ class Track:
     # Chunked prefill: prompt tokens the verifier has not computed yet (the whole prompt at add).
     # The scheduler hands out pieces of it (SpecDecoder.step's `prefill`); 0 once a step emitted.
     prefill_left: int = 0
-    # Feature drafters: the target's features [rows, F] of positions feat_start.., committed since
-    # the drafter last heard; sent with `unsent`. Bounded (MAX_FEATURE_ROWS, newest kept): while
-    # speculation is off nothing grows past it, and the drafter skips a gap it never saw.
-    feats: torch.Tensor | None = None
+    # Feature drafters: the target's features of positions feat_start.., committed since the
+    # drafter last heard, as the steps brought them (pieces [rows, F], joined when taken: no copy
+    # of the kept rows per step); sent with `unsent`. Bounded (MAX_FEATURE_ROWS, newest kept):
+    # while speculation is off nothing grows past it, and the drafter skips a gap it never saw.
+    feat_pieces: list[torch.Tensor] = field(default_factory=list)
     feat_start: int = 0
+    feature_rows: int = 0  # rows in feat_pieces
 
     @property
     def seq_id(self) -> str:
         return self.add.seq_id
 
     def add_features(self, start: int, rows: torch.Tensor, cap: int) -> None:
+        """Rows [n, F] of positions start..; kept after the ones held where they follow them
+        (else they replace them), the oldest dropped past `cap` rows."""
         rows = rows.to(torch.bfloat16)  # what crosses the wire too, and what the head was trained on
-        if self.feats is not None and start == self.feat_start + self.feats.shape[0]:
-            start, rows = self.feat_start, torch.cat([self.feats, rows])
-        drop = max(0, rows.shape[0] - cap)
-        self.feats, self.feat_start = rows[drop:], start + drop
+        if not self.feat_pieces or start != self.feat_start + self.feature_rows:
+            self.feat_pieces, self.feat_start, self.feature_rows = [], start, 0
+        self.feat_pieces.append(rows)
+        self.feature_rows += rows.shape[0]
+        drop = self.feature_rows - cap
+        while drop > 0:
+            first = self.feat_pieces[0]
+            n = min(drop, first.shape[0])
+            if n == first.shape[0]:
+                self.feat_pieces.pop(0)
+            else:
+                self.feat_pieces[0] = first[n:]
+            self.feat_start += n
+            self.feature_rows -= n
+            drop -= n
 
     def take_features(self) -> tuple[torch.Tensor | None, int]:
-        out = (self.feats, self.feat_start)
-        self.feats = None
-        return out
+        """The rows held [rows, F] (None: none) and their first position; held no more."""
+        pieces, start = self.feat_pieces, self.feat_start
+        self.feat_pieces, self.feature_rows = [], 0
+        if not pieces:
+            return None, start
+        return (pieces[0] if len(pieces) == 1 else torch.cat(pieces)), start
 
     def lose_drafter(self) -> None:
         """The drafter failed: it no longer knows this sequence (re-added on re-sync)."""
@@ -59,4 +77,4 @@ class Track:
         self.unsent = []
         self.behind = 0
         self.catch_up = False
-        self.feats = None
+        self.feat_pieces, self.feature_rows = [], 0
