@@ -146,7 +146,7 @@ class ProbeCost:
 
     A probe pays a verify row, the propose call and the drafter's catch-up with every position
     emitted since it last drafted. In the split stack at two streams, with speculation off, a probe
-    took 26-29 ms against 15-16 ms for a k = 0 step (a feature drafter committing ~40 positions
+    took 26-31 ms against 15-16 ms for a k = 0 step (a feature drafter committing ~30-45 positions
     over RPC) and gained 0.6 tokens: at one probe in 16 steps, a loss of ~3% of the time."""
 
     def __init__(self, window: int = 16, min_samples: int = 8):
