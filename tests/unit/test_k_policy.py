@@ -112,17 +112,25 @@ def test_probe_only_while_speculation_could_pay():
     assert {steep.choose([_acc(0.0)]) for _ in range(12)} == {0}  # even all-accepted could not pay
 
 
-def test_a_probe_drafts_for_one_sequence_in_turn(tiny_llama, tiny_draft_far):
-    """At batch 4 with nothing ever accepted, K stays 0 and every probe step drafts one token for
-    one sequence, each in turn: one verify row more, never the whole batch."""
-    tc = EngineConfig(model=str(tiny_llama), max_model_len=MAX_LEN, max_num_seqs=4)
-    colo = build_colocated(tc, EngineConfig(model=str(tiny_draft_far), max_model_len=MAX_LEN, max_num_seqs=4),
+def _probing(target, draft, batch: int, seed: int):
+    """A colocated pair with `batch` sequences added whose policy sees flat costs (one draft could
+    pay) and acceptances that never accept: K stays 0 and it probes every 2 steps."""
+    tc = EngineConfig(model=str(target), max_model_len=MAX_LEN, max_num_seqs=4)
+    colo = build_colocated(tc, EngineConfig(model=str(draft), max_model_len=MAX_LEN, max_num_seqs=4),
                            SpecConfig(num_speculative_tokens=3, k_policy="auto"), show_progress=False)
     decoder = colo.decoder
     decoder.policy.costs, decoder.policy.probe_every = _costs([1.0, 1.05, 1.1, 1.15, 1.2], draft=0.0), 2
-    for r in _requests(4, seed=7):
+    for r in _requests(batch, seed=seed):
         decoder.add(SeqAdd(r.request_id, r.prompt_token_ids, r.params))
         decoder.tracks[r.request_id].acceptance = Acceptance(prior_rate=0.0, prior_weight=1000.0)
+    return colo
+
+
+def test_a_probe_drafts_for_one_sequence_in_turn(tiny_llama, tiny_draft_far):
+    """At batch 4 with nothing ever accepted, K stays 0 and every probe step drafts one token for
+    one sequence, each in turn: one verify row more, never the whole batch."""
+    colo = _probing(tiny_llama, tiny_draft_far, 4, seed=7)
+    decoder = colo.decoder
     drafted_by = []
     for _ in range(16):
         out = decoder.step()
@@ -301,14 +309,8 @@ def test_observe_keeps_only_probe_and_k0_steps_the_policy_chose():
 
 def test_the_decoder_times_its_steps_for_the_policy(tiny_llama, tiny_draft_close):
     """Every decode step at k = 0 and every probe is timed for ProbeCost; the prompt's step is not."""
-    tc = EngineConfig(model=str(tiny_llama), max_model_len=MAX_LEN, max_num_seqs=4)
-    colo = build_colocated(tc, EngineConfig(model=str(tiny_draft_close), max_model_len=MAX_LEN, max_num_seqs=4),
-                           SpecConfig(num_speculative_tokens=3, k_policy="auto"), show_progress=False)
+    colo = _probing(tiny_llama, tiny_draft_close, 2, seed=5)
     decoder = colo.decoder
-    decoder.policy.costs, decoder.policy.probe_every = _costs([1.0, 1.05, 1.1, 1.15, 1.2], draft=0.0), 2
-    for r in _requests(2, seed=5):
-        decoder.add(SeqAdd(r.request_id, r.prompt_token_ids, r.params))
-        decoder.tracks[r.request_id].acceptance = Acceptance(prior_rate=0.0, prior_weight=1000.0)
     for _ in range(13):
         decoder.step()
     cost = decoder.policy.probe_cost

@@ -3,24 +3,17 @@ arms per weights mode and the served arms (target alone, default draft and flags
 rate, and the weights modes decode the same greedy tokens."""
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 from tests.helpers.gguf import NEEDS_GGUF, NEEDS_QUANT_KERNEL
-
-ROOT = Path(__file__).resolve().parents[3]
+from tests.helpers.tools import run_tool
 
 
 @NEEDS_GGUF
 @NEEDS_QUANT_KERNEL
 def test_raw_and_served_arms_report_rates():
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "tools/gguf_decode_bench.py", "--weights", "native,fp32", "--rounds", "1",
-                          "--tokens", "6", "--spec-prompts", "1"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out = run_tool("gguf_decode_bench.py", "--weights", "native,fp32", "--rounds", "1", "--tokens", "6",
+                   "--spec-prompts", "1")
     assert out.returncode == 0, out.stderr[-3000:]
     rates = dict(re.findall(r"^\s+(\S.*?)\s+([\d.]+) tok/s", out.stdout, re.M))
     assert set(rates) == {"native", "fp32", "served target-only", "served smollm2-135m-eagle3+ngram"}, out.stdout

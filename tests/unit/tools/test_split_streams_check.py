@@ -5,14 +5,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 from tests.helpers.gguf import NEEDS_GGUF, NEEDS_QUANT_KERNEL
-
-ROOT = Path(__file__).resolve().parents[3]
+from tests.helpers.tools import ROOT, run_tool
 
 
 def _tool():
@@ -43,10 +38,7 @@ def test_counters_are_parsed_by_name_and_labels_and_differenced():
 @NEEDS_GGUF
 @NEEDS_QUANT_KERNEL
 def test_both_arms_report_rates_and_their_own_counters():
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "tools/split_streams_check.py", "--streams", "2", "--batches", "1",
-                          "--rounds", "1", "--new-tokens", "6"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out = run_tool("split_streams_check.py", "--streams", "2", "--batches", "1", "--rounds", "1", "--new-tokens", "6")
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout)
     spec, base = report["arms"]["speculative"], report["arms"]["target-only"]
