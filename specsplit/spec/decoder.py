@@ -96,6 +96,9 @@ class _Plan:
     only: str | None
     budgets: dict[str, int]
     chunks: dict[str, int] = field(default_factory=dict)
+    # some sequence computes prompt tokens this step (a first step, a prompt piece): not a decode
+    # step, so its time says nothing of a decode step's (recalibration, the K policy's probe cost)
+    computes_prompt: bool = False
 
 
 class SpecDecoder:
@@ -235,9 +238,9 @@ class SpecDecoder:
         self.health.maybe_resync(self.tracks)
         plan = self._choose_k([s for s in ids if s not in chunks], budgets or {})
         plan.chunks = chunks
+        plan.computes_prompt = any(self.tracks[s].prefill_left for s in ids)  # chunks' sequences too
         self.k_chosen[plan.k] += 1
         started = time.perf_counter()
-        computes_prompt = bool(chunks) or any(self.tracks[s].prefill_left for s in ids)
         proposals = self._drafts(ids, plan, stats)
         reqs = [VerifyRequest(s, proposals[s].token_ids, proposals[s].probs, proposals[s].parents)
                 if s in proposals and proposals[s].token_ids else VerifyRequest(s, prefill_tokens=chunks.get(s, 0))
@@ -247,7 +250,7 @@ class SpecDecoder:
             # the whole step, for what probes cost (k_policy.ProbeCost): not one that computed a
             # prompt, nor a probe whose draft never came
             drafted = plan.k == 0 or bool(proposals)
-            self.policy.observe(plan.k, None if computes_prompt or not drafted else time.perf_counter() - started)
+            self.policy.observe(plan.k, None if plan.computes_prompt or not drafted else time.perf_counter() - started)
         out = self._account(reqs, results, branches, asked_drafter=bool(proposals), stats=stats, chunks=chunks)
         out.prompt_logprobs = prompt_logprobs
         out.speculated = bool(proposals)
@@ -437,9 +440,9 @@ class SpecDecoder:
         prompt_logprobs = {r.seq_id: r.prompt_logprobs for r in results if r.prompt_logprobs is not None}
         verified = time.perf_counter()
         self._time_verify(verified - t0, sum(len(r.draft_token_ids) + 1 for r in reqs))
-        # a verify that computed prompt tokens (a first step, a prompt piece) is not a decode step:
-        # its time says nothing about the table's (batch, rows) shapes
-        if self.recalibration is not None and not any(self.tracks[r.seq_id].prefill_left for r in reqs):
+        # a verify that computed prompt tokens is not a decode step: its time says nothing about
+        # the table's (batch, rows) shapes
+        if self.recalibration is not None and not plan.computes_prompt:
             self.recalibration.observe(len(reqs), max(len(r.draft_token_ids) + 1 for r in reqs), verified - t0)
         branches = self._join_predraft(started)
         stats.draft_wait_s += time.perf_counter() - verified
