@@ -227,8 +227,10 @@ class KPolicy:
                 for a, c in zip(accs, caps):
                     hit *= a.branch_hit(min(k, c))
             rows = sum(a.expected_rows(min(k, c)) for a, c in zip(accs, caps)) / max(b, 1)
-            out.append(sum(a.expected_tokens(min(k, c)) for a, c in zip(accs, caps)) / self.step_time(b, k, hit, rows))
-        self._priced = (b, self.step_time(b, 0))
+            seconds = self.step_time(b, k, hit, rows)
+            if k == 0:
+                self._priced = (b, seconds)  # T(0), what observe() measures probe and k = 0 steps against
+            out.append(sum(a.expected_tokens(min(k, c)) for a, c in zip(accs, caps)) / seconds)
         return out
 
     def observe(self, k: int, seconds: float | None) -> None:
