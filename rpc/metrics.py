@@ -144,6 +144,25 @@ def watch_kv(name: str, engine) -> None:
     KV.engines[name] = engine
 
 
+def parse_metrics(text: str) -> dict[str, float]:
+    """A Prometheus text page -> {'name{labels}': value} (comments and blank lines skipped)."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
+
+
+def read_metrics(port: int, host: str = "127.0.0.1", timeout: float = 5.0) -> dict[str, float]:
+    """A process's /metrics page (its --metrics-port, or a gateway's HTTP port), parsed: what the
+    tools and tests read a running stack's counters with."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout) as r:
+        return parse_metrics(r.read().decode())
+
+
 def start_metrics_server(host: str, port: int | None) -> None:
     if port is None:
         return

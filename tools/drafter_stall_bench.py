@@ -26,7 +26,6 @@ import statistics
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -35,6 +34,7 @@ import psutil
 from specsplit.defaults import resolve_draft
 from specsplit.gateway.launch import specsplit_up
 from specsplit.rpc.health import free_ports
+from specsplit.rpc.metrics import read_metrics
 from specsplit.v1 import gateway_pb2, gateway_pb2_grpc
 
 
@@ -53,8 +53,7 @@ def _stream(address: str, req, times: list, tokens: list) -> None:
 
 
 def _metric(port: int, name: str) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    return sum(float(line.rpartition(" ")[2]) for line in text.splitlines() if line.startswith(name))
+    return sum(v for key, v in read_metrics(port).items() if key.startswith(name))
 
 
 def _drafter_process(up_pid: int, drafter_address: str) -> psutil.Process:

@@ -23,7 +23,6 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import jsonschema
@@ -74,12 +73,9 @@ FREQUENCY_PENALTY = 0.0  # --frequency-penalty (the same for every arm)
 
 def drafts(port: int) -> tuple[float, float]:
     """The server's (proposed, accepted) draft tokens so far (its /metrics)."""
-    out = {}
-    with urllib.request.urlopen(f"http://{HOST}:{port}/metrics", timeout=30) as r:
-        for line in r.read().decode().splitlines():
-            for name in ("specsplit_draft_tokens_proposed_total", "specsplit_draft_tokens_accepted_total"):
-                if line.startswith(name + " "):
-                    out[name] = float(line.split()[1])
+    from specsplit.rpc.metrics import read_metrics
+
+    out = read_metrics(port, HOST, timeout=30)
     return out.get("specsplit_draft_tokens_proposed_total", 0.0), out.get("specsplit_draft_tokens_accepted_total", 0.0)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from typing import Callable
 
 import torch
@@ -57,9 +58,12 @@ def _pinning() -> tuple[str, str]:
 
 
 def concurrency_sweep(stub, prompts: list[list[int]], new_tokens: int, levels: list[int], repeats: int,
-                      progress: Callable[[], None] | None = None, timeout: float = 900.0) -> list[dict]:
+                      progress: Callable[[], None] | None = None, timeout: float = 900.0,
+                      measure: Callable[[bool], AbstractContextManager] | None = None) -> list[dict]:
     """Per level: tokens/s with speculation as served and with it disabled per request, through
-    the same stack, alternating batch by batch (which goes first alternates too)."""
+    the same stack, alternating batch by batch (which goes first alternates too). measure(disable),
+    if given, is entered around each batch (outside its timing), e.g. to read the stack's counters
+    per arm (tools/split_streams_check.py)."""
     from specsplit.bench.split_arm import timed_generate
 
     rows = []
@@ -70,16 +74,17 @@ def concurrency_sweep(stub, prompts: list[list[int]], new_tokens: int, levels: l
             for j in range(repeats):
                 batch = [prompts[(j * c + i) % len(prompts)] for i in range(c)]
                 for disable in ((False, True) if j % 2 == 0 else (True, False)):
-                    t0 = time.perf_counter()
-                    runs = list(pool.map(lambda p: timed_generate(stub, p, new_tokens, 0, timeout, t0,
-                                                                   disable=disable)[0], batch))
+                    with measure(disable) if measure is not None else nullcontext():
+                        t0 = time.perf_counter()
+                        runs = list(pool.map(lambda p: timed_generate(stub, p, new_tokens, 0, timeout, t0,
+                                                                       disable=disable)[0], batch))
                     wall[disable] += max(t.total_s for t in runs)
                     tok[disable] += sum(t.tokens for t in runs)
                 if progress:
                     progress()
         spec, base = tok[False] / wall[False], tok[True] / wall[True]
         rows.append({"concurrency": c, "spec_tokens_per_s": spec, "target_only_tokens_per_s": base,
-                     "speedup_vs_target_only": spec / base})
+                     "speedup_vs_target_only": spec / base, "spec_tokens": tok[False], "target_only_tokens": tok[True]})
     return rows
 
 

@@ -267,12 +267,6 @@ def wait_for(predicate, timeout: float, poll: float = 0.02) -> float | None:
 
 def scrape(metrics_port: int) -> dict[str, float]:
     """Prometheus text -> {'name{labels}': value}."""
-    import urllib.request
+    from specsplit.rpc.metrics import read_metrics
 
-    text = urllib.request.urlopen(f"http://{HOST}:{metrics_port}/metrics", timeout=5).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
-    return out
+    return read_metrics(metrics_port, HOST)
