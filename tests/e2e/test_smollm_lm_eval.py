@@ -10,22 +10,20 @@ import importlib.util
 import json
 import os
 import sys
-from pathlib import Path
 
 import pytest
 
+from tests.helpers.tools import load_tool
+
 pytestmark = [pytest.mark.smollm, pytest.mark.slow]
 
-TOOLS = Path(__file__).resolve().parents[2] / "tools"
 LM_EVAL_PYTHON = os.environ.get("LM_EVAL_PYTHON") or (sys.executable if importlib.util.find_spec("lm_eval") else None)
 
 
 @pytest.mark.skipif(LM_EVAL_PYTHON is None, reason="lm-eval is not installed (pip install -e '.[eval]', or set "
                     "LM_EVAL_PYTHON to a Python that has it: make eval)")
 def test_lm_eval_loglikelihoods_equal_transformers(tmp_path):
-    spec = importlib.util.spec_from_file_location("lm_eval_compare", TOOLS / "lm_eval_compare.py")
-    compare = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(compare)
+    compare = load_tool("lm_eval_compare")
     out = tmp_path / "report.json"
     rc = compare.main(["--lm-eval-python", LM_EVAL_PYTHON, "--keep", str(tmp_path / "run"), "--out", str(out)])
     report = json.loads(out.read_text())

@@ -1,13 +1,26 @@
-"""Running a script of tools/ as a user would: its own process, from the repository root, one
-torch thread."""
+"""The scripts of tools/ in tests: run as a user would (their own process, from the repository
+root, one torch thread), or loaded as a module to call their functions."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 ROOT = Path(__file__).resolve().parents[2]
+TOOLS = ROOT / "tools"
+
+
+def load_tool(name: str) -> ModuleType:
+    """tools/<name>.py as a module (tools/ on sys.path first: a tool may import its siblings)."""
+    if str(TOOLS) not in sys.path:
+        sys.path.insert(0, str(TOOLS))
+    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def run_tool(name: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:

@@ -1,27 +1,15 @@
 """tools/distill_draft.py: ShareGPT reading, the loss, and the shipped draft format (tiny random model)."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-TOOLS = Path(__file__).resolve().parents[3] / "tools"
+from specsplit.datasets import sharegpt
+from tests.helpers.tools import load_tool
 
-
-def _load(name):
-    sys.path.insert(0, str(TOOLS))
-    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-from specsplit.datasets import sharegpt  # noqa: E402
-distill = _load("distill_draft")
+distill = load_tool("distill_draft")
 
 
 def _conv(i, human="hello", gpt="hi there"):

@@ -5,25 +5,16 @@ continuation (tiny random model, checked against a forward per prefix). The run 
 live server: tests/e2e/test_smollm_lm_eval.py (when lm-eval is installed)."""
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
-TOOLS = Path(__file__).resolve().parents[3] / "tools"
+from tests.helpers.tools import TOOLS, load_tool
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-compare = _load("lm_eval_compare")
+compare = load_tool("lm_eval_compare")
 
 
 @pytest.mark.parametrize("task", ["specsplit_mc", "specsplit_gen"])

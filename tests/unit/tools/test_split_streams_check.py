@@ -3,22 +3,14 @@ models): both arms report a rate and the stack's counters over their own batches
 speculative arm's steps are the ones the policy labelled with a K."""
 from __future__ import annotations
 
-import importlib.util
 import json
 
 from tests.helpers.gguf import NEEDS_GGUF, NEEDS_QUANT_KERNEL
-from tests.helpers.tools import ROOT, run_tool
-
-
-def _tool():
-    spec = importlib.util.spec_from_file_location("split_streams_check", ROOT / "tools" / "split_streams_check.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from tests.helpers.tools import load_tool, run_tool
 
 
 def test_counters_are_parsed_by_name_and_labels_and_differenced():
-    tool = _tool()
+    tool = load_tool("split_streams_check")
     page = "\n".join([
         "# HELP specsplit_steps_total steps",
         'specsplit_steps_total{k="0"} 12.0',
