@@ -11,6 +11,13 @@ then loaded from torch's extension cache). `load()` returns None where it cannot
 AVX2/FMA/F16C, no compiler, a failed build, or SPECSPLIT_QUANT=0; the loader then dequantizes the
 weights to dense fp32 as before. The AVX-512 loop runs where the CPU has it (SPECSPLIT_QUANT_AVX512=0
 keeps the AVX2 one).
+
+Two layouts of the same bytes (`QuantWeight.layout`):
+  rows   "split rows", one row of blocks per output feature (every CPU, every type)
+  tiles  Q4_0 / Q4_1 regrouped per 16 output features for the AMX tile unit (`to_tiles`; the C++
+         file's AMX section says how). The loader picks it (`for_kernel`) where AMX-BF16 runs and
+         SPECSPLIT_QUANT_AMX is not "0": the weights' conversion there is the same for 1 to 5
+         token rows, so a verify costs about one decode row.
 """
 from __future__ import annotations
 
@@ -29,6 +36,9 @@ from specsplit.kernels.cpu_build import build, cpu_has
 SOURCE = Path(__file__).resolve().parent / "cpu" / "quant_linear.cpp"
 ENV_SWITCH = "SPECSPLIT_QUANT"  # "0": never build or use it
 ENV_AVX512 = "SPECSPLIT_QUANT_AVX512"  # "0": the AVX2 loop even where AVX-512 exists
+ENV_AMX = "SPECSPLIT_QUANT_AMX"  # "0": the rows layout even where AMX runs
+TILE_ROWS = 16  # output features per group of the tiles layout
+TILE_TYPES = ("Q4_0", "Q4_1")  # the types the AMX loop runs
 BLOCK = 32  # weights per block
 # name -> (ggml type id, bytes per block of 32 weights)
 TYPES: dict[str, tuple[int, int]] = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
@@ -44,11 +54,14 @@ class QuantWeight:
     """One weight [out, in] as GGUF blocks, row n holding the in/32 blocks of output feature n in
     "split rows": the same bytes as the file, regrouped per row as all the blocks' quants, then
     all their fp16 scales (the kernel converts a row's scales in a few vector instructions).
-    `from_gguf` makes one from the file's layout, `gguf_blocks` gives that layout back."""
+    `from_gguf` makes one from the file's layout, `gguf_blocks` gives that layout back.
+    layout "tiles" (`to_tiles`, `as_rows` back): the same bytes per group of 16 output features
+    for the AMX loop, blocks [out/16, in/32 * 16 * block bytes]."""
 
-    blocks: torch.Tensor  # [out, in/32 * block bytes] uint8, split rows
+    blocks: torch.Tensor  # [out, in/32 * block bytes] uint8, split rows (tiles: [out/16, ...])
     qtype: str  # "Q4_0" | "Q4_1" | "Q8_0"
     in_features: int
+    layout: str = "rows"  # "rows" | "tiles"
 
     @classmethod
     def from_gguf(cls, blocks: torch.Tensor, qtype: str, in_features: int) -> "QuantWeight":
@@ -61,6 +74,8 @@ class QuantWeight:
         return cls(split.contiguous(), qtype, in_features)
 
     def gguf_blocks(self) -> torch.Tensor:  # [out, in/32 * B] uint8, the file's layout
+        if self.layout == "tiles":
+            return self.as_rows().gguf_blocks()
         n, nb, size, sb = self.out_features, self.in_features // BLOCK, TYPES[self.qtype][1], SCALE_BYTES[self.qtype]
         qs = self.blocks[:, : nb * (size - sb)].reshape(n, nb, size - sb)
         scales = self.blocks[:, nb * (size - sb):].reshape(n, nb, sb)
@@ -69,12 +84,65 @@ class QuantWeight:
     def __post_init__(self):
         if self.qtype not in TYPES:
             raise ValueError(f"quantized type {self.qtype!r}: the kernel runs {', '.join(TYPES)}")
-        if self.in_features % BLOCK or self.blocks.shape[1] != self.in_features // BLOCK * TYPES[self.qtype][1]:
-            raise ValueError(f"{self.qtype} blocks {tuple(self.blocks.shape)} do not hold rows of {self.in_features} weights")
+        if self.layout not in ("rows", "tiles") or (self.layout == "tiles" and self.qtype not in TILE_TYPES):
+            raise ValueError(f"layout {self.layout!r} for {self.qtype}: rows, or tiles for {', '.join(TILE_TYPES)}")
+        per_row = self.in_features // BLOCK * TYPES[self.qtype][1] * (TILE_ROWS if self.layout == "tiles" else 1)
+        if self.in_features % BLOCK or self.blocks.shape[1] != per_row:
+            raise ValueError(f"{self.qtype} blocks {tuple(self.blocks.shape)} do not hold {self.layout} of "
+                             f"{self.in_features} weights")
 
     @property
     def out_features(self) -> int:
-        return self.blocks.shape[0]
+        return self.blocks.shape[0] * (TILE_ROWS if self.layout == "tiles" else 1)
+
+    def tileable(self) -> bool:
+        """Whether the tiles layout can hold this weight: Q4_0/Q4_1, out a multiple of 16, in of 64."""
+        return self.qtype in TILE_TYPES and self.out_features % TILE_ROWS == 0 and self.in_features % (2 * BLOCK) == 0
+
+    def to_tiles(self) -> "QuantWeight":
+        """The same bytes in the tiles layout (kernels/cpu/quant_linear.cpp, its AMX section): per
+        group of 16 output features and block, 256 bytes of nibbles in the tile unit's pair order,
+        then the 16 fp16 d (then the 16 fp16 m)."""
+        if self.layout == "tiles":
+            return self
+        if not self.tileable():
+            raise ValueError(f"{self.qtype} {self.out_features}x{self.in_features} does not fit the tiles layout")
+        n, nb, size, sb = self.out_features, self.in_features // BLOCK, TYPES[self.qtype][1], SCALE_BYTES[self.qtype]
+        g = n // TILE_ROWS
+        b = self.gguf_blocks().view(n, nb, size)  # [N, nb, B]
+        qs = b[..., sb:]  # [N, nb, 16]: byte j holds weight j (low nibble) and j + 16 (high)
+        q = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # [N, nb, 32]
+        # tile row i, entry j = 2n + p: the quant of feature n at k = 2i + p
+        tile = q.view(g, TILE_ROWS, nb, 16, 2).permute(0, 2, 3, 1, 4).reshape(g, nb, 16, 32)
+        parts = [(tile[:, :, :8] | (tile[:, :, 8:] << 4)).reshape(g, nb, 256)]  # chunk c: rows c, c + 8
+        for half in range(sb // 2):  # d, then m: [G, nb, 16 x 2 bytes]
+            parts.append(b[..., 2 * half:2 * half + 2].reshape(g, TILE_ROWS, nb, 2).permute(0, 2, 1, 3).reshape(g, nb, 32))
+        tiles = torch.cat(parts, dim=-1).reshape(g, -1).contiguous()
+        return QuantWeight(tiles, self.qtype, self.in_features, "tiles")
+
+    def as_rows(self) -> "QuantWeight":
+        """The same bytes in the rows layout (the inverse of `to_tiles`)."""
+        if self.layout == "rows":
+            return self
+        n, nb, sb = self.out_features, self.in_features // BLOCK, SCALE_BYTES[self.qtype]
+        g = n // TILE_ROWS
+        t = self.blocks.view(g, nb, 256 + 16 * sb)  # [G, nb, 16 x the file block bytes]
+        nib = t[..., :256].reshape(g, nb, 8, 32)
+        tile = torch.cat([nib & 0x0F, nib >> 4], dim=2)  # [G, nb, 16 (i), 32 (j)]
+        q = tile.view(g, nb, 16, TILE_ROWS, 2).permute(0, 3, 1, 2, 4).reshape(n, nb, 32)  # [N, nb, 32]
+        qs = q[..., :16] | (q[..., 16:] << 4)  # [N, nb, 16]
+        scales = [t[..., 256 + 32 * h:288 + 32 * h].reshape(g, nb, TILE_ROWS, 2).permute(0, 2, 1, 3).reshape(n, nb, 2)
+                  for h in range(sb // 2)]
+        blocks = torch.cat(scales + [qs], dim=-1).reshape(n, nb * TYPES[self.qtype][1])  # the file's layout
+        return QuantWeight.from_gguf(blocks.contiguous(), self.qtype, self.in_features)
+
+    def slice_rows(self, a: int, b: int) -> "QuantWeight":
+        """Output features a..b as a view (tiles: a and b multiples of 16, or b the end)."""
+        if self.layout == "rows":
+            return QuantWeight(self.blocks[a:b], self.qtype, self.in_features)
+        if a % TILE_ROWS or (b % TILE_ROWS and b < self.out_features):
+            raise ValueError(f"tiles hold groups of {TILE_ROWS} output features; rows {a}..{b} split one")
+        return QuantWeight(self.blocks[a // TILE_ROWS:-(-b // TILE_ROWS)], self.qtype, self.in_features, "tiles")
 
     @property
     def nbytes(self) -> int:
@@ -82,11 +150,14 @@ class QuantWeight:
 
     def rows(self, index: torch.Tensor) -> "QuantWeight":
         """The output rows `index` [R] (a permutation, a subset): whole rows of blocks, exact."""
+        if self.layout != "rows":
+            return self.as_rows().rows(index)
         return QuantWeight(self.blocks[index].contiguous(), self.qtype, self.in_features)
 
     @staticmethod
     def cat(parts: list["QuantWeight"]) -> "QuantWeight":
         """Stack weights of one type along the output rows (fused qkv, gate_up)."""
+        parts = [p.as_rows() for p in parts]
         types = {p.qtype for p in parts}
         if len(types) != 1 or len({p.in_features for p in parts}) != 1:
             raise ValueError(f"cannot fuse weights of types {sorted(types)} / different in_features")
@@ -120,16 +191,36 @@ def uses_avx512() -> bool:
     return bool(m is not None and _avx512 and m.quant_uses_avx512())
 
 
+def uses_amx() -> bool:
+    """Whether the AMX loop runs here: the extension, AMX-BF16 (flags and the kernel's permission),
+    and SPECSPLIT_QUANT_AMX not "0"."""
+    m = load()
+    return bool(m is not None and os.environ.get(ENV_AMX, "1") != "0" and m.quant_uses_amx())
+
+
+def for_kernel(w: QuantWeight) -> QuantWeight:
+    """The layout the fastest loop here reads: tiles where the AMX loop runs and the weight fits
+    it (the loader calls this once per weight), else `w` as it is."""
+    return w.to_tiles() if w.layout == "rows" and w.tileable() and uses_amx() else w
+
+
 def linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, avx512: bool | None = None) -> torch.Tensor:
-    """x [M, in] fp32 -> [M, out] fp32; equal to `reference` within fp32 summation order.
-    avx512=False runs the AVX2 loop (None: the AVX-512 one where the CPU has it)."""
+    """x [M, in] fp32 -> [M, out] fp32; equal to `reference` within fp32 rounding (rows: summation
+    order; tiles: also the factored d * sum(x q) + m * sum(x)).
+    avx512=False runs the AVX2 loop (None: the AVX-512 one where the CPU has it); tiles run on AMX."""
+    if w.layout == "tiles":
+        return load().quant_linear_amx(x, w.blocks, TYPES[w.qtype][0], bias)
     return load().quant_linear(x, w.blocks, TYPES[w.qtype][0], bias, _avx512 if avx512 is None else avx512)
 
 
 def bind(w: QuantWeight, bias: torch.Tensor | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
     """`linear(x, w, bias)` with everything but x fixed, for a hot loop (models/lean_layer.py):
     the same compiled call with the same arguments. Needs the extension (load() not None)."""
-    fn, blocks, code, avx512 = load().quant_linear, w.blocks, TYPES[w.qtype][0], _avx512
+    blocks, code = w.blocks, TYPES[w.qtype][0]
+    if w.layout == "tiles":
+        fn_amx = load().quant_linear_amx
+        return lambda x: fn_amx(x, blocks, code, bias)
+    fn, avx512 = load().quant_linear, _avx512
     return lambda x: fn(x, blocks, code, bias, avx512)
 
 
@@ -138,6 +229,8 @@ def dequantize(w: QuantWeight) -> torch.Tensor:
     m = load()
     if m is None:
         return reference_dequantize(w)
+    if w.layout == "tiles":
+        return m.quant_dequantize_amx(w.blocks, TYPES[w.qtype][0], w.in_features)
     return m.quant_dequantize(w.blocks, TYPES[w.qtype][0], w.in_features)
 
 
@@ -154,17 +247,20 @@ def dequantized_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | Non
     of output rows at a time (prefill-sized M: MKL's GEMM then beats the per-row kernel; the
     copies cost ~1/M of the GEMM)."""
     step = max(1, chunk_bytes // (4 * w.in_features))  # output rows per slice
+    if w.layout == "tiles":
+        step = max(TILE_ROWS, step // TILE_ROWS * TILE_ROWS)  # whole groups
     if w.out_features <= step:
         return F.linear(x, dequantize(w), bias)
     out = torch.empty(x.shape[0], w.out_features, dtype=torch.float32, device=x.device)  # [M, out]
     for a in range(0, w.out_features, step):
-        part = QuantWeight(w.blocks[a:a + step], w.qtype, w.in_features)  # whole rows of blocks, a view
+        part = w.slice_rows(a, min(a + step, w.out_features))  # whole rows of blocks, a view
         out[:, a:a + part.out_features] = F.linear(x, dequantize(part), None if bias is None else bias[a:a + step])
     return out
 
 
 def reference_dequantize(w: QuantWeight) -> torch.Tensor:
     """[out, in] fp32 in torch, the arithmetic of gguf-py's dequantize_blocks."""
+    w = w.as_rows()
     n, nb = w.out_features, w.in_features // BLOCK
     b = w.gguf_blocks().view(n, nb, TYPES[w.qtype][1])  # [N, nb, B]
     d = b[..., :2].contiguous().view(torch.float16).float()  # [N, nb, 1]

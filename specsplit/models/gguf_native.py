@@ -24,6 +24,7 @@ from torch import nn
 
 from specsplit.config import ModelConfig
 from specsplit.kernels import quant_linear
+from specsplit.models import huge_pages
 from specsplit.kernels.quant_linear import QuantWeight
 
 log = logging.getLogger(__name__)
@@ -45,9 +46,12 @@ class QuantEmbedding(nn.Module):
 
     def __init__(self, weight: QuantWeight):
         super().__init__()
-        self.quant = weight
         self.register_buffer("blocks", weight.blocks, persistent=False)  # [V, hidden/32 * B] uint8
+        self.set_quant(weight)
         self.num_embeddings, self.embedding_dim = weight.out_features, weight.in_features
+
+    def set_quant(self, weight: QuantWeight) -> None:
+        self.quant, self.blocks = weight, weight.blocks
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden] fp32
         return quant_linear.dequantize(self.quant.rows(ids.reshape(-1))).view(*ids.shape, self.embedding_dim)
@@ -119,12 +123,16 @@ def attach(model, path: Path) -> str:
     src = GGUFTensors(path, model.cfg)
     kept: dict[str, int] = {}
     layers: dict[str, int] = {}  # linear layers per type (for the log)
+    tiled = 0  # linear layers in the AMX tiles layout
     total = 0
 
-    def note(w: QuantWeight) -> None:
+    placed: list = []  # (the module holding it, the weight), in the order a step reads them
+
+    def note(owner, w: QuantWeight) -> None:
         nonlocal total
         kept[w.qtype] = kept.get(w.qtype, 0) + 1
         total += w.nbytes
+        placed.append((owner, w))
 
     for i, layer in enumerate(model.layers):
         for attr, w in src.layer(i).items():
@@ -134,23 +142,33 @@ def attach(model, path: Path) -> str:
             if (w.out_features, w.in_features) != (lin.out_features, lin.in_features):
                 raise ValueError(f"{path.name} layer {i} {attr}: {w.out_features}x{w.in_features}, "
                                  f"the config expects {lin.out_features}x{lin.in_features}")
+            w = quant_linear.for_kernel(w)
             lin.set_quant(w)
-            note(w)
+            note(lin, w)
             layers[w.qtype] = layers.get(w.qtype, 0) + 1
+            tiled += w.layout == "tiles"
     emb = src.embedding()
     if emb is not None and (emb.out_features, emb.in_features) == tuple(model.embed_tokens.weight.shape):
         model.embed_tokens = QuantEmbedding(emb)
-        note(emb)
+        note(model.embed_tokens, emb)
     head = src.head()
     if head is not None and model.lm_head is not None:
         model.lm_head.set_quant(head)
-        note(head)
+        note(model.lm_head, head)
+    # one huge-page buffer for all the blocks (models/huge_pages.py); the embedding, read a few
+    # rows a step, goes last with the tied head it also is
+    placed.sort(key=lambda p: isinstance(p[0], QuantEmbedding))
+    moved = huge_pages.into_huge_pages([w.blocks for _, w in placed])
+    huge = bool(placed) and moved[0] is not placed[0][1].blocks
+    for (owner, w), blocks in zip(placed, moved):
+        owner.set_quant(QuantWeight(blocks, w.qtype, w.in_features, w.layout))
     summary = ", ".join(f"{t} x{n}" for t, n in sorted(kept.items()))
     parts = [f"{t} for {n} linear layers" for t, n in sorted(layers.items())]
     if emb is not None and isinstance(model.embed_tokens, QuantEmbedding):
         parts.append(f"{emb.qtype} embedding" + (" (the tied head)" if model.lm_head is None else ""))
     if head is not None and model.lm_head is not None and model.lm_head.quant is not None:
         parts.append(f"{head.qtype} head")
-    log.info("weights: native %s (%.1f MB of blocks) from %s; the rest dense", ", ".join(parts) or "none",
-             total / 1e6, path.name)
-    return f"native {summary} ({total / 1e6:.1f} MB)" if kept else "fp32"
+    amx = (f"; AMX tiles for {tiled} linear layers" if tiled else "") + ("; in huge pages" if huge else "")
+    log.info("weights: native %s (%.1f MB of blocks) from %s; the rest dense%s", ", ".join(parts) or "none",
+             total / 1e6, path.name, amx)
+    return f"native {summary} ({total / 1e6:.1f} MB{amx})" if kept else "fp32"

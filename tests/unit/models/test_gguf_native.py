@@ -10,7 +10,7 @@ import torch
 
 from specsplit.kernels import quant_linear
 from specsplit.kv.meters import tensor_storage_bytes
-from specsplit.models import cpu_linear
+from specsplit.models import cpu_linear, huge_pages
 from specsplit.models.gguf_native import QuantEmbedding, reverse_permute_rows
 from specsplit.models.loader import load_model
 from specsplit.models.runner import ForwardItem, ModelRunner
@@ -38,6 +38,16 @@ def test_native_holds_the_file_blocks(models):
     layer = native.model.layers[0]
     assert all(getattr(layer, a).quant is not None and getattr(layer, a).weight.numel() == 0
                for a in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+    # the AMX tiles layout where that loop runs (all four shapes fit it), else the rows layout
+    assert {getattr(layer, a).quant.layout for a in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")} == {
+        "tiles" if quant_linear.uses_amx() else "rows"}
+    assert ("AMX tiles for 120 linear layers" in native.weights) == quant_linear.uses_amx()
+    # every block in one huge-page buffer where the machine has them (models/huge_pages.py)
+    if huge_pages.available():
+        assert native.weights.endswith("in huge pages)")
+        assert len({getattr(native.model.layers[i], a).quant.blocks.untyped_storage().data_ptr()
+                    for i in (0, 29) for a in ("qkv_proj", "down_proj")}
+                   | {native.model.embed_tokens.blocks.untyped_storage().data_ptr()}) == 1
     assert isinstance(native.model.embed_tokens, QuantEmbedding)
     assert native.model.kernel_tables["head 49152x576 Q8_0"].describe() == "quant 1-16, dequant 17+"
     # 4.5-6.4x fewer weight bytes (Q4_1 layers, Q8_0 embedding, fp32 norms)

@@ -1,0 +1,120 @@
+"""kernels/quant_linear, the tiles layout and its AMX loop: the layout holds the file's bytes (it
+converts back to the rows layout exactly, and dequantizes to the same values bit for bit); the AMX
+loop equals dequantize-then-F.linear within fp32 rounding at every row count the engine runs; the
+loader picks the layout only where the loop runs. The layout tests run on any CPU, the loop's
+where AMX-BF16 does (an Intel Xeon from Sapphire Rapids on)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specsplit.kernels import quant_linear
+from specsplit.kernels.quant_linear import TILE_TYPES, QuantWeight
+from tests.kernels.test_kernel_quant_linear import exact_linear, random_blocks
+
+NEEDS_KERNEL = pytest.mark.skipif(quant_linear.load() is None, reason="the quantized kernel is not built here")
+NEEDS_AMX = pytest.mark.skipif(not quant_linear.uses_amx(), reason="no AMX-BF16 here: the tiles layout is not used")
+# (out, in): one pair of blocks, an odd number of pairs (the loop's last pair in the other slots),
+# the model's shapes' pattern (out a multiple of 16, several groups)
+SHAPES = [(16, 64), (48, 192), (80, 576)]
+
+
+@pytest.mark.parametrize("qtype", TILE_TYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_tiles_hold_the_same_bytes(qtype, shape):
+    w = random_blocks(qtype, *shape, seed=3)
+    t = w.to_tiles()
+    assert t.layout == "tiles" and t.out_features == w.out_features and t.nbytes == w.nbytes
+    assert t.blocks.shape == (shape[0] // 16, w.blocks.numel() // (shape[0] // 16))
+    assert torch.equal(t.as_rows().blocks, w.blocks)
+    assert torch.equal(t.gguf_blocks(), w.gguf_blocks())
+    assert torch.equal(quant_linear.reference_dequantize(t), quant_linear.reference_dequantize(w))
+    part = t.slice_rows(16, shape[0])
+    assert part.layout == "tiles" and part.out_features == shape[0] - 16
+    assert torch.equal(quant_linear.reference_dequantize(part), quant_linear.reference_dequantize(w)[16:])
+
+
+def test_what_the_tiles_layout_refuses():
+    with pytest.raises(ValueError, match="does not fit"):
+        random_blocks("Q4_1", 40, 64).to_tiles()  # out not a multiple of 16
+    with pytest.raises(ValueError, match="does not fit"):
+        random_blocks("Q4_1", 16, 96).to_tiles()  # an odd number of blocks
+    with pytest.raises(ValueError, match="does not fit"):
+        random_blocks("Q8_0", 16, 64).to_tiles()
+    t = random_blocks("Q4_0", 48, 64).to_tiles()
+    with pytest.raises(ValueError, match="split one"):
+        t.slice_rows(8, 48)
+    with pytest.raises(ValueError, match="layout"):
+        QuantWeight(t.blocks, "Q8_0", 64, "tiles")
+
+
+@NEEDS_KERNEL
+@pytest.mark.parametrize("qtype", TILE_TYPES)
+def test_the_compiled_dequantizer_reads_tiles_bit_for_bit(qtype):
+    w = random_blocks(qtype, 48, 192, seed=4)
+    assert torch.equal(quant_linear.dequantize(w.to_tiles()), quant_linear.dequantize(w))
+
+
+def within_fp32_rounding(y: torch.Tensor, x: torch.Tensor, w: QuantWeight) -> None:
+    """|y - the float64 product| <= 1e-6 of sum |x| |w| per output (measured: up to ~8e-8; a wrong
+    block, scale or row would be off by the size of the terms)."""
+    scale = x.double().abs() @ quant_linear.reference_dequantize(w).double().abs().T  # [M, N]
+    err = (y.double() - exact_linear(x, w)).abs()
+    assert bool((err <= 1e-6 * scale + 1e-30).all()), float((err / scale).max())
+
+
+@NEEDS_AMX
+@pytest.mark.parametrize("qtype", TILE_TYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_amx_linear_equals_reference_for_every_row_count(qtype, shape):
+    """1..16 rows (passes of 5 tokens: 1-5 in one, 6-16 in several) and 23 (a prefill-sized call)."""
+    w = random_blocks(qtype, *shape, seed=5)
+    t = w.to_tiles()
+    g = torch.Generator().manual_seed(6)
+    for m in list(range(1, 17)) + [23]:
+        x = torch.randn(m, shape[1], generator=g)
+        y = quant_linear.linear(x, t)
+        assert y.shape == (m, shape[0]) and y.dtype == torch.float32
+        within_fp32_rounding(y, x, w)
+
+
+@NEEDS_AMX
+def test_amx_bias_strided_input_bind_and_dequantized_linear():
+    w = random_blocks("Q4_1", 80, 128, seed=7)
+    t = w.to_tiles()
+    x = torch.randn(4, 256)[:, ::2]  # strided: not contiguous
+    bias = torch.randn(80)
+    expected = F.linear(x, quant_linear.reference_dequantize(w), bias)
+    torch.testing.assert_close(quant_linear.linear(x, t, bias), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(quant_linear.bind(t, bias)(x.contiguous()), expected, rtol=1e-5, atol=1e-5)
+    # slices of whole groups: 40 rows' worth of bytes rounds to 32 rows, then 16 at the end
+    sliced = quant_linear.dequantized_linear(x, t, bias, chunk_bytes=40 * 4 * 128)
+    torch.testing.assert_close(sliced, expected, rtol=1e-5, atol=1e-5)
+
+
+@NEEDS_AMX
+def test_amx_threads_split_groups_without_changing_them():
+    """torch's intra-op threads take chunks of 16-row groups: every output as on one thread."""
+    t = random_blocks("Q4_1", 16 * 13, 128, seed=8).to_tiles()
+    x = torch.randn(7, 128)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = [quant_linear.linear(x[:m], t) for m in (1, 5, 7)]
+        torch.set_num_threads(2)
+        two = [quant_linear.linear(x[:m], t) for m in (1, 5, 7)]
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(one, two):
+        assert torch.equal(a, b)
+
+
+@NEEDS_KERNEL
+def test_the_loader_picks_tiles_only_where_the_amx_loop_runs(monkeypatch):
+    w = random_blocks("Q4_1", 48, 128)
+    assert quant_linear.for_kernel(w).layout == ("tiles" if quant_linear.uses_amx() else "rows")
+    assert quant_linear.for_kernel(random_blocks("Q8_0", 48, 128)).layout == "rows"
+    assert quant_linear.for_kernel(random_blocks("Q4_1", 40, 128)).layout == "rows"
+    monkeypatch.setenv(quant_linear.ENV_AMX, "0")
+    assert not quant_linear.uses_amx() and quant_linear.for_kernel(w) is w

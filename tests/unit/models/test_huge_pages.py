@@ -1,0 +1,44 @@
+"""models/huge_pages: weights copied into one buffer that the kernel backs with 2 MB pages: equal
+copies, one storage, each on its own 4 KB page in the order given, the pages really huge where the
+machine gives transparent huge pages; switched off, the tensors come back untouched."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from specsplit.models import huge_pages
+
+
+def anon_huge_kb(ptr: int) -> int:
+    """AnonHugePages of the mapping holding address `ptr` (/proc/self/smaps)."""
+    text = open("/proc/self/smaps").read()
+    for block in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", text):
+        lo, hi = (int(v, 16) for v in block.split()[0].split("-"))
+        if lo <= ptr < hi:
+            return int(re.search(r"AnonHugePages:\s+(\d+) kB", block).group(1))
+    raise AssertionError(f"no mapping holds {ptr:#x}")
+
+
+def test_copies_share_one_buffer_in_order():
+    if not huge_pages.available():
+        pytest.skip("no transparent huge pages on this machine")
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randint(0, 256, (n, 64), dtype=torch.uint8, generator=g) for n in (3000, 5, 70000)]
+    ts.append(torch.randn(10, 7, generator=g))  # any dtype and shape
+    out = huge_pages.into_huge_pages(ts)
+    assert all(torch.equal(a, b) and a.shape == b.shape and a.dtype == b.dtype for a, b in zip(out, ts))
+    assert len({o.untyped_storage().data_ptr() for o in out}) == 1
+    ptrs = [o.data_ptr() for o in out]
+    assert ptrs == sorted(ptrs) and all(p % huge_pages.PAGE == 0 for p in ptrs)
+    assert ptrs[0] % huge_pages.HUGE_PAGE == 0
+    assert anon_huge_kb(ptrs[2]) >= 2048  # the 4.5 MB tensor spans whole 2 MB pages
+
+
+def test_switched_off_gives_the_tensors_back(monkeypatch):
+    ts = [torch.zeros(4, dtype=torch.uint8)]
+    monkeypatch.setenv(huge_pages.ENV_SWITCH, "0")
+    assert not huge_pages.available()
+    assert huge_pages.into_huge_pages(ts)[0] is ts[0]
+    assert huge_pages.into_huge_pages([]) == []
