@@ -193,9 +193,10 @@ def uses_avx512() -> bool:
 
 def uses_amx() -> bool:
     """Whether the AMX loop runs here: the extension, AMX-BF16 (flags and the kernel's permission),
-    and SPECSPLIT_QUANT_AMX not "0"."""
+    SPECSPLIT_QUANT_AMX not "0", and SPECSPLIT_QUANT_AVX512 not "0" (the loop is AVX-512 code too;
+    an AVX2 stand-in run switches both off)."""
     m = load()
-    return bool(m is not None and os.environ.get(ENV_AMX, "1") != "0" and m.quant_uses_amx())
+    return bool(m is not None and _avx512 and os.environ.get(ENV_AMX, "1") != "0" and m.quant_uses_amx())
 
 
 def for_kernel(w: QuantWeight) -> QuantWeight:

@@ -4,8 +4,8 @@ llama-bench on the same file, one thread (docs/kernels.md, "GGUF weights at thei
     python tools/gguf_decode_bench.py [--model smollm2-135m] [--weights native,fp32] [--rounds 5]
                                       [--llama-bench PATH/TO/llama-bench] [--tokens 64]
 
---weights takes native, fp32, bf16, and native with suffixes that switch one thing off to compare:
-native-rows (no AMX tiles layout), native-4k (no huge pages), native-rows-4k.
+--weights takes native, fp32, bf16, and native with suffixes that switch one load-time choice off
+(specsplit/bench/weights_arms.py): native-rows (no AMX tiles layout), native-4k (no huge pages).
 
 Each round runs `llama-bench -m FILE -t 1 -p 0 -n TOKENS -r 1` (its tg TOKENS), then a greedy
 decode of TOKENS one-token steps (after an 8-token prompt) with each weights mode, in turn, so the
@@ -99,29 +99,13 @@ def main() -> None:
         print("  same greedy tokens across weights modes:", len({tuple(t) for t in tokens.values()}) == 1)
 
 
-ARM_SWITCHES = {"rows": "SPECSPLIT_QUANT_AMX", "4k": "SPECSPLIT_HUGE_PAGES"}  # suffix -> env set to "0"
-
-
 def load_arm(model: str, arm: str):
-    """One weights mode's model. `native` may carry suffixes that switch one thing off while it
-    loads, to compare: "-rows" the AMX tiles layout (the rows layout even where AMX runs), "-4k"
-    the huge pages (models/huge_pages.py); e.g. native-rows-4k."""
+    """One weights arm's model (specsplit/bench/weights_arms.py: native, native-rows, native-4k, ...)."""
+    from specsplit.bench import weights_arms
     from specsplit.models.loader import load_model
 
-    weights, *off = arm.split("-")
-    unknown = [o for o in off if o not in ARM_SWITCHES]
-    if unknown:
-        raise SystemExit(f"--weights {arm}: unknown suffix {unknown[0]!r} (known: {', '.join(ARM_SWITCHES)})")
-    saved = {ARM_SWITCHES[o]: os.environ.get(ARM_SWITCHES[o]) for o in off}
-    os.environ.update({name: "0" for name in saved})
-    try:
+    with weights_arms.loading(arm) as weights:
         return load_model(model, show_progress=False, weights=weights).model
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = value
 
 
 def served_arms(model: str, weights: str, num_prompts: int, new_tokens: int) -> dict:

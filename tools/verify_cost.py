@@ -29,12 +29,14 @@ def main() -> None:
     p.add_argument("--context", type=int, default=300, help="cached tokens before the timed forward")
     p.add_argument("--reps", type=int, default=5, help="rounds; each policy's median is printed")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--weights", default="fp32", help="comma-separated: native, fp32, bf16 (default fp32, the dense path)")
+    p.add_argument("--weights", default="fp32", help="comma-separated: native, fp32, bf16 (default fp32, the dense path); "
+                   "native-rows, native-4k switch one load-time choice off (specsplit/bench/weights_arms.py)")
     args = p.parse_args()
 
     import torch
 
     from specsplit.config import parse_dtype
+    from specsplit.bench import weights_arms
     from specsplit.models.loader import load_model
     from specsplit.models.runner import ForwardItem, ModelRunner
 
@@ -45,7 +47,8 @@ def main() -> None:
     for policy in args.policies.split(","):
         for weights in modes:
             os.environ["SPECSPLIT_LINEAR_KERNEL"] = policy
-            model = load_model(args.model, dtype=parse_dtype(args.dtype), show_progress=False, weights=weights).model
+            with weights_arms.loading(weights) as held:
+                model = load_model(args.model, dtype=parse_dtype(args.dtype), show_progress=False, weights=held).model
             runner = ModelRunner(model, num_blocks=64, block_size=16, max_model_len=1024)
             prompt = [(7 * j + 3) % model.cfg.vocab_size for j in range(args.context + max(ks) + 1)]
             runner.forward([ForwardItem("s", 0, prompt[: args.context])])
