@@ -14,7 +14,7 @@ keeps the AVX2 one).
 
 Two layouts of the same bytes (`QuantWeight.layout`):
   rows   "split rows", one row of blocks per output feature (every CPU, every type)
-  tiles  Q4_0 / Q4_1 regrouped per 16 output features for the AMX tile unit (`to_tiles`; the C++
+  tiles  Q4_0 / Q4_1 / Q8_0 regrouped per 16 output features for the AMX tile unit (`to_tiles`; the C++
          file's AMX section says how). The loader picks it (`for_kernel`) where AMX-BF16 runs and
          SPECSPLIT_QUANT_AMX is not "0": the weights' conversion there is the same for 1 to 5
          token rows, so a verify costs about one decode row.
@@ -38,7 +38,7 @@ ENV_SWITCH = "SPECSPLIT_QUANT"  # "0": never build or use it
 ENV_AVX512 = "SPECSPLIT_QUANT_AVX512"  # "0": the AVX2 loop even where AVX-512 exists
 ENV_AMX = "SPECSPLIT_QUANT_AMX"  # "0": the rows layout even where AMX runs
 TILE_ROWS = 16  # output features per group of the tiles layout
-TILE_TYPES = ("Q4_0", "Q4_1")  # the types the AMX loop runs
+TILE_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # the types the AMX loop runs
 BLOCK = 32  # weights per block
 # name -> (ggml type id, bytes per block of 32 weights)
 TYPES: dict[str, tuple[int, int]] = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
@@ -96,13 +96,13 @@ class QuantWeight:
         return self.blocks.shape[0] * (TILE_ROWS if self.layout == "tiles" else 1)
 
     def tileable(self) -> bool:
-        """Whether the tiles layout can hold this weight: Q4_0/Q4_1, out a multiple of 16, in of 64."""
+        """Whether the tiles layout can hold this weight: out a multiple of 16, in of 64."""
         return self.qtype in TILE_TYPES and self.out_features % TILE_ROWS == 0 and self.in_features % (2 * BLOCK) == 0
 
     def to_tiles(self) -> "QuantWeight":
         """The same bytes in the tiles layout (kernels/cpu/quant_linear.cpp, its AMX section): per
-        group of 16 output features and block, 256 bytes of nibbles in the tile unit's pair order,
-        then the 16 fp16 d (then the 16 fp16 m)."""
+        group of 16 output features and block, the quants in the tile unit's pair order (4-bit: 256
+        bytes of nibbles; Q8_0: 512 bytes), then the 16 fp16 d (then the 16 fp16 m)."""
         if self.layout == "tiles":
             return self
         if not self.tileable():
@@ -110,11 +110,14 @@ class QuantWeight:
         n, nb, size, sb = self.out_features, self.in_features // BLOCK, TYPES[self.qtype][1], SCALE_BYTES[self.qtype]
         g = n // TILE_ROWS
         b = self.gguf_blocks().view(n, nb, size)  # [N, nb, B]
-        qs = b[..., sb:]  # [N, nb, 16]: byte j holds weight j (low nibble) and j + 16 (high)
-        q = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # [N, nb, 32]
+        qs = b[..., sb:]  # [N, nb, 16]: byte j holds weight j (low nibble) and j + 16 (high); Q8_0 [N, nb, 32]
+        q = qs if self.qtype == "Q8_0" else torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # [N, nb, 32]
         # tile row i, entry j = 2n + p: the quant of feature n at k = 2i + p
         tile = q.view(g, TILE_ROWS, nb, 16, 2).permute(0, 2, 3, 1, 4).reshape(g, nb, 16, 32)
-        parts = [(tile[:, :, :8] | (tile[:, :, 8:] << 4)).reshape(g, nb, 256)]  # chunk c: rows c, c + 8
+        if self.qtype == "Q8_0":
+            parts = [tile.reshape(g, nb, 512)]
+        else:
+            parts = [(tile[:, :, :8] | (tile[:, :, 8:] << 4)).reshape(g, nb, 256)]  # chunk c: rows c, c + 8
         for half in range(sb // 2):  # d, then m: [G, nb, 16 x 2 bytes]
             parts.append(b[..., 2 * half:2 * half + 2].reshape(g, TILE_ROWS, nb, 2).permute(0, 2, 1, 3).reshape(g, nb, 32))
         tiles = torch.cat(parts, dim=-1).reshape(g, -1).contiguous()
@@ -125,13 +128,16 @@ class QuantWeight:
         if self.layout == "rows":
             return self
         n, nb, sb = self.out_features, self.in_features // BLOCK, SCALE_BYTES[self.qtype]
-        g = n // TILE_ROWS
-        t = self.blocks.view(g, nb, 256 + 16 * sb)  # [G, nb, 16 x the file block bytes]
-        nib = t[..., :256].reshape(g, nb, 8, 32)
-        tile = torch.cat([nib & 0x0F, nib >> 4], dim=2)  # [G, nb, 16 (i), 32 (j)]
+        g, qb = n // TILE_ROWS, 512 if self.qtype == "Q8_0" else 256
+        t = self.blocks.view(g, nb, TILE_ROWS * TYPES[self.qtype][1])  # [G, nb, 16 x the file block bytes]
+        if self.qtype == "Q8_0":
+            tile = t[..., :512].reshape(g, nb, 16, 32)  # [G, nb, 16 (i), 32 (j)]
+        else:
+            nib = t[..., :256].reshape(g, nb, 8, 32)
+            tile = torch.cat([nib & 0x0F, nib >> 4], dim=2)
         q = tile.view(g, nb, 16, TILE_ROWS, 2).permute(0, 3, 1, 2, 4).reshape(n, nb, 32)  # [N, nb, 32]
-        qs = q[..., :16] | (q[..., 16:] << 4)  # [N, nb, 16]
-        scales = [t[..., 256 + 32 * h:288 + 32 * h].reshape(g, nb, TILE_ROWS, 2).permute(0, 2, 1, 3).reshape(n, nb, 2)
+        qs = q if self.qtype == "Q8_0" else q[..., :16] | (q[..., 16:] << 4)  # [N, nb, 32 or 16]
+        scales = [t[..., qb + 32 * h:qb + 32 + 32 * h].reshape(g, nb, TILE_ROWS, 2).permute(0, 2, 1, 3).reshape(n, nb, 2)
                   for h in range(sb // 2)]
         blocks = torch.cat(scales + [qs], dim=-1).reshape(n, nb * TYPES[self.qtype][1])  # the file's layout
         return QuantWeight.from_gguf(blocks.contiguous(), self.qtype, self.in_features)
@@ -149,9 +155,12 @@ class QuantWeight:
         return self.blocks.numel()
 
     def rows(self, index: torch.Tensor) -> "QuantWeight":
-        """The output rows `index` [R] (a permutation, a subset): whole rows of blocks, exact."""
+        """The output rows `index` [R] (a permutation, a subset): whole rows of blocks, exact
+        (rows layout; from tiles, gathered from their groups: an embedding lookup's few rows)."""
         if self.layout != "rows":
-            return self.as_rows().rows(index)
+            group = QuantWeight(self.blocks[index // TILE_ROWS].reshape(-1, self.blocks.shape[1]), self.qtype,
+                                self.in_features, "tiles").as_rows()  # [16R, ...]: each row's whole group
+            return group.rows(torch.arange(index.numel()) * TILE_ROWS + index % TILE_ROWS)
         return QuantWeight(self.blocks[index].contiguous(), self.qtype, self.in_features)
 
     @staticmethod

@@ -358,7 +358,7 @@ def quantized(w: torch.Tensor):
             or quant_linear.load() is None):
         return None
     m = Linear(w.shape[1], w.shape[0], bias=False, dtype=torch.float32)
-    m.set_quant(quant_linear.quantize_q8_0(w))
+    m.set_quant(quant_linear.for_kernel(quant_linear.quantize_q8_0(w)))  # AMX tiles where that loop runs
     m.requires_grad_(False)
     return m
 

@@ -335,14 +335,14 @@ void dequant_row_avx2(const uint8_t* row, int64_t K, float* out, float* sc) {
 }
 
 
-// ---- AMX: 4-bit weights as bf16 tiles, fp32 x as three bf16 pieces ------------------------------
+// ---- AMX: quantized weights as bf16 tiles, fp32 x as three bf16 pieces ------------------------
 //
-// Where the CPU has AMX-BF16 (Intel Sapphire Rapids and later), Q4_0 / Q4_1 weights are kept in a
+// Where the CPU has AMX-BF16 (Intel Sapphire Rapids and later), Q4_0 / Q4_1 / Q8_0 weights are kept in a
 // tile layout (kernels/quant_linear.py `to_amx`, at load) and multiplied on the tile unit:
 //   * x [T, K] fp32 is split into three bf16 pieces per value, hi + mid + lo == x exactly (each
 //     piece carries 8 of the 24 significant bits), one tile row per (token, piece).
 //   * a block's 4-bit quants q (0..15) are small integers, exact in bf16: one table lookup
-//     (vpermw) turns 32 of them into a tile row. Q4_0 looks up q - 8.
+//     (vpermw) turns 32 of them into a tile row. Q4_0 looks up q - 8; Q8_0 converts its int8.
 //   * the tile unit multiplies bf16 pairs exactly and adds in fp32, so per block and output row
 //     S1 = sum_k x_k q_k comes out with fp32 rounding only.
 //   * y = sum_blocks d * S1 (+ m * sum_k x_k for Q4_1): the dequantized weight d*q (+ m) factored,
@@ -351,12 +351,14 @@ void dequant_row_avx2(const uint8_t* row, int64_t K, float* out, float* sc) {
 // Cost: the conversion of the weights is the same for 1 to 5 tokens (their 15 pieces fill one
 // 16-row tile), so a verify of up to 4 drafts costs about what one decode row does.
 //
-// Tile layout per group of 16 output rows g and block b (GB bytes, the file's bytes regrouped):
-//   256 bytes of nibbles: chunk c (0..7) of 32 bytes holds tile rows c (low nibbles) and c + 8
-//     (high nibbles); tile row i, entry j = the quant of output row 16g + j/2 at k = 32b + 2i + j%2
-//     (the bf16 pair layout the tile unit reads for its second operand)
-//   32 bytes: the 16 rows' fp16 d; Q4_1 then 32 bytes: their fp16 m.
-// blocks [N/16, K/32 * GB] uint8 (GB = 16 * the file's block bytes: 288 Q4_0, 320 Q4_1).
+// Tile layout per group of 16 output rows g and block b (GB bytes, the file's bytes regrouped);
+// tile row i, entry j = the quant of output row 16g + j/2 at k = 32b + 2i + j%2 (the bf16 pair
+// layout the tile unit reads for its second operand):
+//   4-bit: 256 bytes of nibbles, chunk c (0..7) of 32 bytes holding tile rows c (low nibbles) and
+//     c + 8 (high nibbles); Q8_0: 512 bytes, tile row i = bytes 32i..32i+31
+//   then 32 bytes: the 16 rows' fp16 d; Q4_1 then 32 bytes: their fp16 m.
+// blocks [N/16, K/32 * GB] uint8 (GB = 16 * the file's block bytes: 288 Q4_0, 320 Q4_1, 544 Q8_0).
+// Q8_0's quants are exact in bf16 too (|q| <= 128); converting them costs about twice a nibble's.
 #if defined(__GNUC__) && (__GNUC__ >= 11 || (defined(__clang_major__) && __clang_major__ >= 12))
 #define SPECSPLIT_HAVE_AMX 1
 #include <sys/syscall.h>
@@ -368,7 +370,8 @@ constexpr int AMX_TOKENS = 5;  // tokens per pass: 3 pieces each fill 15 of a ti
 // 576 at one token: 1 KB 112 us, 2 KB 96, 4 KB 85, 8 KB 86).
 constexpr int64_t AMX_PREFETCH = 4096;
 
-inline int64_t amx_group_bytes(int64_t t) { return t == Q4_1 ? 320 : 288; }
+inline int64_t amx_group_bytes(int64_t t) { return 16 * block_bytes(t); }  // 288, 320, 544
+inline int64_t amx_quant_bytes(int64_t t) { return t == Q8_0 ? 512 : 256; }  // then the fp16 d (, m)
 
 // AMX needs the CPU flags and, on Linux, the kernel's permission for this process to use the tile
 // data (asked once; refused on kernels before 5.16)
@@ -409,8 +412,18 @@ SPECSPLIT_AMX void amx_split_x(const float* x, int64_t T, int64_t K, uint16_t* p
     }
 }
 
-// one (group, block) of nibbles -> the 16 x 32 bf16 tile rows
+// one (group, block) of quants -> the 16 x 32 bf16 tile rows. 4-bit: a table lookup per nibble;
+// Q8_0: int8 -> fp32 -> bf16 (exact: |q| <= 128 fits bf16's 8 significant bits)
+template <int64_t T>
 SPECSPLIT_AMX inline void amx_convert(const uint8_t* nib, uint16_t* tile, __m512i table) {
+  if constexpr (T == Q8_0) {
+    for (int i = 0; i < 16; ++i) {
+      const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(nib + 32 * i))));
+      const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(nib + 32 * i + 16))));
+      _mm512_store_si512(tile + 32 * i, (__m512i)_mm512_cvtne2ps_pbh(b, a));  // a: entries 0..15, b: 16..31
+    }
+    return;
+  }
   const __m512i mask = _mm512_set1_epi16(0x0F);
   for (int c = 0; c < 8; ++c) {
     const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(nib + 32 * c)));
@@ -420,7 +433,7 @@ SPECSPLIT_AMX inline void amx_convert(const uint8_t* nib, uint16_t* tile, __m512
 }
 
 // acc[t] (the group's 16 outputs of token t) += d * (hi + mid + lo rows of the block's product)
-// (+ m * the block's sum of x)
+// (+ m * the block's sum of x, Q4_1); scales: the block's fp16 d (then m)
 template <int64_t T, int TT>
 SPECSPLIT_AMX inline void amx_scale(const float* c, const uint8_t* scales, const float* sums, int64_t nb, int64_t b,
                                     __m512* acc) {
@@ -444,7 +457,7 @@ SPECSPLIT_AMX inline void amx_scale(const float* c, const uint8_t* scales, const
 template <int64_t T, int TT>
 SPECSPLIT_AMX void amx_groups(const uint16_t* pieces, const float* sums, int64_t K, const uint8_t* blocks, int64_t g0,
                               int64_t g1, float* y, int64_t ldy) {
-  const int64_t nb = K / QK, np = nb / 2, GB = amx_group_bytes(T);
+  const int64_t nb = K / QK, np = nb / 2, GB = amx_group_bytes(T), QB = amx_quant_bytes(T);
   constexpr int R = 3 * TT;
   TileConfig cfg;
   for (int i = 0; i < 8; ++i) {
@@ -471,14 +484,14 @@ SPECSPLIT_AMX void amx_groups(const uint16_t* pieces, const float* sums, int64_t
   _tile_loadd(AT, pieces + (BI) * R * QK, 64);   \
   _tile_zero(CT);                                \
   _tile_dpbf16ps(CT, AT, BT);
-#define SPECSPLIT_SCALE(BI, BUF) amx_scale<T, TT>(prod[BUF], gp + (BI) * GB + 256, sums, nb, BI, acc);
-    amx_convert(gp, wt[0], table);
-    amx_convert(gp + GB, wt[1], table);
+#define SPECSPLIT_SCALE(BI, BUF) amx_scale<T, TT>(prod[BUF], gp + (BI) * GB + QB, sums, nb, BI, acc);
+    amx_convert<T>(gp, wt[0], table);
+    amx_convert<T>(gp + GB, wt[1], table);
     for (int64_t p = 0; p < np; ++p) {
       const int64_t b = 2 * p;
       if (p + 1 < np) {
-        amx_convert(gp + (b + 2) * GB, wt[2 * ((p + 1) % 2)], table);
-        amx_convert(gp + (b + 3) * GB, wt[2 * ((p + 1) % 2) + 1], table);
+        amx_convert<T>(gp + (b + 2) * GB, wt[2 * ((p + 1) % 2)], table);
+        amx_convert<T>(gp + (b + 3) * GB, wt[2 * ((p + 1) % 2) + 1], table);
       }
       for (int64_t o = 0; o < 2 * GB; o += 64)
         _mm_prefetch(reinterpret_cast<const char*>(gp + b * GB + AMX_PREFETCH + o), _MM_HINT_T0);
@@ -556,7 +569,7 @@ inline int amx_quant(const uint8_t* nib, int64_t n, int64_t k) {
 }
 
 void check_amx_blocks(const torch::Tensor& blocks, int64_t qtype, int64_t K) {
-  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1, "quant_linear (tiles): type ", qtype, " is not Q4_0 (2) or Q4_1 (3)");
+  TORCH_CHECK(block_bytes(qtype) > 0, "quant_linear (tiles): type ", qtype, " is not Q4_0 (2), Q4_1 (3) or Q8_0 (8)");
   TORCH_CHECK(K % (2 * QK) == 0, "quant_linear (tiles): in_features ", K, " is not a multiple of 64");
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
                   blocks.size(1) == K / QK * 16 * block_bytes(qtype),
@@ -647,10 +660,11 @@ torch::Tensor quant_linear_amx(const torch::Tensor& x_in, const torch::Tensor& b
   auto y = torch::empty({M, N}, x.options());
 #ifdef SPECSPLIT_HAVE_AMX
   if (M > 0) {
-    if (qtype == Q4_1)
-      amx_run<Q4_1>(x.data_ptr<float>(), M, K, blocks.data_ptr<uint8_t>(), N, y.data_ptr<float>());
-    else
-      amx_run<Q4_0>(x.data_ptr<float>(), M, K, blocks.data_ptr<uint8_t>(), N, y.data_ptr<float>());
+    switch (qtype) {
+      case Q4_0: amx_run<Q4_0>(x.data_ptr<float>(), M, K, blocks.data_ptr<uint8_t>(), N, y.data_ptr<float>()); break;
+      case Q4_1: amx_run<Q4_1>(x.data_ptr<float>(), M, K, blocks.data_ptr<uint8_t>(), N, y.data_ptr<float>()); break;
+      default: amx_run<Q8_0>(x.data_ptr<float>(), M, K, blocks.data_ptr<uint8_t>(), N, y.data_ptr<float>()); break;
+    }
   }
 #endif
   if (bias.has_value() && bias->defined()) y.add_(*bias);
@@ -670,9 +684,12 @@ torch::Tensor quant_dequantize_amx(const torch::Tensor& blocks, int64_t qtype, i
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* gb = bp + (g * nb + b) * GB;
         for (int64_t n = 0; n < 16; ++n) {
-          const float d = half_to_float(gb + 256 + 2 * n);
+          const float d = half_to_float(gb + amx_quant_bytes(qtype) + 2 * n);
           float* o = wp + (16 * g + n) * K + b * QK;
-          if (qtype == Q4_0) {
+          if (qtype == Q8_0) {
+            for (int64_t k = 0; k < QK; ++k)
+              o[k] = d * static_cast<float>(static_cast<int8_t>(gb[32 * (k / 2) + 2 * n + k % 2]));
+          } else if (qtype == Q4_0) {
             for (int64_t k = 0; k < QK; ++k) o[k] = d * static_cast<float>(amx_quant(gb, n, k) - 8);
           } else {
             const float m = half_to_float(gb + 288 + 2 * n);

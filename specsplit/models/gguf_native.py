@@ -123,7 +123,6 @@ def attach(model, path: Path) -> str:
     src = GGUFTensors(path, model.cfg)
     kept: dict[str, int] = {}
     layers: dict[str, int] = {}  # linear layers per type (for the log)
-    tiled = 0  # linear layers in the AMX tiles layout
     total = 0
 
     placed: list = []  # (the module holding it, the weight), in the order a step reads them
@@ -146,13 +145,14 @@ def attach(model, path: Path) -> str:
             lin.set_quant(w)
             note(lin, w)
             layers[w.qtype] = layers.get(w.qtype, 0) + 1
-            tiled += w.layout == "tiles"
     emb = src.embedding()
     if emb is not None and (emb.out_features, emb.in_features) == tuple(model.embed_tokens.weight.shape):
-        model.embed_tokens = QuantEmbedding(emb)
-        note(model.embed_tokens, emb)
+        # the tied head multiplies with it every step: the kernel's layout (lookups gather rows from it)
+        model.embed_tokens = QuantEmbedding(quant_linear.for_kernel(emb) if model.lm_head is None else emb)
+        note(model.embed_tokens, model.embed_tokens.quant)
     head = src.head()
     if head is not None and model.lm_head is not None:
+        head = quant_linear.for_kernel(head)
         model.lm_head.set_quant(head)
         note(model.lm_head, head)
     # one huge-page buffer for all the blocks (models/huge_pages.py); the embedding, read a few
@@ -168,7 +168,8 @@ def attach(model, path: Path) -> str:
         parts.append(f"{emb.qtype} embedding" + (" (the tied head)" if model.lm_head is None else ""))
     if head is not None and model.lm_head is not None and model.lm_head.quant is not None:
         parts.append(f"{head.qtype} head")
-    amx = (f"; AMX tiles for {tiled} linear layers" if tiled else "") + ("; in huge pages" if huge else "")
+    tiled = sum(w.layout == "tiles" for _, w in placed)  # the AMX loop's layout (kernels/quant_linear.py)
+    amx = (f"; AMX tiles for {tiled} of {len(placed)}" if tiled else "") + ("; in huge pages" if huge else "")
     log.info("weights: native %s (%.1f MB of blocks) from %s; the rest dense%s", ", ".join(parts) or "none",
              total / 1e6, path.name, amx)
     return f"native {summary} ({total / 1e6:.1f} MB{amx})" if kept else "fp32"

@@ -1,4 +1,4 @@
-"""kernels/quant_linear, the tiles layout and its AMX loop: the layout holds the file's bytes (it
+"""kernels/quant_linear, the tiles layout (Q4_0, Q4_1, Q8_0) and its AMX loop: the layout holds the file's bytes (it
 converts back to the rows layout exactly, and dequantizes to the same values bit for bit); the AMX
 loop equals dequantize-then-F.linear within fp32 rounding at every row count the engine runs; the
 loader picks the layout only where the loop runs. The layout tests run on any CPU, the loop's
@@ -40,13 +40,22 @@ def test_what_the_tiles_layout_refuses():
         random_blocks("Q4_1", 40, 64).to_tiles()  # out not a multiple of 16
     with pytest.raises(ValueError, match="does not fit"):
         random_blocks("Q4_1", 16, 96).to_tiles()  # an odd number of blocks
-    with pytest.raises(ValueError, match="does not fit"):
-        random_blocks("Q8_0", 16, 64).to_tiles()
     t = random_blocks("Q4_0", 48, 64).to_tiles()
     with pytest.raises(ValueError, match="split one"):
         t.slice_rows(8, 48)
+    with pytest.raises(ValueError, match="do not hold tiles"):
+        QuantWeight(t.blocks, "Q8_0", 64, "tiles")  # Q4_0's bytes read as Q8_0's
     with pytest.raises(ValueError, match="layout"):
-        QuantWeight(t.blocks, "Q8_0", 64, "tiles")
+        QuantWeight(t.blocks, "Q4_0", 64, "columns")
+
+
+@pytest.mark.parametrize("qtype", TILE_TYPES)
+def test_rows_gathered_from_tiles_are_the_rows_layouts(qtype):
+    """An embedding lookup in a tied head's tiles: the rows asked for, in the order asked."""
+    w = random_blocks(qtype, 64, 128, seed=9)
+    index = torch.tensor([63, 0, 17, 17, 40])
+    got = w.to_tiles().rows(index)
+    assert got.layout == "rows" and torch.equal(got.blocks, w.rows(index).blocks)
 
 
 @NEEDS_KERNEL
@@ -113,8 +122,10 @@ def test_amx_threads_split_groups_without_changing_them():
 @NEEDS_KERNEL
 def test_the_loader_picks_tiles_only_where_the_amx_loop_runs(monkeypatch):
     w = random_blocks("Q4_1", 48, 128)
-    assert quant_linear.for_kernel(w).layout == ("tiles" if quant_linear.uses_amx() else "rows")
-    assert quant_linear.for_kernel(random_blocks("Q8_0", 48, 128)).layout == "rows"
-    assert quant_linear.for_kernel(random_blocks("Q4_1", 40, 128)).layout == "rows"
+    expected = "tiles" if quant_linear.uses_amx() else "rows"
+    assert quant_linear.for_kernel(w).layout == expected
+    assert quant_linear.for_kernel(random_blocks("Q8_0", 48, 128)).layout == expected
+    assert quant_linear.for_kernel(random_blocks("Q4_1", 40, 128)).layout == "rows"  # out not a multiple of 16
+    assert quant_linear.for_kernel(random_blocks("Q8_0", 48, 96)).layout == "rows"  # an odd number of blocks
     monkeypatch.setenv(quant_linear.ENV_AMX, "0")
     assert not quant_linear.uses_amx() and quant_linear.for_kernel(w) is w

@@ -41,7 +41,8 @@ def test_native_holds_the_file_blocks(models):
     # the AMX tiles layout where that loop runs (all four shapes fit it), else the rows layout
     assert {getattr(layer, a).quant.layout for a in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")} == {
         "tiles" if quant_linear.uses_amx() else "rows"}
-    assert ("AMX tiles for 120 linear layers" in native.weights) == quant_linear.uses_amx()
+    assert ("AMX tiles for 121 of 121" in native.weights) == quant_linear.uses_amx()
+    assert native.model.embed_tokens.quant.layout == ("tiles" if quant_linear.uses_amx() else "rows")  # the tied head
     # every block in one huge-page buffer where the machine has them (models/huge_pages.py)
     if huge_pages.available():
         assert native.weights.endswith("in huge pages)")
