@@ -244,6 +244,16 @@ def dequantize(w: QuantWeight) -> torch.Tensor:
     return m.quant_dequantize(w.blocks, TYPES[w.qtype][0], w.in_features)
 
 
+def dequantize_rows(w: QuantWeight, ids: torch.Tensor) -> torch.Tensor:
+    """[R, in] fp32: rows `ids` [R] of `w` dequantized (an embedding lookup). From tiles the
+    compiled gather reads each row from its group (~8 us for one row, where converting its group
+    back to rows in torch took ~100 us)."""
+    m = load()
+    if w.layout == "tiles" and m is not None:
+        return m.quant_dequantize_amx_rows(w.blocks, TYPES[w.qtype][0], w.in_features, ids.reshape(-1).long())
+    return dequantize(w.rows(ids.reshape(-1)))
+
+
 # The dense copy is made a slice of output rows at a time, each at most this many bytes: the
 # allocator then reuses one slice's memory for the next (and the next call's), where a whole
 # 49152 x 576 head (113 MB, past glibc's mmap threshold) was mapped and page-faulted anew on

@@ -673,6 +673,25 @@ torch::Tensor quant_linear_amx(const torch::Tensor& x_in, const torch::Tensor& b
 
 // blocks in the tile layout -> W [N, K] fp32: the same values as quant_dequantize of the rows
 // layout, bit for bit (the same arithmetic as dequant_row; any CPU)
+// row n (0..15) of one group's K/32 blocks in the tile layout -> K fp32 (dequant_row's arithmetic)
+void amx_dequant_row(const uint8_t* group, int64_t qtype, int64_t nb, int64_t GB, int64_t n, float* out) {
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* gb = group + b * GB;
+    const float d = half_to_float(gb + amx_quant_bytes(qtype) + 2 * n);
+    float* o = out + b * QK;
+    if (qtype == Q8_0) {
+      for (int64_t k = 0; k < QK; ++k) o[k] = d * static_cast<float>(static_cast<int8_t>(gb[32 * (k / 2) + 2 * n + k % 2]));
+    } else if (qtype == Q4_0) {
+      for (int64_t k = 0; k < QK; ++k) o[k] = d * static_cast<float>(amx_quant(gb, n, k) - 8);
+    } else {
+      const float m = half_to_float(gb + 288 + 2 * n);
+      for (int64_t k = 0; k < QK; ++k) o[k] = d * static_cast<float>(amx_quant(gb, n, k)) + m;
+    }
+  }
+}
+
+// blocks in the tile layout -> W [N, K] fp32: the same values as quant_dequantize of the rows
+// layout, bit for bit (any CPU)
 torch::Tensor quant_dequantize_amx(const torch::Tensor& blocks, int64_t qtype, int64_t K) {
   check_amx_blocks(blocks, qtype, K);
   const int64_t G = blocks.size(0), nb = K / QK, GB = blocks.size(1) / nb;
@@ -681,22 +700,25 @@ torch::Tensor quant_dequantize_amx(const torch::Tensor& blocks, int64_t qtype, i
   float* wp = w.data_ptr<float>();
   at::parallel_for(0, G, 16, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* gb = bp + (g * nb + b) * GB;
-        for (int64_t n = 0; n < 16; ++n) {
-          const float d = half_to_float(gb + amx_quant_bytes(qtype) + 2 * n);
-          float* o = wp + (16 * g + n) * K + b * QK;
-          if (qtype == Q8_0) {
-            for (int64_t k = 0; k < QK; ++k)
-              o[k] = d * static_cast<float>(static_cast<int8_t>(gb[32 * (k / 2) + 2 * n + k % 2]));
-          } else if (qtype == Q4_0) {
-            for (int64_t k = 0; k < QK; ++k) o[k] = d * static_cast<float>(amx_quant(gb, n, k) - 8);
-          } else {
-            const float m = half_to_float(gb + 288 + 2 * n);
-            for (int64_t k = 0; k < QK; ++k) o[k] = d * static_cast<float>(amx_quant(gb, n, k)) + m;
-          }
-        }
-      }
+      for (int64_t n = 0; n < 16; ++n) amx_dequant_row(bp + g * nb * GB, qtype, nb, GB, n, wp + (16 * g + n) * K);
+  });
+  return w;
+}
+
+// rows `ids` [R] int64 of the tile layout -> [R, K] fp32 (an embedding lookup in a tied head)
+torch::Tensor quant_dequantize_amx_rows(const torch::Tensor& blocks, int64_t qtype, int64_t K, const torch::Tensor& ids_in) {
+  check_amx_blocks(blocks, qtype, K);
+  TORCH_CHECK(ids_in.dim() == 1 && ids_in.scalar_type() == at::kLong, "quant_dequantize_amx_rows: ids must be int64 [R]");
+  const torch::Tensor ids = ids_in.contiguous();
+  const int64_t G = blocks.size(0), nb = K / QK, GB = blocks.size(1) / nb, R = ids.size(0);
+  auto w = torch::empty({R, K}, blocks.options().dtype(at::kFloat));
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r)
+    TORCH_CHECK(ip[r] >= 0 && ip[r] < 16 * G, "quant_dequantize_amx_rows: row ", ip[r], " out of ", 16 * G);
+  const uint8_t* bp = blocks.data_ptr<uint8_t>();
+  float* wp = w.data_ptr<float>();
+  at::parallel_for(0, R, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) amx_dequant_row(bp + (ip[r] / 16) * nb * GB, qtype, nb, GB, ip[r] % 16, wp + r * K);
   });
   return w;
 }
@@ -712,5 +734,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_uses_avx512", &quant_uses_avx512, "whether the AVX-512 loop runs on this CPU");
   m.def("quant_linear_amx", &quant_linear_amx, "y = x @ W.T (+ bias), W as Q4_0/Q4_1 in the tile layout, on AMX");
   m.def("quant_dequantize_amx", &quant_dequantize_amx, "the tile layout [N/16, K/32*GB] -> fp32 [N, K]");
+  m.def("quant_dequantize_amx_rows", &quant_dequantize_amx_rows, "rows ids [R] of the tile layout -> fp32 [R, K]");
   m.def("quant_uses_amx", &quant_uses_amx, "whether AMX-BF16 runs on this CPU (flags and the kernel's permission)");
 }

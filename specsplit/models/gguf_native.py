@@ -54,7 +54,7 @@ class QuantEmbedding(nn.Module):
         self.quant, self.blocks = weight, weight.blocks
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden] fp32
-        return quant_linear.dequantize(self.quant.rows(ids.reshape(-1))).view(*ids.shape, self.embedding_dim)
+        return quant_linear.dequantize_rows(self.quant, ids).view(*ids.shape, self.embedding_dim)
 
     @property
     def weight(self) -> torch.Tensor:  # [V, hidden] fp32, made on each access (drafters, TP sharding)

@@ -65,6 +65,20 @@ def test_the_compiled_dequantizer_reads_tiles_bit_for_bit(qtype):
     assert torch.equal(quant_linear.dequantize(w.to_tiles()), quant_linear.dequantize(w))
 
 
+@NEEDS_KERNEL
+@pytest.mark.parametrize("qtype", TILE_TYPES)
+def test_rows_dequantized_straight_from_tiles(qtype):
+    """An embedding lookup (quant_linear.dequantize_rows): the compiled gather from the tiles
+    equals the rows layout's rows, bit for bit, in the order asked; a row past the end is refused."""
+    w = random_blocks(qtype, 64, 128, seed=10)
+    t = w.to_tiles()
+    ids = torch.tensor([[63, 0], [17, 17]])
+    assert torch.equal(quant_linear.dequantize_rows(t, ids), quant_linear.dequantize(w)[ids.reshape(-1)])
+    assert torch.equal(quant_linear.dequantize_rows(w, ids), quant_linear.dequantize(w)[ids.reshape(-1)])
+    with pytest.raises(RuntimeError, match="out of 64"):
+        quant_linear.dequantize_rows(t, torch.tensor([64]))
+
+
 def within_fp32_rounding(y: torch.Tensor, x: torch.Tensor, w: QuantWeight) -> None:
     """|y - the float64 product| <= 1e-6 of sum |x| |w| per output (measured: up to ~8e-8; a wrong
     block, scale or row would be off by the size of the terms)."""
