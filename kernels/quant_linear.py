@@ -246,7 +246,7 @@ def dequantize(w: QuantWeight) -> torch.Tensor:
 
 def dequantize_rows(w: QuantWeight, ids: torch.Tensor) -> torch.Tensor:
     """[R, in] fp32: rows `ids` [R] of `w` dequantized (an embedding lookup). From tiles the
-    compiled gather reads each row from its group (~8 us for one row, where converting its group
+    compiled gather reads each row from its group (4.6 us for one row, where converting its group
     back to rows in torch took ~100 us)."""
     m = load()
     if w.layout == "tiles" and m is not None:

@@ -12,6 +12,9 @@ Two things make them the model's layout:
   * the model fuses q|k|v and gate|up into one matmul each: their rows of blocks are concatenated
     (only when the parts share one block type).
 Other block types (F32, F16, K-quants) are left to the dense path, which is loaded as before.
+Then, for the kernels: where the AMX loop runs, each weight the head or a linear multiplies with
+is regrouped into the tiles layout (`quant_linear.for_kernel`), and every kept block is copied
+into one buffer in transparent huge pages (models/huge_pages.py), in the order a step reads them.
 """
 from __future__ import annotations
 
@@ -24,8 +27,8 @@ from torch import nn
 
 from specsplit.config import ModelConfig
 from specsplit.kernels import quant_linear
-from specsplit.models import huge_pages
 from specsplit.kernels.quant_linear import QuantWeight
+from specsplit.models import huge_pages
 
 log = logging.getLogger(__name__)
 
