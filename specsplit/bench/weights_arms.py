@@ -3,7 +3,8 @@ weights mode (native, fp32, bf16) with suffixes that switch one load-time choice
 a choice against its absence in one process, interleaved:
 
     native-rows     the rows layout even where the AMX tiles loop runs (SPECSPLIT_QUANT_AMX=0)
-    native-4k       the blocks left in 4 KB pages (SPECSPLIT_HUGE_PAGES=0)
+    native-4k       the blocks left in 4 KB pages (SPECSPLIT_HUGE_PAGES=0; a KV cache made after
+                    the load, as the tools make theirs, is in huge pages in every arm)
     native-rows-4k  both
 
 Both switches are read while the model loads; the loaded model keeps what was chosen."""
@@ -14,7 +15,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 from specsplit.kernels import quant_linear
-from specsplit.models import huge_pages
+from specsplit.kv import huge_pages
 
 SWITCHES = {"rows": quant_linear.ENV_AMX, "4k": huge_pages.ENV_SWITCH}  # suffix -> env set to "0"
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from specsplit.kv import huge_pages
+
 
 class PagedKVCache:
     """One tensor [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] for all layers.
@@ -27,9 +29,12 @@ class PagedKVCache:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        self.data = torch.zeros(
-            (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=self.device
-        )
+        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        if self.device.type == "cpu":  # in huge pages where the machine has them: a step at context
+            # 300 / 600 / 1200 took 12.40 / 15.22 / 18.59 ms against 12.58 / 15.58 / 19.14 in 4 KB pages
+            self.data = huge_pages.empty(shape, dtype).zero_()
+        else:
+            self.data = torch.zeros(shape, dtype=dtype, device=self.device)
         # each layer's (k, v) views, made once: a step asks for all of them (two index ops each)
         self._layers = [(self.data[i, 0], self.data[i, 1]) for i in range(num_layers)]
 

@@ -14,7 +14,7 @@ Two things make them the model's layout:
 Other block types (F32, F16, K-quants) are left to the dense path, which is loaded as before.
 Then, for the kernels: where the AMX loop runs, each weight the head or a linear multiplies with
 is regrouped into the tiles layout (`quant_linear.for_kernel`), and every kept block is copied
-into one buffer in transparent huge pages (models/huge_pages.py), in the order a step reads them.
+into one buffer in transparent huge pages (kv/huge_pages.py), in the order a step reads them.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from torch import nn
 from specsplit.config import ModelConfig
 from specsplit.kernels import quant_linear
 from specsplit.kernels.quant_linear import QuantWeight
-from specsplit.models import huge_pages
+from specsplit.kv import huge_pages
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ def attach(model, path: Path) -> str:
         head = quant_linear.for_kernel(head)
         model.lm_head.set_quant(head)
         note(model.lm_head, head)
-    # one huge-page buffer for all the blocks (models/huge_pages.py); the embedding, read a few
+    # one huge-page buffer for all the blocks (kv/huge_pages.py); the embedding, read a few
     # rows a step, goes last with the tied head it also is
     placed.sort(key=lambda p: isinstance(p[0], QuantEmbedding))
     moved = huge_pages.into_huge_pages([w.blocks for _, w in placed])

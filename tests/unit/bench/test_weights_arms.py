@@ -8,7 +8,7 @@ import pytest
 
 from specsplit.bench import weights_arms
 from specsplit.kernels import quant_linear
-from specsplit.models import huge_pages
+from specsplit.kv import huge_pages
 
 
 def test_suffixes_switch_off_inside_and_restore_after(monkeypatch):

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from specsplit.kernels import quant_linear
+from specsplit.kv import huge_pages
 from specsplit.kv.meters import tensor_storage_bytes
-from specsplit.models import cpu_linear, huge_pages
+from specsplit.models import cpu_linear
 from specsplit.models.gguf_native import QuantEmbedding, reverse_permute_rows
 from specsplit.models.loader import load_model
 from specsplit.models.runner import ForwardItem, ModelRunner
@@ -43,7 +44,7 @@ def test_native_holds_the_file_blocks(models):
         "tiles" if quant_linear.uses_amx() else "rows"}
     assert ("AMX tiles for 121 of 121" in native.weights) == quant_linear.uses_amx()
     assert native.model.embed_tokens.quant.layout == ("tiles" if quant_linear.uses_amx() else "rows")  # the tied head
-    # every block in one huge-page buffer where the machine has them (models/huge_pages.py)
+    # every block in one huge-page buffer where the machine has them (kv/huge_pages.py)
     if huge_pages.available():
         assert native.weights.endswith("in huge pages)")
         assert len({getattr(native.model.layers[i], a).quant.blocks.untyped_storage().data_ptr()

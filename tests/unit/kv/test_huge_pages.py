@@ -1,6 +1,7 @@
-"""models/huge_pages: weights copied into one buffer that the kernel backs with 2 MB pages: equal
-copies, one storage, each on its own 4 KB page in the order given, the pages really huge where the
-machine gives transparent huge pages; switched off, the tensors come back untouched."""
+"""kv/huge_pages: weights copied into one buffer that the kernel backs with 2 MB pages (equal
+copies, one storage, each on its own 4 KB page in the order given) and the KV cache allocated in
+such pages, the pages really huge where the machine gives transparent huge pages; switched off,
+the tensors come back untouched."""
 from __future__ import annotations
 
 import re
@@ -8,7 +9,7 @@ import re
 import pytest
 import torch
 
-from specsplit.models import huge_pages
+from specsplit.kv import huge_pages
 
 
 def anon_huge_kb(ptr: int) -> int:
@@ -42,3 +43,20 @@ def test_switched_off_gives_the_tensors_back(monkeypatch):
     assert not huge_pages.available()
     assert huge_pages.into_huge_pages(ts)[0] is ts[0]
     assert huge_pages.into_huge_pages([]) == []
+
+
+def test_empty_and_the_kv_cache_are_in_huge_pages():
+    if not huge_pages.available():
+        pytest.skip("no transparent huge pages on this machine")
+    from specsplit.kv.paged_cache import PagedKVCache
+
+    t = huge_pages.empty((3, 1 << 20), torch.float32)  # 12 MB
+    assert t.shape == (3, 1 << 20) and t.dtype == torch.float32 and t.data_ptr() % huge_pages.HUGE_PAGE == 0
+    t.fill_(1.0)
+    assert anon_huge_kb(t.data_ptr()) >= 2048
+    cache = PagedKVCache(num_layers=2, num_blocks=64, block_size=16, num_kv_heads=4, head_dim=64,
+                         dtype=torch.float32, device="cpu")  # 4 MB
+    assert cache.data.data_ptr() % huge_pages.HUGE_PAGE == 0 and not bool(cache.data.any())
+    assert anon_huge_kb(cache.data.data_ptr()) >= 2048
+    small = huge_pages.empty((10,), torch.float32)  # under one huge page: plain torch.empty
+    assert small.shape == (10,)
