@@ -5,7 +5,7 @@ the paged KV cache allocated the same way (`empty`).
 A decode step of SmolLM2-135M Q4_1 reads ~96 MB of blocks once each. In 4 KB pages that is ~24,000
 pages a step: a TLB miss at each, and the hardware prefetchers stop at every page boundary.
 Measured on the Intel Xeon (AMX, 1 thread), all 120 linears and the head in model order, median of
-11 (`/work/probe`-style timing, docs/kernels.md): 12.1 -> 9.5 ms at one token row, 13.1 -> 11.0 ms
+11 (docs/kernels.md, "AMX tiles and huge pages"): 12.1 -> 9.5 ms at one token row, 13.1 -> 11.0 ms
 at three.
 
 The KV cache (kv/paged_cache.py): a one-token step at context 300 / 600 / 1200 took 12.40 / 15.22
@@ -13,8 +13,9 @@ The KV cache (kv/paged_cache.py): a one-token step at context 300 / 600 / 1200 t
 under one model, 9 rounds).
 
 Where the kernel has no transparent huge pages ("never", or not Linux), or SPECSPLIT_HUGE_PAGES=0,
-`into_huge_pages` gives the tensors back as they are and `empty` is torch.empty. The buffer is one torch tensor, so the memory
-count sees it (once, with its alignment slack: at most 2 MB + 4 KB per tensor).
+`into_huge_pages` gives the tensors back as they are and `empty` is torch.empty. Each buffer is one
+torch tensor, so the memory count sees it (once, with its alignment slack: at most 2 MB, plus 4 KB
+per tensor copied in).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-ENV_SWITCH = "SPECSPLIT_HUGE_PAGES"  # "0": leave the weights where they were loaded
+ENV_SWITCH = "SPECSPLIT_HUGE_PAGES"  # "0": 4 KB pages (weights where they were loaded, a plain KV cache)
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 HUGE_PAGE = 2 << 20
 PAGE = 4096
