@@ -35,27 +35,50 @@ def _cli_json(capsys, argv) -> dict:
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
+# What the gateway logs when a drafter call misses its deadline (gateway/peer_clients.py): that
+# stretch decodes target-only, so its drafts are fewer than a local run's (the tokens are the same).
+MISSED_DEADLINE = "no answer within"
+
+
+def _remote_json(capsys, log: str, argv) -> tuple[dict, bool]:
+    """A `generate --server` run's JSON, and whether the drafter missed a deadline meanwhile (a
+    loaded CI machine can keep the drafter process off a core past the 50 ms floor)."""
+    before = open(log).read().count(MISSED_DEADLINE)
+    out = _cli_json(capsys, argv)
+    return out, open(log).read().count(MISSED_DEADLINE) > before
+
+
+def _equals_local(remote: dict, missed: bool, local: dict) -> None:
+    """The same JSON; after a missed deadline, the same tokens and text with no more drafts."""
+    if not missed:
+        assert remote == local
+        return
+    assert remote["token_ids"] == local["token_ids"] and remote["text"] == local["text"]
+    assert remote["usage"]["proposed_draft_tokens"] <= local["usage"]["proposed_draft_tokens"]
+
+
 def test_up_generate_server_json_equals_local(up, capsys, tiny_llama):
-    proc, addresses, _ = up
+    proc, addresses, log = up
     info = server_info(addresses["gateway"])
     assert info.mode == "split" and info.draft_model == "ngram" and info.num_speculative_tokens == 4
     common = ["--prompt-token-ids", PROMPT_IDS, "--max-tokens", "24", "--ignore-eos", "--json"]
     # The split gateway pre-drafts by default; so does the local run here, so the drafts (usage)
     # match too (the tokens match either way).
-    remote = _cli_json(capsys, ["generate", "--server", addresses["gateway"], *common])
+    remote, missed = _remote_json(capsys, log, ["generate", "--server", addresses["gateway"], *common])
     local = _cli_json(capsys, ["generate", "--target", str(tiny_llama), "--draft", "ngram", *common, *FIXED_K,
                                "--async-draft"])
-    assert remote == local
-    assert remote["usage"]["proposed_draft_tokens"] > 0  # the repeating prompt gives n-gram drafts
+    _equals_local(remote, missed, local)
+    assert local["usage"]["proposed_draft_tokens"] > 0  # the repeating prompt gives n-gram drafts
     text_remote = _cli_json(capsys, ["generate", "--server", addresses["gateway"], "w5 w9 w13", "--max-tokens", "8", "--json"])
     text_local = _cli_json(capsys, ["generate", "--target", str(tiny_llama), "w5 w9 w13", "--max-tokens", "8", "--json",
                                     *FIXED_K])
     assert text_remote["token_ids"] == text_local["token_ids"] and text_remote["text"] == text_local["text"]
     # Seeded sampling: the server takes the shortest decimal of the API's float32 values, as local does.
     sampled = [*common, "--temperature", "0.7", "--top-p", "0.9", "--seed", "5"]
-    assert _cli_json(capsys, ["generate", "--server", addresses["gateway"], *sampled]) == \
-        _cli_json(capsys, ["generate", "--target", str(tiny_llama), "--draft", "ngram", *sampled, *FIXED_K,
-                           "--async-draft"])
+    remote_sampled, missed = _remote_json(capsys, log, ["generate", "--server", addresses["gateway"], *sampled])
+    _equals_local(remote_sampled, missed,
+                  _cli_json(capsys, ["generate", "--target", str(tiny_llama), "--draft", "ngram", *sampled, *FIXED_K,
+                                     "--async-draft"]))
     lockstep = _cli_json(capsys, ["generate", "--target", str(tiny_llama), "--draft", "ngram", *common, *FIXED_K])
     assert lockstep["token_ids"] == remote["token_ids"]
 
