@@ -359,6 +359,9 @@ void dequant_row_avx2(const uint8_t* row, int64_t K, float* out, float* sc) {
 //   then 32 bytes: the 16 rows' fp16 d; Q4_1 then 32 bytes: their fp16 m.
 // blocks [N/16, K/32 * GB] uint8 (GB = 16 * the file's block bytes: 288 Q4_0, 320 Q4_1, 544 Q8_0).
 // Q8_0's quants are exact in bf16 too (|q| <= 128); converting them costs about twice a nibble's.
+inline int64_t amx_group_bytes(int64_t t) { return 16 * block_bytes(t); }  // 288, 320, 544
+inline int64_t amx_quant_bytes(int64_t t) { return t == Q8_0 ? 512 : 256; }  // then the fp16 d (, m)
+
 #if defined(__GNUC__) && (__GNUC__ >= 11 || (defined(__clang_major__) && __clang_major__ >= 12))
 #define SPECSPLIT_HAVE_AMX 1
 #include <sys/syscall.h>
@@ -370,8 +373,6 @@ constexpr int AMX_TOKENS = 5;  // tokens per pass: 3 pieces each fill 15 of a ti
 // 576 at one token: 1 KB 112 us, 2 KB 96, 4 KB 85, 8 KB 86).
 constexpr int64_t AMX_PREFETCH = 4096;
 
-inline int64_t amx_group_bytes(int64_t t) { return 16 * block_bytes(t); }  // 288, 320, 544
-inline int64_t amx_quant_bytes(int64_t t) { return t == Q8_0 ? 512 : 256; }  // then the fp16 d (, m)
 
 // AMX needs the CPU flags and, on Linux, the kernel's permission for this process to use the tile
 // data (asked once; refused on kernels before 5.16)
@@ -684,7 +685,7 @@ void amx_dequant_row(const uint8_t* group, int64_t qtype, int64_t nb, int64_t GB
     } else if (qtype == Q4_0) {
       for (int64_t k = 0; k < QK; ++k) o[k] = d * static_cast<float>(amx_quant(gb, n, k) - 8);
     } else {
-      const float m = half_to_float(gb + 288 + 2 * n);
+      const float m = half_to_float(gb + amx_quant_bytes(qtype) + 32 + 2 * n);  // the m after the 16 d
       for (int64_t k = 0; k < QK; ++k) o[k] = d * static_cast<float>(amx_quant(gb, n, k)) + m;
     }
   }
