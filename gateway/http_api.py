@@ -23,7 +23,8 @@ function; the last two forced through the structured-output grammar), assistant 
 tool messages in the conversation, rendered by the model's chat template when it takes tools,
 else as a Hermes-style system block (gateway/chat_prompt.py decides, in the servicer's Tokenizer);
 the answer parsed back into tool_calls (gateway/tools.py); streamed, as the text decides it
-(gateway/tool_stream.py ToolCallStream: content deltas, or each call's header and then its arguments in pieces).
+(gateway/tool_stream.py ToolCallStream: content deltas, and each call once nothing after it can change it,
+or with --tool-call-stream eager its header at once and then its arguments in pieces).
 
 Errors are OpenAI's JSON, {"error": {"message", "type", "param", "code"}}, with the HTTP status
 of the RequestError kind (invalid_argument 400, resource_exhausted 429, unavailable 503, other
@@ -546,13 +547,15 @@ async def _refuse(scope, receive, send, e: ApiError) -> None:
 @dataclasses.dataclass
 class HttpBackend:
     """What the HTTP API needs from the gateway: its gRPC servicer (scheduler, tokenizer, limits,
-    draining), the served model's name, the bearer token, and why it cannot serve (None: it can)."""
+    draining), the served model's name, the bearer token, why it cannot serve (None: it can), and
+    its HTTP-only flags."""
 
     servicer: GatewayServicer
     model: str
     token: str | None = None
     unhealthy: Callable[[], str | None] = lambda: None
     max_request_bytes: int | None = None
+    tool_call_stream: str = "decided"  # --tool-call-stream: ToolCallStream's mode
 
 
 def create_app(backend: HttpBackend) -> FastAPI:
@@ -875,7 +878,7 @@ def create_app(backend: HttpBackend) -> FastAPI:
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
             started = [False] * len(lives)
-            tools = [ToolCallStream(plan) for _ in lives] if plan is not None and plan.renders else []
+            tools = [ToolCallStream(plan, backend.tool_call_stream) for _ in lives] if plan is not None and plan.renders else []
 
             def tool_chunks(i: int, ev: Event) -> list[dict]:
                 """With tools: the deltas ToolCallStream gives for the text so far (content, or each
@@ -1004,7 +1007,7 @@ def build_http_server(servicer: GatewayServicer, model: str, args,
         return None
     security = ServerSecurity.from_args(args)
     backend = HttpBackend(servicer, model, security.token(), unhealthy,
-                          getattr(args, "max_request_bytes", None))
+                          getattr(args, "max_request_bytes", None), getattr(args, "tool_call_stream", "decided"))
     return HttpServer(create_app(backend), getattr(args, "http_host", None) or args.host, port, security,
                       getattr(args, "http_limit_concurrency", None))
 

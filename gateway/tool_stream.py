@@ -24,10 +24,16 @@ log = logging.getLogger(__name__)
 #
 # Held back meanwhile: whitespace (an answer with calls has none at its end, and none at its start
 # when it opens with a call), a possible "<tool_call>" prefix, and a bare JSON value that may still
-# be a call. A call is sent once its name is an allowed one and its arguments have begun; what was
-# sent is never taken back, so a call whose text then stops being one (max_tokens cuts it, its JSON
-# breaks, text follows a bare call) stays in the stream while parse_calls reads the text as content:
-# `diverged` says so (logged).
+# be a call. When a call goes out is the server's choice (--tool-call-stream):
+#
+#   decided  (the default) once nothing after it can change what parse_calls says of it: a
+#            <tool_call> block when its closing tag comes (or the answer ends after its JSON), a bare
+#            call when the answer ends. The call's header and all its arguments then go out
+#            together, and the joined stream is always parse_calls' answer (`diverged` stays False).
+#   eager    as soon as its name is an allowed one and its arguments have begun, its arguments then
+#            in pieces as they grow. What was sent is never taken back, so a call whose text then
+#            stops being one (max_tokens cuts it, its JSON breaks, text follows a bare call) stays
+#            in the stream while parse_calls reads the text as content: `diverged` says so (logged).
 
 _OPEN, _CLOSE, _PYTHON = "<tool_call>", "</tool_call>", "<|python_tag|>"
 _JSON_WS = " \t\n\r"
@@ -214,6 +220,7 @@ class _CallReader:
         self.key: str | None = None  # "arguments" or "parameters", whichever comes first
         self.parsed: str | None = None  # arguments given as a JSON string: their text, once read
         self.index: int | None = None
+        self.decided = False  # nothing after it can make it content (its block closed, or the answer ended)
 
     @property
     def done(self) -> bool:
@@ -287,11 +294,17 @@ class ToolCallStream:
       {"content": "..."}
       {"tool_calls": [{"index": i, "id": "call_...", "type": "function",
                        "function": {"name": "get_weather", "arguments": ""}}]}    once per call, then
-      {"tool_calls": [{"index": i, "function": {"arguments": '{"city": "Pa'}}]}  as its JSON grows
+      {"tool_calls": [{"index": i, "function": {"arguments": '{"city": "Pa'}}]}  its arguments: whole
+                                                  once the call is decided, or in pieces (mode "eager")
     """
 
-    def __init__(self, plan: ToolPlan):
+    MODES = ("decided", "eager")  # --tool-call-stream; see the comment above _OPEN
+
+    def __init__(self, plan: ToolPlan, mode: str = "decided"):
+        if mode not in self.MODES:
+            raise ValueError(f"tool-call stream mode {mode!r}: one of {', '.join(self.MODES)}")
         self.plan = plan
+        self.eager = mode == "eager"
         self.names = frozenset(plan.allowed or [f.name for f in plan.functions])
         self.text = ""  # everything fed
         self.read = 0  # how much of it has been read
@@ -319,6 +332,9 @@ class ToolCallStream:
         self._read(text)
         if self.mode == "start" or (self.mode == "bare" and self.bare != "end"):
             self._again()
+        if self.mode == "bare":  # the answer ends after its calls: they are calls
+            for r in self.readers:
+                self._decide(r)
         if self.mode == "text":
             held, self.tag = self.tag, ""
             for ch in held:
@@ -455,6 +471,7 @@ class ToolCallStream:
         b, self.block = self.block, None
         if b.phase == "tail":
             self.found += 1
+            self._decide(b.reader)
             return
         if b.phase != "skip":  # nothing or unfinished JSON before the end
             self._not_a_call(b)
@@ -479,10 +496,15 @@ class ToolCallStream:
 
     # ---- sending --------------------------------------------------------------------------
     def _send(self, r: _CallReader) -> None:
-        """A call goes out (at the next flush) once its name and the start of its arguments are read."""
-        if r.index is None and r.ready:
+        """A call goes out (at the next flush) once its name and the start of its arguments are read
+        (eager), or once it is decided."""
+        if r.index is None and r.ready and (self.eager or r.decided):
             r.index = len(self.calls)
             self.calls.append([r, call_id(), -1])
+
+    def _decide(self, r: _CallReader) -> None:
+        r.decided = True
+        self._send(r)
 
     def _drop(self, r: _CallReader) -> None:
         """Not a call: unsent, it is forgotten (a sent one stays sent)."""

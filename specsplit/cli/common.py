@@ -147,6 +147,12 @@ def add_http_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--http-limit-concurrency", type=positive_int, default=DEFAULT_HTTP_LIMIT_CONCURRENCY, metavar="N",
                    help="most HTTP connections and requests open at once; past it uvicorn answers 503 "
                         "(default %(default)s)")
+    g.add_argument("--tool-call-stream", choices=("decided", "eager"), default="decided",
+                   help="when a streamed answer with tools sends a tool call: decided (default) once nothing "
+                        "after it can make it content (its </tool_call>, or the answer's end for a bare JSON "
+                        "call), header and arguments together, so the stream always equals the non-streamed "
+                        "answer; eager as soon as its name and arguments begin, the arguments in pieces, "
+                        "never taken back if the text then stops being a call")
 
 
 def validate_http(args) -> None:

@@ -176,6 +176,7 @@ def commands(args, drafter_port: int, verifier_port: int) -> dict[str, list[str]
                     *internal]
     if getattr(args, "http_port", None):
         gateway_only += ["--http-port", str(args.http_port), "--http-limit-concurrency", str(args.http_limit_concurrency),
+                         "--tool-call-stream", args.tool_call_stream,
                          *(["--http-host", args.http_host] if args.http_host else [])]
 
     def metrics(offset: int) -> list[str]:

@@ -7,8 +7,8 @@ official `openai` client, and lossless under speculation.
     finish_reason "tool_calls" and null content; streamed, the call comes in delta.tool_calls;
   * streamed with tools (tool_choice auto and required; auto with a response_format that makes
     the model write one call or a list of two), the answer is the non-streamed one: the
-    same content, the same calls (each a header, then its arguments in pieces that join to the
-    non-streamed arguments), the same finish_reason and logprobs; a plain answer comes as it is
+    same content, the same calls (each a header, then its arguments: whole, as the server's
+    default --tool-call-stream decided sends them), the same finish_reason and logprobs; a plain answer comes as it is
     generated (several content deltas before the finish), not held back to the end;
   * "none" gives plain content; a multi-turn conversation with an assistant's tool_calls and a
     tool message is accepted;

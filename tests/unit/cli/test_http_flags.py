@@ -43,3 +43,20 @@ def test_up_passes_the_http_flags_to_its_gateway():
     gw = cmds["gateway"]
     assert gw[gw.index("--http-port") + 1] == "8000" and "--http-host" not in gw
     assert all("--http-port" not in cmds[n] for n in ("drafter", "verifier"))
+
+
+@pytest.mark.parametrize("argv", [GATEWAY, SERVE], ids=["gateway", "serve"])
+def test_tool_call_stream_is_decided_unless_asked(argv):
+    assert build_parser().parse_args(argv).tool_call_stream == "decided"
+    assert build_parser().parse_args([*argv, "--tool-call-stream", "eager"]).tool_call_stream == "eager"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*argv, "--tool-call-stream", "sometimes"])
+
+
+def test_up_passes_the_tool_call_stream_to_its_gateway():
+    from specsplit.cli.up import commands
+
+    argv = ["up", "--target", "smollm2-135m", "--draft", "ngram", "--http-port", "8000", "--tool-call-stream", "eager"]
+    gw = commands(build_parser().parse_args(argv), 1, 2)["gateway"]
+    assert gw[gw.index("--tool-call-stream") + 1] == "eager"
+    assert build_parser().parse_args(gw[gw.index("--log-level"):]).tool_call_stream == "eager"  # the gateway parses it

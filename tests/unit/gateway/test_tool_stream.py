@@ -86,9 +86,9 @@ def _pieces(text: str, how: str, rng: random.Random) -> list[str]:
     return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
 
 
-def _stream(text: str, plan, pieces: list[str]):
+def _stream(text: str, plan, pieces: list[str], mode: str = "decided"):
     """-> (the stream, its deltas per piece (the last piece: finish()'s), content joined, [(name, arguments)] joined)."""
-    s = ToolCallStream(plan)
+    s = ToolCallStream(plan, mode)
     per_piece = [s.feed(p) for p in pieces[:-1]] + [s.finish(pieces[-1] if pieces else "")]
     content, calls = "", {}
     for d in (d for ds in per_piece for d in ds):
@@ -110,15 +110,16 @@ def _expected(text: str, plan):
     return content or "", [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
 
 
+@pytest.mark.parametrize("mode", ToolCallStream.MODES)
 @pytest.mark.parametrize("how", ["whole", "chars", "random"])
 @pytest.mark.parametrize("text", CALLS + CONTENT)
-def test_every_split_streams_what_parse_calls_returns(text, how):
+def test_every_split_streams_what_parse_calls_returns(text, how, mode):
     rng = random.Random(len(text))
     want = _expected(text, AUTO)
     assert bool(want[1]) == (text in CALLS), want
     for _ in range(20 if how == "random" else 1):
         pieces = _pieces(text, how, rng)
-        s, _, content, calls = _stream(text, AUTO, pieces)
+        s, _, content, calls = _stream(text, AUTO, pieces, mode)
         assert (content, calls) == want and not s.diverged, pieces
 
 
@@ -153,17 +154,18 @@ def test_random_arguments_in_every_json_spelling():
         want = _expected(text, AUTO)
         assert want[1], text
         for how in ("chars", "random"):
-            s, _, content, calls = _stream(text, AUTO, _pieces(text, how, rng))
-            assert (content, calls) == want and not s.diverged, text
+            for mode in ToolCallStream.MODES:
+                s, _, content, calls = _stream(text, AUTO, _pieces(text, how, rng), mode)
+                assert (content, calls) == want and not s.diverged, (text, mode)
 
 
 def _sent_before_finish(per_piece) -> list[dict]:
     return [d for ds in per_piece[:-1] for d in ds]
 
 
-def test_a_call_streams_its_header_then_its_arguments_as_they_grow():
+def test_eager_a_call_streams_its_header_then_its_arguments_as_they_grow():
     text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo, Norway"}}\n</tool_call>'
-    _, per_piece, _, _ = _stream(text, AUTO, list(text))
+    _, per_piece, _, _ = _stream(text, AUTO, list(text), "eager")
     early = _sent_before_finish(per_piece)
     first_call = next(j for j, d in enumerate(early) if "tool_calls" in d)
     assert "".join(d.get("content", "") for d in early[:first_call]) == "Let me check."  # before the call began
@@ -195,17 +197,51 @@ def test_tool_choice_none_and_a_named_function():
                        (plan_tools([WEATHER, TIME], {"type": "function", "function": {"name": "get_time"}}), call),
                        (plan_tools([WEATHER, TIME], "required"), call)):
         for how in ("whole", "chars"):
-            s, _, content, calls = _stream(text, plan, _pieces(text, how, random.Random(0)))
-            assert (content, calls) == _expected(text, plan) and not s.diverged
+            for mode in ToolCallStream.MODES:
+                s, _, content, calls = _stream(text, plan, _pieces(text, how, random.Random(0)), mode)
+                assert (content, calls) == _expected(text, plan) and not s.diverged
 
 
 @pytest.mark.parametrize("text", BROKEN)
-def test_sent_is_never_taken_back(text):
-    """A call whose text stops being one after its header went out (max_tokens cut it, its JSON
-    broke, text after a bare call) stays sent; the content follows parse_calls and the stream says
-    it diverged. Fed whole (or cut in the last piece) nothing was sent early: no divergence."""
-    s, _, content, calls = _stream(text, AUTO, list(text))
+def test_eager_sent_is_never_taken_back(text):
+    """Eager: a call whose text stops being one after its header went out (max_tokens cut it, its
+    JSON broke, text after a bare call) stays sent; the content follows parse_calls and the stream
+    says it diverged. Fed whole (or cut in the last piece) nothing was sent early: no divergence."""
+    s, _, content, calls = _stream(text, AUTO, list(text), "eager")
     assert s.diverged and parse_calls(text, AUTO) == (text, []) and content == text
     assert [name for name, _ in calls] == ["get_weather" if "weather" in text else "get_time"]
-    s, _, content, calls = _stream(text, AUTO, [text])
+    s, _, content, calls = _stream(text, AUTO, [text], "eager")
     assert not s.diverged and (content, calls) == (text, [])
+
+
+@pytest.mark.parametrize("how", ["whole", "chars", "random"])
+@pytest.mark.parametrize("text", BROKEN)
+def test_decided_a_broken_call_is_never_sent(text, how):
+    """Decided (the default): the texts that looked like a call and stopped being one are content,
+    streamed as parse_calls reads them, with no call sent at any point."""
+    rng = random.Random(len(text))
+    for _ in range(10 if how == "random" else 1):
+        s, per_piece, content, calls = _stream(text, AUTO, _pieces(text, how, rng))
+        assert not s.diverged and (content, calls) == (text, []) == parse_calls(text, AUTO)
+        assert not any("tool_calls" in d for ds in per_piece for d in ds)
+
+
+def test_decided_a_block_goes_out_whole_at_its_closing_tag():
+    call = '{"name": "get_weather", "arguments": {"city": "Oslo, Norway"}}'
+    text = f"Let me check.\n<tool_call>\n{call}\n</tool_call>\n<tool_call>{call}"
+    _, per_piece, content, calls = _stream(text, AUTO, list(text))
+    first = text.index("</tool_call>") + len("</tool_call>") - 1  # the piece that closes the first block
+    assert not any("tool_calls" in d for ds in per_piece[:first] for d in ds)
+    assert per_piece[first][0]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert per_piece[first][1] == {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": "Oslo, Norway"}'}}]}
+    # the second block is never closed: the answer's end decides it (finish), also whole
+    assert not any("tool_calls" in d for ds in per_piece[first + 1:-1] for d in ds)
+    assert [tc["tool_calls"][0]["index"] for tc in per_piece[-1] if "tool_calls" in tc] == [1, 1]
+    assert content == "Let me check." and calls == [("get_weather", '{"city": "Oslo, Norway"}')] * 2
+
+
+def test_decided_bare_calls_wait_for_the_end():
+    text = '[{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "get_time", "arguments": {}}]'
+    _, per_piece, content, calls = _stream(text, AUTO, list(text))
+    assert all(ds == [] for ds in per_piece[:-1])  # text after it would make it content: held to the end
+    assert content == "" and calls == [("get_weather", '{"city": "Oslo"}'), ("get_time", "{}")]
