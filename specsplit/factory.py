@@ -30,8 +30,8 @@ from specsplit.engine_build import (DRAFTER, NGRAM, VERIFIER, ModelService, allo
 from specsplit.feature_drafter import FeatureDrafter, calibrate_feature_drafter, load_feature_drafter
 from specsplit.hybrid_drafter import FEATURE_NGRAM_MIN, LOOKUPS, HybridDrafter, split_draft_name
 from specsplit.suffix_drafter import SuffixDrafter
-from specsplit.kv.meters import tensor_storage_bytes
-from specsplit.kv.profiler import MemoryPlan, MemoryProfiler, ServicePlan
+from specsplit.kv.meters import rss_bytes, tensor_storage_bytes
+from specsplit.kv.profiler import MemoryPlan, MemoryProfiler, ServicePlan, fmt_bytes
 from specsplit.models.gguf_native import QuantEmbedding
 from specsplit.models.loader import LoadedModel, load_tokenizer
 from specsplit.sampling.grammar import GrammarCompiler
@@ -75,15 +75,37 @@ def _feature_drafter(cfg: EngineConfig, spec: SpecConfig, embedding=None, num_ta
                      plan: MemoryPlan | None = None) -> FeatureDrafter:
     """An EAGLE-3 head (its weights recorded in the plan's drafter row), calibrated for the K policy."""
     drafter = load_feature_drafter(cfg.model, cfg.max_model_len, cfg.device, cfg.dtype, embedding, num_target_layers)
+    compiler_bytes = 0
     if embedding is None:  # not colocated (a drafter service): its own compiler, in the target's vocabulary
         drafter.grammars = feature_grammars(cfg.model)
+        if drafter.grammars is not None:
+            compiler_bytes = _warm_grammars(drafter.grammars, cfg.model)
     if plan is not None and DRAFTER in plan.services:
         plan.services[DRAFTER].weights_bytes = tensor_storage_bytes(drafter.head)
+        plan.services[DRAFTER].non_torch_bytes += compiler_bytes
         plan.services[DRAFTER].dtype = str(cfg.dtype).replace("torch.", "")
     if spec.k_policy == "auto" and spec.num_speculative_tokens > 0:
         drafter.step_costs = calibrate_feature_drafter(drafter, cfg.max_num_seqs)
     drafter.stop_below = spec.draft_stop
     return drafter
+
+
+def _warm_grammars(grammars: GrammarCompiler, head: str) -> int:
+    """A drafter service's compiler built before it serves: loading the tokenizer on the first
+    grammar request instead took 2-4 s of a split stack's drafting (it shares the GIL and the cores
+    with the drafting thread, and the gateway marked the drafter late). -> the host memory it took
+    (RSS growth, for the memory plan's non-torch bytes)."""
+    before = rss_bytes()
+    try:
+        seconds = grammars.warm()
+    except Exception as e:  # noqa: BLE001 - the first grammar tries again (and logs) on its compile thread
+        log.warning("feature drafter %s: the structured-output compiler did not build now (%s); the first "
+                    "grammar request builds it", head, e)
+        return 0
+    grown = max(0, rss_bytes() - before)
+    log.info("feature drafter %s: structured-output compiler ready in %.1f s (the target's tokenizer), "
+             "%s of host memory (counted in the memory plan)", head, seconds, fmt_bytes(grown))
+    return grown
 
 
 def _with_drafter_zeros(plan: MemoryPlan, cfg: EngineConfig) -> MemoryPlan:

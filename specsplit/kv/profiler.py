@@ -185,9 +185,14 @@ class MemoryPlan:
             f"{'target' if s.service == 'verifier' else 'draft'} {fmt_bytes(s.weights_bytes)}" for s in self.services.values()
         )
         for s in self.services.values():
-            if s.kv_limited_by == "none":
-                extra = f"; host memory up to {fmt_bytes(s.non_torch_bytes)} (its cache)" if s.non_torch_bytes else ""
-                lines.append(f"memory plan [{s.service}] {s.model}: no weights, no KV cache{extra}")
+            if s.kv_limited_by == "none":  # the n-gram / suffix drafters, or an EAGLE-3 head on a drafter service
+                held = f"weights {fmt_bytes(s.weights_bytes)}" if s.weights_bytes else "no weights"
+                extra = ""
+                if s.non_torch_bytes:  # a suffix cache's bound, or the head's grammar compiler (its tokenizer)
+                    extra = (f"; host memory {fmt_bytes(s.non_torch_bytes)} (its grammar compiler)" if s.weights_bytes
+                             else f"; host memory up to {fmt_bytes(s.non_torch_bytes)} (its cache)")
+                kv = "a KV cache per sequence as it grows (not paged)" if s.weights_bytes else "no KV cache"
+                lines.append(f"memory plan [{s.service}] {s.model}: {held}, {kv}{extra}")
                 continue
             budget = (
                 f"joint budget {fmt_bytes(self.budget_bytes)} (share {fmt_bytes(s.budget_bytes)})"

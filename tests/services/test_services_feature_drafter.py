@@ -7,6 +7,7 @@ of every request are equal, which they are only if the drafter saw the same feat
 as in memory. The wire format itself round-trips exactly (bf16)."""
 from __future__ import annotations
 
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -54,6 +55,18 @@ def _run(address, prompts, concurrency):
 def test_drafter_reports_its_feature_layers(stacks):
     split, _ = stacks
     assert tuple(service_info(split.procs["drafter"].address, "drafter").feature_layers) == (0, 1, 1)
+
+
+def test_drafter_builds_its_grammar_compiler_before_serving(stacks):
+    """The drafter service's own compiler (the target's tokenizer) is built at start-up, not on the
+    first grammar request, and the host memory it took is in its memory plan."""
+    split, _ = stacks
+    drafter = split.procs["drafter"]
+    log = drafter.log_path.read_text(errors="replace")
+    assert log.index("structured-output compiler ready") < log.index("health: SERVING")
+    plan = json.loads(service_info(drafter.address, "drafter").memory_plan_json)["services"]["drafter"]
+    assert plan["weights_bytes"] > 0 and plan["non_torch_bytes"] > 0, plan
+    assert "memory plan [drafter]" in log and "(its grammar compiler)" in log
 
 
 @pytest.mark.parametrize("concurrency", [1, 8])
