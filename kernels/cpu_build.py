@@ -24,8 +24,9 @@ def cpu_has(*flags: str) -> bool:
     return set(flags) <= set(line.split())
 
 
-def build(name: str, source: Path, cflags: list[str], what: str, fallback: str):
-    """The compiled module `name` from `source`, or None (logged: '<what>: <why>; <fallback>')."""
+def build(name: str, source: Path, cflags: list[str], what: str, fallback: str, includes: tuple[Path, ...] = ()):
+    """The compiled module `name` from `source`, or None (logged: '<what>: <why>; <fallback>').
+    includes: the files `source` #includes from this tree (their text is part of the cache key)."""
     bin_dir = str(Path(sys.executable).parent)  # where pip puts `ninja`
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
@@ -35,18 +36,23 @@ def build(name: str, source: Path, cflags: list[str], what: str, fallback: str):
     try:
         from torch.utils.cpp_extension import load
 
-        # Named after what is compiled and where it lies: torch keys its build cache by name and
-        # rebuilds whenever the path or the text under a name changes, so two checkouts (a clone
-        # for CI beside a working tree) used to take turns rebuilding each other's; now each
-        # source version in each place keeps its own build.
-        key = f"{source.resolve()}\0{chr(0).join(cflags)}\0".encode() + source.read_bytes()
-        digest = hashlib.sha256(key).hexdigest()[:12]
-        name = f"{name}_{digest}"
+        name = build_name(name, source, cflags, includes)
         clear_stale_build_lock(name)
         return load(name, [str(source)], extra_cflags=cflags, verbose=False)
     except Exception as e:  # a missing header, an old compiler: fall back, say why
         log.warning("%s: build failed (%s); %s", what, e, fallback)
         return None
+
+
+def build_name(name: str, source: Path, cflags: list[str], includes: tuple[Path, ...] = ()) -> str:
+    """The extension's name in torch's build cache: `name` and a digest of the source's path, the
+    flags and the text of the source and of the files it includes. Named after what is compiled
+    and where it lies: torch keys its build cache by name and rebuilds whenever the path or the
+    text under a name changes, so two checkouts (a clone for CI beside a working tree) used to take
+    turns rebuilding each other's; now each source version in each place keeps its own build. An
+    included file's text is in the digest, or a change to it alone would load the stale build."""
+    key = f"{source.resolve()}\0{chr(0).join(cflags)}\0".encode() + b"".join(f.read_bytes() for f in (source, *includes))
+    return f"{name}_{hashlib.sha256(key).hexdigest()[:12]}"
 
 
 def clear_stale_build_lock(name: str, max_age_s: float = 600.0) -> None:

@@ -18,6 +18,10 @@ from specsplit.kernels.cpu_build import build, cpu_has
 
 SOURCE = Path(__file__).resolve().parent / "cpu" / "decode_ops.cpp"
 ENV_SWITCH = "SPECSPLIT_DECODE_OPS"  # "0": never build or use them
+# -ffp-contract=off as in kernels/quant_linear.py: rope's x * cos + x' * sin stays two roundings
+# (torch's), and kernels/layer_stack.py, which compiles this file beside quant_linear.cpp with
+# those flags, gets the same bits as this extension.
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -25,8 +29,7 @@ def load():
     """The compiled extension, or None (logged once) where it cannot be had."""
     if os.environ.get(ENV_SWITCH, "1") == "0" or not cpu_has("avx2", "fma"):
         return None
-    return build("specsplit_decode_ops", SOURCE, ["-O3", "-mavx2", "-mfma"], "CPU decode ops",
-                 "norms, rope and attention run as torch ops")
+    return build("specsplit_decode_ops", SOURCE, CFLAGS, "CPU decode ops", "norms, rope and attention run as torch ops")
 
 
 def usable(x: torch.Tensor) -> bool:

@@ -195,6 +195,12 @@ def load():
         return _module
 
 
+def avx512_allowed() -> bool:
+    """SPECSPLIT_QUANT_AVX512 as the calls pass it (`bind` fixes it; the kernel also asks the CPU)."""
+    load()
+    return _avx512
+
+
 def uses_avx512() -> bool:
     m = load()
     return bool(m is not None and _avx512 and m.quant_uses_avx512())

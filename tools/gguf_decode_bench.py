@@ -5,7 +5,8 @@ llama-bench on the same file, one thread (docs/kernels.md, "GGUF weights at thei
                                       [--llama-bench PATH/TO/llama-bench] [--tokens 64]
 
 --weights takes native, fp32, bf16, and native with suffixes that switch one load-time choice off
-(specsplit/bench/weights_arms.py): native-rows (no AMX tiles layout), native-4k (no huge pages).
+(specsplit/bench/weights_arms.py): native-rows (no AMX tiles layout), native-4k (no huge pages),
+native-layers (one Python call per layer, not the compiled stack).
 
 Each round runs `llama-bench -m FILE -t 1 -p 0 -n TOKENS -r 1` (its tg TOKENS), then a greedy
 decode of TOKENS one-token steps (after an 8-token prompt) with each weights mode, in turn, so the

@@ -30,7 +30,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=5, help="rounds; each policy's median is printed")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--weights", default="fp32", help="comma-separated: native, fp32, bf16 (default fp32, the dense path); "
-                   "native-rows, native-4k switch one load-time choice off (specsplit/bench/weights_arms.py)")
+                   "native-rows, native-4k, native-layers switch one load-time choice off (specsplit/bench/weights_arms.py)")
     args = p.parse_args()
 
     import torch

@@ -137,6 +137,17 @@ inline __m256 hsum8(const __m256 v[8]) {
   return _mm256_add_ps(lo, hi);
 }
 
+// Keys and values ahead of the one being read, prefetched: a decode step reads each layer's cache
+// once, after the weights of the layers between have pushed it out of the nearer caches, and the
+// key rows of one KV head are 256 of every 768 bytes (SmolLM2). One-token steps of SmolLM2-135M
+// at context 340 on the AMX Xeon, interleaved, 7 rounds: 13.35 ms without, 12.84 with 16 / 8 (8 / 4:
+// 12.94, 64 / 32: 12.74).
+constexpr int64_t PREFETCH_KEYS = 16, PREFETCH_VALUES = 8;
+
+inline void prefetch_row(const float* row, int64_t D) {
+  for (int64_t i = 0; i < D; i += 16) _mm_prefetch(reinterpret_cast<const char*>(row + i), _MM_HINT_T0);
+}
+
 // One query row of the G heads that share a KV head, over n keys (rows[j]: key j's offset in the
 // caches, in floats); q and o hold the G heads one after another ([G, D]). The heads take turns on
 // each 8 keys, so a key is read from memory once for all of them. scores: scratch [G, n8up].
@@ -148,6 +159,9 @@ void attend_group(const float* q, const float* kc, const float* vc, const int64_
     for (int64_t j = n8; j < n8up; ++j) sc[j] = -INFINITY;  // exp -> 0 in the padded tail
   }
   for (int64_t j = 0; j < n8; j += 8) {  // 8 keys at a time, one horizontal reduction for all 8
+    for (int64_t u = j + PREFETCH_KEYS; u < std::min(j + PREFETCH_KEYS + 8, n); ++u) prefetch_row(kc + rows[u], D);
+    if (j + 8 >= n8)  // the last keys: the first values next
+      for (int64_t u = 0; u < std::min(PREFETCH_VALUES, n); ++u) prefetch_row(vc + rows[u], D);
     for (int64_t h = 0; h < G; ++h) {
       const float* qh = q + h * D;
       __m256 acc[8];
@@ -187,6 +201,7 @@ void attend_group(const float* q, const float* kc, const float* vc, const int64_
       __m256 acc[8];
       for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
       for (int64_t j = 0; j < n; ++j) {
+        if (h == 0 && i0 == 0 && j + PREFETCH_VALUES < n) prefetch_row(vc + rows[j + PREFETCH_VALUES], D);
         const __m256 pj = _mm256_set1_ps(sc[j]);
         const float* v = vc + rows[j] + i0;
         for (int u = 0; u < w; ++u) acc[u] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8 * u), acc[u]);
@@ -312,6 +327,7 @@ void decode_store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cac
   }
 }
 
+#ifndef SPECSPLIT_NO_MODULE  // kernels/cpu/layer_stack.cpp includes this file for its functions
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &decode_silu_mul, "silu(gate) * up of fp32 rows");
   m.def("store_kv", &decode_store_kv, "write new tokens' K and V into the paged caches, fp32");
@@ -319,3 +335,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope", &decode_rope, "rotate-half rotary embedding of fp32 heads");
   m.def("paged_attention", &decode_paged_attention, "causal attention over the paged KV cache, fp32");
 }
+#endif

@@ -728,6 +728,7 @@ bool quant_uses_amx() { return amx_ready(); }
 
 bool quant_uses_avx512() { return use_avx512(); }
 
+#ifndef SPECSPLIT_NO_MODULE  // kernels/cpu/layer_stack.cpp includes this file for its functions
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, "y = x @ W.T (+ bias), W as split rows of GGUF Q4_0/Q4_1/Q8_0 blocks, fp32 x");
   m.def("quant_dequantize", &quant_dequantize, "split rows of GGUF Q4_0/Q4_1/Q8_0 blocks [N, K/32*B] -> fp32 [N, K]");
@@ -738,3 +739,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_dequantize_amx_rows", &quant_dequantize_amx_rows, "rows ids [R] of the tile layout -> fp32 [R, K]");
   m.def("quant_uses_amx", &quant_uses_amx, "whether AMX-BF16 runs on this CPU (flags and the kernel's permission)");
 }
+#endif

@@ -6,18 +6,21 @@ a choice against its absence in one process, interleaved:
     native-4k       the blocks left in 4 KB pages (SPECSPLIT_HUGE_PAGES=0; a KV cache made after
                     the load, as the tools make theirs, is in huge pages in every arm)
     native-rows-4k  both
+    native-layers   one Python call per layer instead of the compiled stack of all of them
+                    (SPECSPLIT_LAYER_STACK=0; kernels/layer_stack.py)
 
-Both switches are read while the model loads; the loaded model keeps what was chosen."""
+The switches are read while the model loads; the loaded model keeps what was chosen."""
 from __future__ import annotations
 
 import os
 from contextlib import contextmanager
 from typing import Iterator
 
-from specsplit.kernels import quant_linear
+from specsplit.kernels import layer_stack, quant_linear
 from specsplit.kv import huge_pages
 
-SWITCHES = {"rows": quant_linear.ENV_AMX, "4k": huge_pages.ENV_SWITCH}  # suffix -> env set to "0"
+# suffix -> env set to "0"
+SWITCHES = {"rows": quant_linear.ENV_AMX, "4k": huge_pages.ENV_SWITCH, "layers": layer_stack.ENV_SWITCH}
 
 
 @contextmanager

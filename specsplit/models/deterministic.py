@@ -106,7 +106,7 @@ def make_deterministic(model: LlamaForCausalLM) -> LlamaForCausalLM:
     for layer in model.modules():
         if isinstance(layer, DecoderLayer):
             layer.attention = batch_invariant_attention
-    model.lean_layers = None  # the lean step calls the plain kernels (models/lean_layer.py)
+    model.lean_layers = model.lean_stack = None  # the lean step calls the plain kernels (models/lean_layer.py)
     model.wrap_head(_RowwiseHead)
     model.deterministic = True
     return model

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specsplit.config import ModelConfig
-from specsplit.kernels import decode_ops, dispatch, quant_linear, skinny_linear
+from specsplit.kernels import decode_ops, dispatch, layer_stack, quant_linear, skinny_linear
 from specsplit.models import cpu_linear
 from specsplit.kv.paged_cache import PagedKVCache
 from specsplit.models.attention import BatchMetadata, paged_attention, store_kv
@@ -229,6 +229,9 @@ class LlamaForCausalLM(nn.Module):
         # per layer, its step as direct kernel calls where select_kernels found every piece on the
         # CPU kernels (models/lean_layer.py); None: the modules run
         self.lean_layers: list[LeanLayer] | None = None
+        # the same steps of all the layers in one compiled call (kernels/layer_stack.py); None: the
+        # lean layers run one Python call each
+        self.lean_stack = None
         self.requires_grad_(False)
 
     def select_kernels(self, policy: str | None = None) -> bool:
@@ -282,6 +285,7 @@ class LlamaForCausalLM(nn.Module):
         self._head = head
         self.untracked_weight_bytes = total
         self.lean_layers = self._lean_layers()
+        self.lean_stack = layer_stack.stack_of(self.lean_layers)
         self._warm_packed(groups, head)
         log.info("CPU linear kernels (%s, %s): %s", policy, str(self.dtype).replace("torch.", ""),
                  "; ".join(f"{n}: {t.describe()}" for n, t in self.kernel_tables.items()))
@@ -292,7 +296,7 @@ class LlamaForCausalLM(nn.Module):
         chooses again for the shard's shapes)."""
         self._head = None
         self.kernel_tables = {}
-        self.lean_layers = None
+        self.lean_layers = self.lean_stack = None
 
     def _lean_layers(self) -> list[LeanLayer] | None:
         """Each layer's step as direct kernel calls (models/lean_layer.py), for the row counts at
@@ -433,6 +437,17 @@ class LlamaForCausalLM(nn.Module):
         head = self._subset_head if self._subset_head is not None else self.head_weight()
         return F.linear(x, head).float()
 
+    def _stack_step(self, x: torch.Tensor, rope_tables, meta: BatchMetadata, kv: PagedKVCache,
+                    capture: dict[int, torch.Tensor] | None) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        """The lean step of every layer through the compiled stack: one call, or one per stretch
+        of layers up to each captured one."""
+        n, begin = len(self.layers), 0
+        args = (*rope_tables, meta.slot_mapping, meta.block_tables, meta.q_lens_t, meta.kv_lens_t, kv.data)
+        for i in sorted(i for i in capture if 0 <= i < n) if capture else ():
+            x = capture[i] = self.lean_stack.run(x, *args, begin, i + 1)
+            begin = i + 1
+        return self.lean_stack.run(x, *args, begin, n) if begin < n else x
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: BatchMetadata, kv: PagedKVCache,
                 capture: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
@@ -445,14 +460,17 @@ class LlamaForCausalLM(nn.Module):
         lean = self.lean_layers
         if lean is not None and (x.shape[0] > lean[0].rows or meta.block_tables is None or meta.has_tree):
             lean = None  # prefill-sized, or a draft tree (the torch attention): the modules
-        for i, layer in enumerate(self.layers):
-            k_cache, v_cache = kv.layer(i)
-            if lean is not None:
-                x = lean[i](x, *rope_tables, meta, k_cache, v_cache)
-            else:
-                x = layer(x, rope_tables, meta, k_cache, v_cache)
-            if capture is not None and i in capture:
-                capture[i] = x
+        if lean is not None and self.lean_stack is not None and isinstance(kv, PagedKVCache):
+            x = self._stack_step(x, rope_tables, meta, kv, capture)
+        else:
+            for i, layer in enumerate(self.layers):
+                k_cache, v_cache = kv.layer(i)
+                if lean is not None:
+                    x = lean[i](x, *rope_tables, meta, k_cache, v_cache)
+                else:
+                    x = layer(x, rope_tables, meta, k_cache, v_cache)
+                if capture is not None and i in capture:
+                    capture[i] = x
         x = self.norm(x[meta.logits_index])  # [N, hidden]
         if self.vocab_subset is None:
             return self._logits(x)

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from specsplit.bench import weights_arms
-from specsplit.kernels import quant_linear
+from specsplit.kernels import layer_stack, quant_linear
 from specsplit.kv import huge_pages
 
 
@@ -29,3 +29,10 @@ def test_suffixes_switch_off_inside_and_restore_after(monkeypatch):
 def test_an_unknown_suffix_is_refused():
     with pytest.raises(ValueError, match="unknown suffix 'fast'"), weights_arms.loading("native-fast"):
         pass
+
+
+def test_the_layers_suffix_loads_without_the_stack(monkeypatch):
+    monkeypatch.delenv(layer_stack.ENV_SWITCH, raising=False)
+    with weights_arms.loading("native-layers") as weights:
+        assert weights == "native" and not layer_stack.enabled()
+    assert layer_stack.enabled()

@@ -1,7 +1,9 @@
 """models/lean_layer: the GGUF target's decode and verify steps as direct kernel calls give the
-modules' results bit for bit (the same calls with the same arguments), prefill and draft trees
-still run the modules, and the lean step is only chosen where every piece runs on the CPU kernels
-(not with dense fp32 weights, not after --deterministic swaps the attention)."""
+modules' results bit for bit (the same calls with the same arguments), and so does the compiled
+stack of them (kernels/layer_stack.py: all the layers in one call, or one call per stretch up to
+each captured layer); prefill and draft trees still run the modules, and the lean step is only
+chosen where every piece runs on the CPU kernels (not with dense fp32 weights, not after
+--deterministic swaps the attention)."""
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -9,7 +11,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from specsplit.kernels import decode_ops
+from specsplit.kernels import decode_ops, layer_stack
 from specsplit.models import cpu_linear
 from specsplit.models.deterministic import make_deterministic
 from specsplit.models.lean_layer import LeanLayer
@@ -31,11 +33,23 @@ def native():
         mp.undo()
 
 
+class _CountingStack:
+    """The model's LayerStack, recording the rows and layer ranges of each run."""
+
+    def __init__(self, stack, seen: list):
+        self.stack, self.seen = stack, seen
+
+    def run(self, x, *args):
+        self.seen.append((x.shape[0], args[-2], args[-1]))
+        return self.stack.run(x, *args)
+
+
 @contextmanager
-def _lean(model, on: bool):
+def _lean(model, on: bool | str):
     """Rows of every lean step run in the block (a list filled as they run), with the lean layers
-    on, or off (the modules); the model's own lean_layers are put back afterwards."""
-    kept, seen = model.lean_layers, []
+    on (True: through the compiled stack where it was built; "layers": one LeanLayer call each) or
+    off (the modules); the model's own lean_layers and stack are put back afterwards."""
+    kept, stack, seen = model.lean_layers, model.lean_stack, []
     original = LeanLayer.__call__
 
     def counting(self, *a, **k):
@@ -44,12 +58,19 @@ def _lean(model, on: bool):
 
     if not on:
         model.lean_layers = None
+    if on is True and stack is not None:
+        stack_seen: list = []
+        model.lean_stack = _CountingStack(stack, stack_seen)
+    else:
+        stack_seen, model.lean_stack = None, None
     try:
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(LeanLayer, "__call__", counting)
             yield seen
     finally:
-        model.lean_layers = kept
+        model.lean_layers, model.lean_stack = kept, stack
+        if stack_seen is not None:  # each stack run stands for its layers' LeanLayer calls
+            seen.extend(rows for rows, begin, end in stack_seen for _ in range(begin, end))
 
 
 def _steps(model, prompt: list[int], decode: list[int], verify: list[int]) -> list[torch.Tensor]:
@@ -78,16 +99,47 @@ def test_native_target_gets_a_lean_step_for_the_quantized_rows(native):
     assert lean[0].rows == cpu_linear.QUANT_ROWS
 
 
-def test_lean_steps_equal_the_modules_bit_for_bit(native):
+def test_native_target_gets_the_compiled_stack_where_it_builds(native):
+    if layer_stack.load() is None:
+        assert native.lean_stack is None
+        pytest.skip("no layer stack extension here: the lean layers run one call each")
+    assert len(native.lean_stack) == len(native.layers)
+
+
+@pytest.mark.parametrize("lean_mode", [True, "layers"], ids=["stack", "layers"])
+def test_lean_steps_equal_the_modules_bit_for_bit(native, lean_mode):
     prompt = [1, 504, 3458, 282, 4054, 314, 253, 1345, 30, 1204, 2]  # an 11-row prefill
     decode = [585, 17, 4991, 42]
     verify = [28, 906, 2012, 15, 389]  # a 5-row verify step
-    with _lean(native, True) as seen:
+    with _lean(native, lean_mode) as seen:
         lean = _steps(native, prompt, decode, verify)
     with _lean(native, False) as none:
         plain = _steps(native, prompt, decode, verify)
     assert set(seen) == {11, 1, 5} and not none  # every step of up to 16 rows ran the lean layers
+    assert len(seen) == len(native.layers) * (1 + len(decode) + 1)  # every layer of every step
     _assert_equal(lean, plain)
+
+
+def test_captured_layers_equal_through_the_stack(native):
+    """A feature drafter's capture (three layers' outputs) splits the stack's run at each: the
+    captured outputs and the logits are the per-layer path's bit for bit."""
+    if native.lean_stack is None:
+        pytest.skip("no layer stack extension here")
+    layers = (1, 14, len(native.layers) - 1)  # the last one ends the last run
+
+    def run():
+        runner = ModelRunner(native, num_blocks=16, block_size=16, max_model_len=256)
+        feats: list = []
+        runner.forward([ForwardItem("s", 0, [1, 504, 3458, 282, 4054], num_logits=1)])
+        out = runner.forward([ForwardItem("s", 5, [314, 253, 1345], num_logits=3)], features=layers, out_features=feats)
+        return out + feats
+
+    with _lean(native, True) as seen:
+        stack = run()
+    with _lean(native, "layers"):
+        per_layer = run()
+    assert seen.count(3) == len(native.layers)
+    _assert_equal(stack, per_layer)
 
 
 def test_a_batch_of_sequences_with_mixed_rows_equals_the_modules(native):
@@ -130,4 +182,4 @@ def test_no_lean_step_with_dense_weights_or_batch_invariant_attention(monkeypatc
     native = load_model("smollm2-135m", show_progress=False).model
     assert native.lean_layers is not None
     make_deterministic(native)  # row-wise linears and the batch-invariant attention
-    assert native.lean_layers is None
+    assert native.lean_layers is None and native.lean_stack is None
