@@ -36,7 +36,7 @@ from specsplit.sampling.logprobs import MAX_LOGPROBS, PROMPT_LOGITS_ROWS, TokenL
 from specsplit.sampling.ngram import ngram_branches, ngram_propose
 from specsplit.sampling.params import SamplingParams
 from specsplit.sampling.penalties import penalize
-from specsplit.sampling.probs import logits_to_probs, sampling_tensors
+from specsplit.sampling.probs import greedy_ids, logits_to_probs, sampling_tensors
 from specsplit.sampling.rejection import RejectionSampler
 from specsplit.sampling.rng import SeqRandom
 from specsplit.sampling.sample import sample_from_probs
@@ -91,7 +91,7 @@ def sample_drafts(seqs, logits: list[torch.Tensor], q_x: dict, rows: dict, live:
         probs = _probs(logits, [s.params for s in seqs])
     for j, (s, i) in enumerate(zip(seqs, live)):
         if s.params.greedy:
-            tokens.append(int(logits[j][0].argmax()))
+            tokens.append(int(greedy_ids(logits[j][0])))
             continue
         row = probs[j][0]  # [V]
         if s.params.coupled:  # x_j = argmax(log q_j + g_j): no q(x), no q rows needed
@@ -617,7 +617,7 @@ class TargetEngine(_EngineBase, VerifierTraits):
                 s, start = seqs[i], len(seqs[i].tokens)
                 a = torch.tensor([coupled_sample(p, s.params.seed, start + j) for j, p in enumerate(probs[i])])
             else:
-                a = logits[i].argmax(dim=-1).cpu()
+                a = greedy_ids(logits[i]).cpu()
             argmax[row, : a.shape[0]] = a
         num_accepted, out = self.sampler.greedy(drafts, num_draft, argmax)
         for row, i in enumerate(idx):
@@ -632,7 +632,7 @@ class TargetEngine(_EngineBase, VerifierTraits):
         row, then the bonus from the last accepted row. The path's KV moves to the slots a chain
         would have used (the rest is cut by _commit), so the sequence is as if the chain of the
         path had been verified. Returns the raw logits reordered to the path's rows [1 + a, V]."""
-        argmax = logits.argmax(dim=-1).tolist()  # [1 + n]
+        argmax = greedy_ids(logits).tolist()  # [1 + n]
         path = tree.greedy_walk(argmax)
         rows = [0] + [1 + j for j in path]
         emitted = [tree.tokens[j] for j in path] + [argmax[rows[-1]]]

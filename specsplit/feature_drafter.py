@@ -52,6 +52,7 @@ from specsplit.models.eagle3 import DraftCache, Eagle3Head
 from specsplit.protocols import DrafterTraits, Proposal, ProposeRequest, QRow, RowRequest, SeqAdd
 from specsplit.sampling.grammar import GrammarCompiler, apply_masks
 from specsplit.sampling.params import SamplingParams
+from specsplit.sampling.probs import greedy_ids
 from specsplit.sampling.rng import SeqRandom
 
 log = logging.getLogger(__name__)
@@ -201,12 +202,12 @@ class FeatureDrafter(DrafterTraits):
                 if not bool(torch.isfinite(full).any()):
                     break  # nothing in the draft vocabulary continues the grammar: the chain ends
                 if s.params.greedy:
-                    t = int(full[0].argmax())
+                    t = int(greedy_ids(full[0]))
                 else:
                     t = sample_drafts([s], [full], {0: q_x}, {0: rows}, [0])[0]
             elif s.params.greedy:  # the argmax over the draft vocabulary is the one over all (q = 0 elsewhere)
                 sub = self.head.logits(h)[0]  # [Vd]
-                t = int(self.head.draft_ids[sub.argmax()])
+                t = int(self.head.draft_ids[greedy_ids(sub)])
                 if leaves or self.stop_below > 0:
                     p1, alt = runner_up(sub)
                     sure *= p1

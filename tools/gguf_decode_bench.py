@@ -45,6 +45,7 @@ def main() -> None:
 
     from specsplit.models.registry import resolve_model_path
     from specsplit.models.runner import ForwardItem, ModelRunner
+    from specsplit.sampling.probs import greedy_ids
 
     torch.set_num_threads(1)
     gguf = resolve_model_path(args.model)
@@ -54,11 +55,11 @@ def main() -> None:
     def decode(model, n: int) -> tuple[float, list[int]]:
         runner = ModelRunner(model, num_blocks=64, block_size=16, max_model_len=512)
         prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646]
-        tok = int(torch.as_tensor(runner.forward([ForwardItem("d", 0, prompt, num_logits=1)])[0]).argmax())
+        tok = int(greedy_ids(runner.forward([ForwardItem("d", 0, prompt, num_logits=1)])[0])[0])
         pos, out = len(prompt), [tok]
         t0 = time.perf_counter()
         for _ in range(n):
-            tok = int(torch.as_tensor(runner.forward([ForwardItem("d", pos, [tok], num_logits=1)])[0]).argmax())
+            tok = int(greedy_ids(runner.forward([ForwardItem("d", pos, [tok], num_logits=1)])[0])[0])
             pos += 1
             out.append(tok)
         return n / (time.perf_counter() - t0), out

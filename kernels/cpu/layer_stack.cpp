@@ -125,7 +125,7 @@ class LayerStack {
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  pybind11::class_<LayerStack>(m, "LayerStack")
+  pybind11::class_<LayerStack>(m, "LayerStack", pybind11::module_local())  // builds of other checkouts may load too
       .def(pybind11::init<int64_t, int64_t, int64_t, double>())
       .def("add", &LayerStack::add, "append a layer: its four quantized linears and two norms")
       .def("__len__", &LayerStack::size)

