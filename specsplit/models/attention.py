@@ -15,7 +15,7 @@ verification batches are one group, so a layer costs one gather and one SDPA cal
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +40,6 @@ class BatchMetadata:
     slot_mapping: torch.Tensor  # [T] int64 flat cache slot each new token's K/V is written to
     q_lens: list[int]  # [B]
     kv_lens: list[int]  # [B] context length after this forward
-    groups: list[AttentionGroup]
     logits_index: torch.Tensor  # [N] flat token indices whose logits are wanted
     all_slots_valid: bool = False  # no slot < 0 in slot_mapping: KV writes need no masking
     # every sequence in batch order, for kernels that take the whole batch (kernels/decode_ops):
@@ -48,6 +47,17 @@ class BatchMetadata:
     q_lens_t: torch.Tensor | None = None  # [B] int64
     kv_lens_t: torch.Tensor | None = None  # [B] int64
     has_tree: bool = False  # some sequence's new tokens end in a draft tree: the torch path runs
+    # the torch attention's groups, made when first asked for (`groups`): a step through the CPU
+    # kernels (models/lean_layer.py, kernels/layer_stack.py) never asks, and making them (masks,
+    # gathers) was ~0.2 ms of SmolLM2-135M's ~10 ms one-token step on the AMX Xeon
+    _group_inputs: tuple | None = field(default=None, repr=False)
+    _groups: list[AttentionGroup] | None = field(default=None, repr=False)
+
+    @property
+    def groups(self) -> list[AttentionGroup]:
+        if self._groups is None:
+            self._groups = _attention_groups(*self._group_inputs)
+        return self._groups
 
     @classmethod
     def build(
@@ -83,35 +93,6 @@ class BatchMetadata:
         all_tables = torch.zeros((len(q_lens), max((len(t) for t in block_tables), default=0)), dtype=torch.int64)
         for b, table in enumerate(block_tables):
             all_tables[b, : len(table)] = torch.tensor(table, dtype=torch.int64)
-        by_q: dict[int, list[int]] = {}
-        for b, q in enumerate(q_lens):
-            by_q.setdefault(q, []).append(b)
-        groups = []
-        single = len(by_q) == 1
-        for q, members in by_q.items():
-            max_blocks = max(len(block_tables[b]) for b in members)
-            tables = all_tables[members, :max_blocks]  # [G, max_blocks], the group's rows
-            token_index = torch.tensor([starts[b] + j for b in members for j in range(q)], dtype=torch.int64)
-            kv = torch.tensor([kv_lens[b] for b in members], dtype=torch.int64)  # [G]
-            span = max_blocks * block_size
-            key_pos = torch.arange(span)  # [S]
-            query_pos = kv[:, None] - q + torch.arange(q)[None, :]  # [G, q] absolute positions
-            mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [G, q, S] causal and in-range
-            for row, b in enumerate(members):
-                if trees[b]:
-                    n, end = len(trees[b]), kv_lens[b]
-                    mask[row, q - n:, end - n:end] = ancestor_mask(trees[b])  # [n, n] nodes see their ancestors
-            full = bool(mask.all())
-            groups.append(
-                AttentionGroup(
-                    seq_index=torch.tensor(members, dtype=torch.int64, device=device),
-                    token_index=token_index.to(device),
-                    q_len=q,
-                    block_tables=tables.to(device),
-                    mask=None if full else mask[:, None].to(device),
-                    covers_all=single,  # one group holds every sequence, in batch order
-                )
-            )
         return cls(
             block_tables=all_tables.to(device),
             q_lens_t=torch.tensor(q_lens, dtype=torch.int64, device=device),
@@ -120,11 +101,47 @@ class BatchMetadata:
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
             q_lens=list(q_lens),
             kv_lens=list(kv_lens),
-            groups=groups,
             logits_index=torch.tensor(logits_index, dtype=torch.int64, device=device),
             all_slots_valid=all(s >= 0 for s in slot_mapping),
             has_tree=any(bool(t) for t in trees),
+            _group_inputs=(list(q_lens), list(kv_lens), block_tables, all_tables, starts, trees, block_size, device),
         )
+
+
+def _attention_groups(q_lens: list[int], kv_lens: list[int], block_tables: list[list[int]], all_tables: torch.Tensor,
+                      starts: list[int], trees: list, block_size: int, device: torch.device) -> list[AttentionGroup]:
+    """The batch's sequences grouped by new-token count, each group with its tables and mask
+    (BatchMetadata.groups, for the torch attention)."""
+    by_q: dict[int, list[int]] = {}
+    for b, q in enumerate(q_lens):
+        by_q.setdefault(q, []).append(b)
+    groups = []
+    single = len(by_q) == 1
+    for q, members in by_q.items():
+        max_blocks = max(len(block_tables[b]) for b in members)
+        tables = all_tables[members, :max_blocks]  # [G, max_blocks], the group's rows
+        token_index = torch.tensor([starts[b] + j for b in members for j in range(q)], dtype=torch.int64)
+        kv = torch.tensor([kv_lens[b] for b in members], dtype=torch.int64)  # [G]
+        span = max_blocks * block_size
+        key_pos = torch.arange(span)  # [S]
+        query_pos = kv[:, None] - q + torch.arange(q)[None, :]  # [G, q] absolute positions
+        mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [G, q, S] causal and in-range
+        for row, b in enumerate(members):
+            if trees[b]:
+                n, end = len(trees[b]), kv_lens[b]
+                mask[row, q - n:, end - n:end] = ancestor_mask(trees[b])  # [n, n] nodes see their ancestors
+        full = bool(mask.all())
+        groups.append(
+            AttentionGroup(
+                seq_index=torch.tensor(members, dtype=torch.int64, device=device),
+                token_index=token_index.to(device),
+                q_len=q,
+                block_tables=tables.to(device),
+                mask=None if full else mask[:, None].to(device),
+                covers_all=single,  # one group holds every sequence, in batch order
+            )
+        )
+    return groups
 
 
 def store_kv(
