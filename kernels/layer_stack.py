@@ -5,8 +5,9 @@ about fifteen Python-level operations around the kernels).
 The C++ file includes decode_ops.cpp and quant_linear.cpp and is compiled with their flags, so it
 runs those extensions' functions with the same arguments in the same order: a step's output
 equals the LeanLayer path's bit for bit. `load()` returns None where it cannot be had (either
-extension missing, no compiler, a failed build, or SPECSPLIT_LAYER_STACK=0); the model then runs
-its LeanLayers one call each, as before.
+extension missing, no compiler, a failed build), and `stack_of` None also with
+SPECSPLIT_LAYER_STACK=0 (read at each model's kernel choice); the model then runs its LeanLayers
+one call each, as before.
 """
 from __future__ import annotations
 
