@@ -18,7 +18,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string>
+#include <utility>
 #include <vector>
 #include <sys/syscall.h>
 #include <unistd.h>

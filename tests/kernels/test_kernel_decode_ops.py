@@ -64,6 +64,33 @@ def test_verify_rows_equal_decode_rows_bit_for_bit():
         assert torch.equal(verify[i:i + 1], decode)
 
 
+@pytest.mark.parametrize("d, hkv, h", [(64, 3, 9), (32, 2, 2), (24, 1, 4)])  # 24: the 8-lane path on every CPU
+def test_runs_of_verify_rows_equal_decode_rows_and_the_reference(d, hkv, h):
+    """A batch of sequences with 1 to 13 new rows each (runs of up to 8 rows share their passes
+    over the cache where AVX-512 runs; output rows in blocks of 4) at contexts that end inside a
+    block of 8 keys and at its edge: every row equals that row decoded alone, bit for bit, and the
+    float64 rule within fp32 summation order."""
+    g = torch.Generator().manual_seed(2)
+    bs, nb = 16, 48
+    k_cache, v_cache = torch.randn(nb, bs, hkv, d, generator=g), torch.randn(nb, bs, hkv, d, generator=g)
+    q_lens, kv_lens = [1, 5, 13, 8, 9, 3], [7, 40, 61, 8, 100, 17]
+    perm, tables, used = torch.randperm(nb, generator=g).tolist(), [], 0
+    for kv in kv_lens:
+        tables.append(perm[used:used + -(-kv // bs)])
+        used += -(-kv // bs)
+    meta = BatchMetadata.build(q_lens, kv_lens, tables, [0] * sum(q_lens), [1] * len(q_lens), bs, torch.device("cpu"))
+    query = torch.randn(sum(q_lens), h, d, generator=g)
+    op = decode_ops.load().paged_attention
+    got = op(query, k_cache, v_cache, meta.block_tables, meta.q_lens_t, meta.kv_lens_t, d**-0.5)
+    torch.testing.assert_close(got, torch_attention(query, k_cache, v_cache, meta, d**-0.5), rtol=1e-5, atol=1e-6)
+    t, row = (lambda xs: torch.tensor(xs, dtype=torch.int64)), 0  # noqa: E731
+    for b, (q, kv) in enumerate(zip(q_lens, kv_lens)):
+        for i in range(q):
+            alone = op(query[row:row + 1].contiguous(), k_cache, v_cache, t([tables[b]]), t([1]), t([kv - q + i + 1]), d**-0.5)
+            assert torch.equal(got[row:row + 1], alone), (b, i)
+            row += 1
+
+
 def test_paged_attention_refuses_bad_shapes_with_a_message():
     op = decode_ops.load().paged_attention
     k = torch.zeros(2, 16, 3, 64)
