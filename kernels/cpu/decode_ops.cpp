@@ -151,6 +151,24 @@ inline void prefetch_row(const float* row, int64_t D) {
   for (int64_t i = 0; i < D; i += 16) _mm_prefetch(reinterpret_cast<const char*>(row + i), _MM_HINT_T0);
 }
 
+// sc[j] <- exp(sc[j] - max sc), j < n8up (the padded tail is -inf: exp 0); -> 1 / their sum
+inline float softmax_row(float* sc, int64_t n8up) {
+  __m256 mx8 = _mm256_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < n8up; j += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(sc + j));
+  alignas(32) float m[8];
+  _mm256_store_ps(m, mx8);
+  float mx = -INFINITY;
+  for (float v : m) mx = v > mx ? v : mx;
+  const __m256 mxv = _mm256_set1_ps(mx);
+  __m256 den = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n8up; j += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + j), mxv));
+    _mm256_storeu_ps(sc + j, e);
+    den = _mm256_add_ps(den, e);
+  }
+  return 1.0f / hsum(den);
+}
+
 // One query row of the G heads that share a KV head, over n keys (rows[j]: key j's offset in the
 // caches, in floats); q and o hold the G heads one after another ([G, D]). The heads take turns on
 // each 8 keys, so a key is read from memory once for all of them. scores: scratch [G, n8up].
@@ -179,23 +197,7 @@ void attend_group(const float* q, const float* kc, const float* vc, const int64_
   for (int64_t j = n8; j < n; ++j)
     for (int64_t h = 0; h < G; ++h) scores[h * n8up + j] = dot(q + h * D, kc + rows[j], D) * scale;
   std::vector<float> inv(G);
-  for (int64_t h = 0; h < G; ++h) {
-    float* sc = scores + h * n8up;
-    __m256 mx8 = _mm256_set1_ps(-INFINITY);
-    for (int64_t j = 0; j < n8up; j += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(sc + j));
-    alignas(32) float m[8];
-    _mm256_store_ps(m, mx8);
-    float mx = -INFINITY;
-    for (float v : m) mx = v > mx ? v : mx;
-    const __m256 mxv = _mm256_set1_ps(mx);
-    __m256 den = _mm256_setzero_ps();
-    for (int64_t j = 0; j < n8up; j += 8) {
-      const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + j), mxv));
-      _mm256_storeu_ps(sc + j, e);
-      den = _mm256_add_ps(den, e);
-    }
-    inv[h] = 1.0f / hsum(den);
-  }
+  for (int64_t h = 0; h < G; ++h) inv[h] = softmax_row(scores + h * n8up, n8up);
   // o_h = sum_j p_hj v_j, 64 output lanes at a time held in registers (8 accumulators)
   for (int64_t h = 0; h < G; ++h) {
     const float* sc = scores + h * n8up;
@@ -296,23 +298,7 @@ SPECSPLIT_ATTN512 void attend_rows512(const float* q, int64_t ld, const float* k
     const int64_t n = n0 + r, n8up = (n + 7) / 8 * 8;
     for (int64_t j = n / 8 * 8; j < n; ++j)
       for (int64_t h = 0; h < G; ++h) sc_of(r, h)[j] = dot(q + r * ld + h * D, kc + rows[j], D) * scale;
-    for (int64_t h = 0; h < G; ++h) {
-      float* sc = sc_of(r, h);
-      __m256 mx8 = _mm256_set1_ps(-INFINITY);
-      for (int64_t j = 0; j < n8up; j += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(sc + j));
-      alignas(32) float m[8];
-      _mm256_store_ps(m, mx8);
-      float mx = -INFINITY;
-      for (float v : m) mx = v > mx ? v : mx;
-      const __m256 mxv = _mm256_set1_ps(mx);
-      __m256 den = _mm256_setzero_ps();
-      for (int64_t j = 0; j < n8up; j += 8) {
-        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + j), mxv));
-        _mm256_storeu_ps(sc + j, e);
-        den = _mm256_add_ps(den, e);
-      }
-      inv[r * G + h] = 1.0f / hsum(den);
-    }
+    for (int64_t h = 0; h < G; ++h) inv[r * G + h] = softmax_row(sc_of(r, h), n8up);
   }
   // o_rh = sum_j p_rhj v_j, 64 output lanes of up to 4 rows at a time held in registers
   for (int64_t h = 0; h < G; ++h)
