@@ -151,6 +151,15 @@ inline void prefetch_row(const float* row, int64_t D) {
   for (int64_t i = 0; i < D; i += 16) _mm_prefetch(reinterpret_cast<const char*>(row + i), _MM_HINT_T0);
 }
 
+// At the block of 8 keys from j (of n8 in whole blocks, n in all): the keys PREFETCH_KEYS ahead, and
+// at the last block the first values, which the values' pass reads next.
+inline void prefetch_ahead(const float* kc, const float* vc, const int64_t* rows, int64_t j, int64_t n8, int64_t n,
+                           int64_t D) {
+  for (int64_t u = j + PREFETCH_KEYS; u < std::min(j + PREFETCH_KEYS + 8, n); ++u) prefetch_row(kc + rows[u], D);
+  if (j + 8 >= n8)
+    for (int64_t u = 0; u < std::min(PREFETCH_VALUES, n); ++u) prefetch_row(vc + rows[u], D);
+}
+
 // sc[j] <- exp(sc[j] - max sc), j < n8up (the padded tail is -inf: exp 0); -> 1 / their sum
 inline float softmax_row(float* sc, int64_t n8up) {
   __m256 mx8 = _mm256_set1_ps(-INFINITY);
@@ -180,9 +189,7 @@ void attend_group(const float* q, const float* kc, const float* vc, const int64_
     for (int64_t j = n8; j < n8up; ++j) sc[j] = -INFINITY;  // exp -> 0 in the padded tail
   }
   for (int64_t j = 0; j < n8; j += 8) {  // 8 keys at a time, one horizontal reduction for all 8
-    for (int64_t u = j + PREFETCH_KEYS; u < std::min(j + PREFETCH_KEYS + 8, n); ++u) prefetch_row(kc + rows[u], D);
-    if (j + 8 >= n8)  // the last keys: the first values next
-      for (int64_t u = 0; u < std::min(PREFETCH_VALUES, n); ++u) prefetch_row(vc + rows[u], D);
+    prefetch_ahead(kc, vc, rows, j, n8, n, D);
     for (int64_t h = 0; h < G; ++h) {
       const float* qh = q + h * D;
       __m256 acc[8];
@@ -274,9 +281,7 @@ SPECSPLIT_ATTN512 void attend_rows512(const float* q, int64_t ld, const float* k
   }
   const int64_t n8max = nmax / 8 * 8;
   for (int64_t j = 0; j < n8max; j += 8) {  // 8 keys at a time, one horizontal reduction for all 8
-    for (int64_t u = j + PREFETCH_KEYS; u < std::min(j + PREFETCH_KEYS + 8, nmax); ++u) prefetch_row(kc + rows[u], D);
-    if (j + 8 >= n8max)  // the last keys: the first values next
-      for (int64_t u = 0; u < std::min(PREFETCH_VALUES, nmax); ++u) prefetch_row(vc + rows[u], D);
+    prefetch_ahead(kc, vc, rows, j, n8max, nmax, D);
     for (int64_t r = 0; r < R; ++r) {
       if (j + 8 > (n0 + r) / 8 * 8) continue;  // past this row's whole blocks of 8
       for (int64_t h = 0; h < G; ++h) {
