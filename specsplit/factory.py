@@ -40,9 +40,32 @@ from specsplit.spec import SpecDecoder
 
 log = logging.getLogger(__name__)
 
+@dataclass
+class HeadService:
+    """An EAGLE-3 head colocated with its target on one budget: loaded after the target (it reads
+    the target's embedding), measured like a model (its weights, packed copies included) and its
+    KV caches counted at their bound (max_num_seqs x max_model_len rows), all before the
+    verifier's KV cache is sized from what is left. cfg: the draft's config at the target's
+    max_model_len and max_num_seqs."""
+
+    cfg: EngineConfig
+    drafter: FeatureDrafter | None = None
+
+    def load(self, prof: MemoryProfiler, target: LoadedModel) -> None:
+        emb = target.model.embed_tokens
+        # a GGUF target's quantized embedding is shared as the module (no dense fp32 copy)
+        embedding = emb if isinstance(emb, QuantEmbedding) else emb.weight
+        c = self.cfg
+        self.drafter = prof.load(DRAFTER, lambda: load_feature_drafter(c.model, c.max_model_len, c.device, c.dtype, embedding,
+                                                                        target.config.num_layers))
+        prof.reserve(DRAFTER, self.drafter.cache_bound_bytes(c.max_num_seqs))
+
+
 def _plan_budget(services: list[ModelService], show_progress: bool, joint: bool,
-                 after_loads: Callable[[list[ModelService]], None] | None = None) -> MemoryPlan:
-    """Load, profile and size services that share one budget (set by the first one's flags)."""
+                 after_loads: Callable[[list[ModelService]], None] | None = None,
+                 head: HeadService | None = None) -> MemoryPlan:
+    """Load, profile and size services that share one budget (set by the first one's flags); an
+    EAGLE-3 head on the same budget (colocated) is loaded and counted before the sizing."""
     lead = services[0].cfg
     prof = MemoryProfiler(lead.device, lead.memory_budget_bytes, lead.memory_utilization, joint=joint)
     for s in services:
@@ -52,14 +75,16 @@ def _plan_budget(services: list[ModelService], show_progress: bool, joint: bool,
             s.after_load(s.loaded)
     if after_loads is not None:
         after_loads(services)
+    if head is not None:
+        head.load(prof, services[0].loaded)
     for s in services:
         setup, steps = profile_steps(s)
         prof.profile(s.name, setup, steps)
-    plan = prof.plan(
-        {s.name: kv_shape(s.loaded, s.cfg) for s in services},
-        models={s.name: s.cfg.model for s in services},
-        dtypes={s.name: s.cfg.dtype for s in services},
-    )
+    models = {s.name: s.cfg.model for s in services}
+    dtypes = {s.name: s.cfg.dtype for s in services}
+    if head is not None:
+        models[DRAFTER], dtypes[DRAFTER] = head.cfg.model, head.cfg.dtype
+    plan = prof.plan({s.name: kv_shape(s.loaded, s.cfg) for s in services}, models=models, dtypes=dtypes)
     for s in services:
         plan.services[s.name].weights = s.loaded.weights
     return plan
@@ -71,19 +96,24 @@ def _ngram_plan(cfg: EngineConfig | None) -> MemoryPlan:
     return MemoryPlan(joint=False, budget_bytes=0, services={DRAFTER: ServicePlan.zeros(DRAFTER, model, device)})
 
 
-def _feature_drafter(cfg: EngineConfig, spec: SpecConfig, embedding=None, num_target_layers=None,
-                     plan: MemoryPlan | None = None) -> FeatureDrafter:
-    """An EAGLE-3 head (its weights recorded in the plan's drafter row), calibrated for the K policy."""
-    drafter = load_feature_drafter(cfg.model, cfg.max_model_len, cfg.device, cfg.dtype, embedding, num_target_layers)
-    compiler_bytes = 0
-    if embedding is None:  # not colocated (a drafter service): its own compiler, in the target's vocabulary
+def _feature_drafter(cfg: EngineConfig, spec: SpecConfig, plan: MemoryPlan | None = None,
+                     loaded: FeatureDrafter | None = None) -> FeatureDrafter:
+    """An EAGLE-3 head, calibrated for the K policy. loaded: a colocated head, loaded and counted
+    in the joint plan already (HeadService); else a drafter service's own, loaded here with its
+    own grammar compiler, its weights, KV bound and compiler recorded in `plan`'s drafter row."""
+    drafter = loaded
+    if drafter is None:  # a drafter service: its own compiler, in the target's vocabulary
+        drafter = load_feature_drafter(cfg.model, cfg.max_model_len, cfg.device, cfg.dtype)
+        compiler_bytes = 0
         drafter.grammars = feature_grammars(cfg.model)
         if drafter.grammars is not None:
             compiler_bytes = _warm_grammars(drafter.grammars, cfg.model)
-    if plan is not None and DRAFTER in plan.services:
-        plan.services[DRAFTER].weights_bytes = tensor_storage_bytes(drafter.head)
-        plan.services[DRAFTER].non_torch_bytes += compiler_bytes
-        plan.services[DRAFTER].dtype = str(cfg.dtype).replace("torch.", "")
+        if plan is not None and DRAFTER in plan.services:
+            row = plan.services[DRAFTER]
+            row.weights_bytes = tensor_storage_bytes(drafter.head)
+            row.activation_peak_bytes = drafter.cache_bound_bytes(cfg.max_num_seqs)
+            row.non_torch_bytes += compiler_bytes
+            row.dtype = str(cfg.dtype).replace("torch.", "")
     if spec.k_policy == "auto" and spec.num_speculative_tokens > 0:
         drafter.step_costs = calibrate_feature_drafter(drafter, cfg.max_num_seqs)
     drafter.stop_below = spec.draft_stop
@@ -133,10 +163,16 @@ def _same_device(a: EngineConfig, b: EngineConfig) -> bool:
 
 
 def _plan_models(target: EngineConfig, draft: EngineConfig | None, spec: SpecConfig, joint: bool, show_progress: bool,
-                 after_target: Callable[[LoadedModel], None] | None = None) -> tuple[MemoryPlan, ModelService, ModelService | None]:
-    """Measure and size target (+ draft model): one budget on a shared device when joint, else one each."""
+                 after_target: Callable[[LoadedModel], None] | None = None
+                 ) -> tuple[MemoryPlan, ModelService, ModelService | None, HeadService | None]:
+    """Measure and size target (+ draft model, or + EAGLE-3 head): one budget on a shared device
+    when joint, else one each. A joint head is loaded here (HeadService.drafter)."""
     draft, _ = without_lookup(draft)  # MODEL+ngram: prompt lookup needs no memory of its own
     has_draft = draft is not None and draft.model not in LOOKUPS and not is_eagle3(draft.model)
+    head = None
+    if joint and draft is not None and is_eagle3(draft.model):
+        head = HeadService(replace(draft, device=target.device, max_model_len=target.max_model_len,
+                                   max_num_seqs=target.max_num_seqs))
     k = spec.num_speculative_tokens if draft is not None else 0
     t = ModelService(VERIFIER, target, k, after_load=after_target)
     d = ModelService(DRAFTER, draft, k) if has_draft else None
@@ -145,15 +181,16 @@ def _plan_models(target: EngineConfig, draft: EngineConfig | None, spec: SpecCon
             _vocab_check(services[0].loaded.config.vocab_size)(services[1].loaded)
 
         plan = _plan_budget([t, d], show_progress, joint=True, after_loads=check)
-        return plan, t, d
-    # Target alone on its budget; with the n-gram drafter (no memory) that budget is still the joint one.
-    t_plan = _plan_budget([t], show_progress, joint=joint and d is None and draft is not None)
+        return plan, t, d, None
+    # Target alone on its budget (with its head); with the n-gram drafter (no memory) that budget
+    # is still the joint one.
+    t_plan = _plan_budget([t], show_progress, joint=joint and d is None and draft is not None, head=head)
     if d is None:
-        plan = _with_drafter_zeros(t_plan, draft) if draft is not None else t_plan
-        return plan, t, None
+        plan = _with_drafter_zeros(t_plan, draft) if draft is not None and head is None else t_plan
+        return plan, t, None, head
     d.after_load = _vocab_check(t.loaded.config.vocab_size)
     d_plan = _plan_budget([d], show_progress, joint=False)
-    return MemoryPlan.merge([t_plan, d_plan]), t, d
+    return MemoryPlan.merge([t_plan, d_plan]), t, d, None
 
 
 def grammar_compiler(tokenizer, config, timeout_s: float | None = None) -> GrammarCompiler:
@@ -202,7 +239,7 @@ def plan_memory(target: EngineConfig, draft: EngineConfig | None = None, spec: S
     each service on its own budget and device, measured one after the other.
     """
     if colocated:  # as build_colocated: the tokenizer is in the window too
-        plan, _, _ = _plan_models(target, draft, spec, joint=True, show_progress=show_progress,
+        plan, _, _, _ = _plan_models(target, draft, spec, joint=True, show_progress=show_progress,
                                   after_target=lambda loaded: load_tokenizer(loaded.hf_dir))
         return plan
     # As the separate services would start: the verifier sized for k drafts, then the drafter.
@@ -349,7 +386,7 @@ def build_colocated(
         return _build_colocated_tp(target, draft, spec, tp, show_progress)
     tokenizer = []
     draft, hybrid = without_lookup(draft)
-    plan, t, d = _plan_models(target, draft, spec, joint=True, show_progress=show_progress,
+    plan, t, d, head = _plan_models(target, draft, spec, joint=True, show_progress=show_progress,
                               after_target=lambda loaded: tokenizer.append(load_tokenizer(loaded.hf_dir)))
     plan.log()
     calibrate = draft is not None and spec.k_policy == "auto" and spec.num_speculative_tokens > 0
@@ -358,13 +395,8 @@ def build_colocated(
     drafter = None
     if d is not None:
         drafter = with_lookup(allocate_engine(d, plan.services[DRAFTER], calibrate), hybrid, spec)
-    elif draft is not None and is_eagle3(draft.model):
-        emb = t.loaded.model.embed_tokens
-        # a GGUF target's quantized embedding is shared as the module (no dense fp32 copy)
-        embedding = emb if isinstance(emb, QuantEmbedding) else emb.weight
-        feature = _feature_drafter(replace(draft, max_model_len=target.max_model_len), spec, embedding,
-                                   t.loaded.config.num_layers, plan)
-        drafter = with_lookup(feature, hybrid, spec)
+    elif head is not None:  # an EAGLE-3 head, loaded and counted in the joint plan
+        drafter = with_lookup(_feature_drafter(head.cfg, spec, loaded=head.drafter), hybrid, spec)
     elif draft is not None:
         drafter = lookup_drafter(draft.model, spec, t.loaded.config.vocab_size, target.max_model_len)
     share_grammars(drafter, verifier.grammars)

@@ -119,11 +119,22 @@ class FeatureDrafter(DrafterTraits):
         c = head.cfg
         return 2 * c.num_key_value_heads * c.hd * torch.tensor([], dtype=dtype).element_size()
 
+    def cache_bound_bytes(self, max_num_seqs: int) -> int:
+        """The most the head's KV caches hold: max_num_seqs sequences of max_model_len rows (a
+        DraftCache never grows past its limit). The memory plan counts it (factory)."""
+        return max_num_seqs * self.max_model_len * self.cache_bytes_per_token(self.head, self.head.fc.weight.dtype)
+
+    @property
+    def untracked_weight_bytes(self) -> int:
+        """Packed (opaque) copies of the head's weights, which storage tracking cannot see."""
+        return int(getattr(self.head, "untracked_weight_bytes", 0) or 0)
+
     # ---- lifecycle ----------------------------------------------------------------------------
     def add(self, seqs: Sequence[SeqAdd]) -> None:
         check_seq_adds(seqs, self.seqs, self.side, self.vocab_size, self.max_model_len)
         for s in seqs:
             self.seqs[s.seq_id] = _FSeq(list(s.prompt_token_ids), s.params, SeqRandom(s.params.seed, self.side),
+                                        cache=DraftCache(self.max_model_len),
                                         prompt_len=len(s.prompt_token_ids) - s.generated,
                                         grammar=draft_grammar(self.grammars, s.seq_id, s.params))
 
@@ -314,13 +325,15 @@ def use_cpu_kernels(head: Eagle3Head) -> None:
         return
     table = cpu_linear.static_table(head.fc.weight.dtype, cpu_linear.SKINNY in kinds)
 
+    untracked = []  # packed bytes each fast() Linear keeps (opaque to storage tracking)
+
     def fast(w: torch.Tensor) -> Linear:  # w [out, in]
         m = Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
         with torch.no_grad():
             m.weight.copy_(w)
         m.requires_grad_(False)
         m.make_copies(kinds)
-        m.keep(table)
+        untracked.append(m.keep(table))
         return m
 
     quantize_layer = os.environ.get("SPECSPLIT_DRAFT_Q8", "1") != "0"
@@ -337,6 +350,7 @@ def use_cpu_kernels(head: Eagle3Head) -> None:
         head.head_linear, head.lm_head = quant, None  # the blocks hold it now
     else:
         head.head_linear = fast(head.lm_head)
+    head.untracked_weight_bytes = sum(untracked)  # tensor_storage_bytes and the memory plan add it
     log.info("EAGLE-3 head on the CPU kernels: lm head %s, layer %s", "Q8_0" if quant is not None else "fp32",
              "Q8_0" if layer.qkv_proj.quant is not None else "fp32")
 

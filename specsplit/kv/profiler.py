@@ -192,6 +192,8 @@ class MemoryPlan:
                     extra = (f"; host memory {fmt_bytes(s.non_torch_bytes)} (its grammar compiler)" if s.weights_bytes
                              else f"; host memory up to {fmt_bytes(s.non_torch_bytes)} (its cache)")
                 kv = "a KV cache per sequence as it grows (not paged)" if s.weights_bytes else "no KV cache"
+                if s.weights_bytes and s.activation_peak_bytes:
+                    kv += f", up to {fmt_bytes(s.activation_peak_bytes)} (max_num_seqs x max_model_len tokens)"
                 lines.append(f"memory plan [{s.service}] {s.model}: {held}, {kv}{extra}")
                 continue
             budget = (
@@ -333,7 +335,7 @@ class MemoryProfiler:
         out, meter = self.track(load)
         self._trim()  # the loader's freed temporaries are not the service's memory
         # Prepacked CPU weights live in opaque tensors no storage tracker sees; the model counts them.
-        untracked = int(getattr(getattr(out, "model", None), "untracked_weight_bytes", 0) or 0)
+        untracked = int(getattr(getattr(out, "model", out), "untracked_weight_bytes", 0) or 0)
         self._torch_live += untracked
         self._m(service).weights = max(0, meter.net) + untracked
         self._check_weights()
@@ -390,6 +392,13 @@ class MemoryProfiler:
             value += HOST_RESERVE_BYTES
         return value
 
+    def reserve(self, service: str, nbytes: int) -> None:
+        """Memory a service takes as it runs that no profile step shows, counted as its activation
+        peak: an EAGLE-3 head's KV cache, which grows per sequence (not paged) up to max_num_seqs x
+        max_model_len tokens. A service measured without a KV shape (the head) still comes off
+        the budget in plan()."""
+        self._m(service).activation_peak = int(nbytes)
+
     def record(self, service: str, weights: int = 0, activation_peak: int = 0, non_torch: int = 0) -> None:
         """Set a service's measurements directly (numbers measured elsewhere, or tests of the sizing)."""
         m = self._m(service)
@@ -416,7 +425,8 @@ class MemoryProfiler:
         """Size the caches of the measured services (one, or two sharing this budget)."""
         self._check_weights()
         m = {s: self._m(s) for s in shapes}
-        fixed = sum(x.weights + x.activation_peak + x.non_torch for x in m.values())
+        # every service measured here comes off this budget, those without a paged cache too
+        fixed = sum(x.weights + x.activation_peak + x.non_torch for x in self.measured.values())
         available = self.budget_bytes - fixed
         per_token = sum(k.bytes_per_token for k in shapes.values())
         tokens = self._tokens(shapes, available, per_token)
@@ -443,6 +453,13 @@ class MemoryProfiler:
                 max_model_len=k.max_model_len,
                 max_num_seqs=k.max_num_seqs,
             )
+        for s, x in self.measured.items():  # no paged cache (an EAGLE-3 head): its fixed costs
+            if s not in shapes:
+                plans[s] = ServicePlan(
+                    service=s, model=models.get(s, s), device=str(self.device), dtype=dtype_name(dtypes[s]) if s in dtypes else "none",
+                    budget_bytes=0, weights_bytes=x.weights, activation_peak_bytes=x.activation_peak,
+                    non_torch_bytes=x.non_torch, kv_limited_by="none",
+                )
         # Shares of the budget: each service's fixed costs and its part of what was left.
         for s, p in plans.items():
             p.budget_bytes = p.weights_bytes + p.activation_peak_bytes + p.non_torch_bytes + p.kv_available_bytes
@@ -484,7 +501,7 @@ class MemoryProfiler:
         services = plan.services
         kv_total = sum(p.kv_cache_bytes for p in services.values())
         need = {s: k.min_blocks * k.bytes_per_block for s, k in shapes.items()}
-        short = [s for s, p in services.items() if p.num_blocks < shapes[s].min_blocks]
+        short = [s for s in shapes if services[s].num_blocks < shapes[s].min_blocks]
         if short:
             max_len = max(k.max_model_len for k in shapes.values())
             needs = ", ".join(f"{s} {fmt_bytes(n)}" for s, n in need.items())
@@ -493,7 +510,7 @@ class MemoryProfiler:
                 f"for the KV cache (budget {fmt_bytes(self.budget_bytes)} - {self._fixed_line()} = {fmt_bytes(available)}), "
                 f"but one sequence of --max-model-len {max_len} tokens needs {fmt_bytes(sum(need.values()))}"
                 + (f" ({needs})" if len(need) > 1 else "")
-                + f"; the plan holds {min(p.max_tokens for p in services.values())} tokens. Raise --memory-budget or "
+                + f"; the plan holds {min(services[s].max_tokens for s in shapes)} tokens. Raise --memory-budget or "
                 "--memory-utilization, or lower --max-model-len or --max-num-seqs (the activation peak grows with both)."
             )
         if kv_total > max(0, available):

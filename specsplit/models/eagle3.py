@@ -173,10 +173,13 @@ class DraftCache:
     a chain and are dropped by ``truncate`` before the next step (the target's features replace them).
     """
 
-    def __init__(self):
+    def __init__(self, limit: int | None = None):
         self.k: torch.Tensor | None = None  # [capacity, kvh, hd]
         self.v: torch.Tensor | None = None
         self.n = 0
+        # capacity never doubles past this many rows (the sequence's max_model_len), so a drafter's
+        # caches stay within max_num_seqs x limit rows, the bound its memory plan counts
+        self.limit = limit
 
     def __len__(self) -> int:
         return self.n
@@ -184,7 +187,8 @@ class DraftCache:
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:  # k, v [n, kvh, hd]
         need = self.n + k.shape[0]
         if self.k is None or need > self.k.shape[0]:
-            cap = max(64, need, 2 * (0 if self.k is None else self.k.shape[0]))
+            cap = max(64, 2 * (0 if self.k is None else self.k.shape[0]))
+            cap = max(need, cap if self.limit is None else min(cap, self.limit))
             nk, nv = k.new_empty(cap, *k.shape[1:]), v.new_empty(cap, *v.shape[1:])
             if self.n:
                 nk[: self.n], nv[: self.n] = self.k[: self.n], self.v[: self.n]

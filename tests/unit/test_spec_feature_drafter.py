@@ -260,3 +260,56 @@ def test_head_layer_runs_on_q8_0_blocks_unless_told_not_to(tiny_llama, tiny_head
         assert 0 < err < 0.05 * scale, (err, scale)
     else:
         assert err == 0
+
+
+def test_colocated_head_comes_off_the_joint_budget(tiny_llama, tiny_head):
+    """Colocated, the EAGLE-3 head is loaded into the joint budget before the verifier's KV cache is
+    sized: its weights (as the profiler measured them) and its KV caches at their bound (max_num_seqs
+    x max_model_len rows) are in the plan's drafter row and come off what the verifier's cache gets;
+    the head's caches never grow past that bound."""
+    from specsplit.kv.meters import tensor_storage_bytes
+
+    budget = 64 << 20  # small enough that the budget, not max_num_seqs, sizes the verifier's cache
+    tc = EngineConfig(model=str(tiny_llama), max_model_len=MAX_LEN, max_num_seqs=4, memory_budget_bytes=budget,
+                      kv_cap=False)
+    dc = EngineConfig(model=str(tiny_head), max_model_len=MAX_LEN, max_num_seqs=4)
+    colo = build_colocated(tc, dc, SpecConfig(num_speculative_tokens=3, k_policy="fixed"), show_progress=False)
+    try:
+        plan, fd = colo.plan, _feature_drafter(colo)
+        head, ver = plan.services["drafter"], plan.services["verifier"]
+        assert plan.joint and head.kv_limited_by == "none"
+        assert head.weights_bytes == tensor_storage_bytes(fd.head) > 0
+        per_token = FeatureDrafter.cache_bytes_per_token(fd.head, torch.float32)
+        assert head.activation_peak_bytes == fd.cache_bound_bytes(4) == 4 * MAX_LEN * per_token > 0
+        fixed = sum(p.weights_bytes + p.activation_peak_bytes + p.non_torch_bytes for p in plan.services.values())
+        assert ver.kv_limited_by == "budget" and ver.kv_available_bytes == budget - fixed
+        assert ver.kv_cache_bytes <= budget - fixed and sum(p.used_bytes for p in plan.services.values()) <= budget
+        assert "draft 0 B" not in " ".join(plan.log_lines())
+        # one sequence's head cache at max_model_len rows holds no more than its share of the bound
+        fd.add([SeqAdd("s", list(range(3, 3 + 8)), SamplingParams())])
+        cache = fd.seqs["s"].cache
+        H = fd.head.cfg
+        for _ in range(MAX_LEN):
+            cache.append(torch.zeros(1, H.num_key_value_heads, H.hd), torch.zeros(1, H.num_key_value_heads, H.hd))
+        assert len(cache) == MAX_LEN and cache.nbytes() == MAX_LEN * per_token
+        fd.release(["s"])
+    finally:
+        colo.close()
+
+
+def test_draft_cache_doubles_up_to_its_limit_and_past_it_only_as_needed():
+    from specsplit.models.eagle3 import DraftCache
+
+    kv = lambda n: (torch.zeros(n, 2, 4), torch.zeros(n, 2, 4))  # noqa: E731
+    c = DraftCache(limit=100)
+    c.append(*kv(70))
+    assert c.k.shape[0] == 70  # the first allocation: max(64, need)
+    c.append(*kv(1))
+    assert c.k.shape[0] == 100  # doubling stops at the limit
+    c.append(*kv(40))
+    assert len(c) == 111 and c.k.shape[0] == 111  # past it: exactly what is needed
+    assert torch.equal(c.keys(), torch.zeros(111, 2, 4))
+    free = DraftCache()
+    free.append(*kv(70))
+    free.append(*kv(1))
+    assert free.k.shape[0] == 140
