@@ -89,8 +89,8 @@ def build_engine(args, role: str) -> BuiltEngine:
 
         _, engine, plan = TPGroup.launch(cfg, spec, tp, threads=getattr(args, "threads", 0))
         plan.log()
-    elif role == "verifier":
-        engine, plan = build_target_engine(cfg, spec)
+    elif role == "verifier":  # its grammar compiler built at start-up, inside its memory plan
+        engine, plan = build_target_engine(cfg, spec, grammars=True, grammar_timeout=getattr(args, "grammar_timeout", None))
     else:
         engine, plan = build_draft_engine(cfg, spec)
     plan_dict = plan.to_dict() if plan is not None else static_plan(engine, cfg, lookahead)
@@ -104,7 +104,7 @@ def build_engine(args, role: str) -> BuiltEngine:
         draft_dir = hf_dir_for(without_lookup(cfg)[0].model, show_progress=False)  # the model, not MODEL+ngram
         # (no --grammar-timeout: a drafter never waits for a compile, engine.DraftGrammar)
         model_drafter.grammars = grammar_compiler(lambda: load_tokenizer(draft_dir), mcfg)
-    if role == "verifier" and hasattr(engine, "grammars"):  # loads the tokenizer when a grammar first comes
+    if role == "verifier" and getattr(engine, "grammars", False) is None:  # tensor parallel: the tokenizer loads when a grammar first comes
         engine.grammars = grammar_compiler(lambda: load_tokenizer(tokenizer_dir), mcfg,
                                            getattr(args, "grammar_timeout", None))
     return BuiltEngine(engine, cfg, lookahead, mcfg.vocab_size, tuple(mcfg.eos_token_ids), tokenizer_dir, plan_dict)

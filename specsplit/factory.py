@@ -107,7 +107,7 @@ def _feature_drafter(cfg: EngineConfig, spec: SpecConfig, plan: MemoryPlan | Non
         compiler_bytes = 0
         drafter.grammars = feature_grammars(cfg.model)
         if drafter.grammars is not None:
-            compiler_bytes = _warm_grammars(drafter.grammars, cfg.model)
+            compiler_bytes = _warm_grammars(drafter.grammars, f"feature drafter {cfg.model}")
         if plan is not None and DRAFTER in plan.services:
             row = plan.services[DRAFTER]
             row.weights_bytes = tensor_storage_bytes(drafter.head)
@@ -120,21 +120,22 @@ def _feature_drafter(cfg: EngineConfig, spec: SpecConfig, plan: MemoryPlan | Non
     return drafter
 
 
-def _warm_grammars(grammars: GrammarCompiler, head: str) -> int:
-    """A drafter service's compiler built before it serves: loading the tokenizer on the first
-    grammar request instead took 2-4 s of a split stack's drafting (it shares the GIL and the cores
-    with the drafting thread, and the gateway marked the drafter late). -> the host memory it took
-    (RSS growth, for the memory plan's non-torch bytes)."""
+def _warm_grammars(grammars: GrammarCompiler, who: str) -> int:
+    """A split service's compiler built before it serves. On the drafter, loading the tokenizer on
+    the first grammar request took 2-4 s of a split stack's drafting (it shares the GIL and the cores
+    with the drafting thread, and the gateway marked the drafter late); on the verifier the first
+    structured request waited for it. -> the host memory it took (RSS growth, for the memory plan's
+    non-torch bytes)."""
     before = rss_bytes()
     try:
         seconds = grammars.warm()
     except Exception as e:  # noqa: BLE001 - the first grammar tries again (and logs) on its compile thread
-        log.warning("feature drafter %s: the structured-output compiler did not build now (%s); the first "
-                    "grammar request builds it", head, e)
+        log.warning("%s: the structured-output compiler did not build now (%s); the first grammar request "
+                    "builds it", who, e)
         return 0
     grown = max(0, rss_bytes() - before)
-    log.info("feature drafter %s: structured-output compiler ready in %.1f s (the target's tokenizer), "
-             "%s of host memory (counted in the memory plan)", head, seconds, fmt_bytes(grown))
+    log.info("%s: structured-output compiler ready in %.1f s (the target's tokenizer), %s of host memory "
+             "(counted in the memory plan)", who, seconds, fmt_bytes(grown))
     return grown
 
 
@@ -279,13 +280,28 @@ class ServiceBuild(NamedTuple):
     plan: MemoryPlan
 
 
-def build_target_engine(cfg: EngineConfig, spec: SpecConfig = SpecConfig(), show_progress: bool = False) -> ServiceBuild:
+def build_target_engine(cfg: EngineConfig, spec: SpecConfig = SpecConfig(), show_progress: bool = False,
+                        grammars: bool = False, grammar_timeout: float | None = None) -> ServiceBuild:
     """The verifier service's engine on its own budget. spec.num_speculative_tokens sets the widest
-    verification step the profile measures (k+1 tokens per sequence)."""
-    t = ModelService(VERIFIER, cfg, spec.num_speculative_tokens)
+    verification step the profile measures (k+1 tokens per sequence).
+
+    grammars: give it its structured-output compiler (the target's tokenizer; grammar_timeout:
+    --grammar-timeout), built after the model loads and before the profile run, so the host memory
+    it takes (~120 MiB for SmolLM2's tokenizer and xgrammar) is in the plan's non-torch bytes and
+    the first structured request does not wait ~2 s for it."""
+    compilers: list[GrammarCompiler] = []
+
+    def warm(loaded: LoadedModel) -> None:
+        compilers.append(grammar_compiler(lambda: load_tokenizer(loaded.hf_dir), loaded.config, grammar_timeout))
+        _warm_grammars(compilers[0], f"verifier {cfg.model}")
+
+    t = ModelService(VERIFIER, cfg, spec.num_speculative_tokens, after_load=warm if grammars else None)
     plan = _plan_budget([t], show_progress, joint=False)
     plan.log()
-    return ServiceBuild(allocate_engine(t, plan.services[VERIFIER], calibrate=spec.k_policy == "auto"), plan)
+    engine = allocate_engine(t, plan.services[VERIFIER], calibrate=spec.k_policy == "auto")
+    if compilers:
+        engine.grammars = compilers[0]
+    return ServiceBuild(engine, plan)
 
 
 def lookup_drafter(name: str, spec: SpecConfig, vocab_size: int | None, max_model_len: int):

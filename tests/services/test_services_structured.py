@@ -3,6 +3,8 @@ own tokenizer and holds the matcher) and colocated both give the target-only tok
 grammar and penalties; bad values are INVALID_ARGUMENT with the rule in the message."""
 from __future__ import annotations
 
+import json
+
 import grpc
 import pytest
 
@@ -10,7 +12,7 @@ from specsplit.sampling.params import Grammar, SamplingParams
 from specsplit.v1 import common_pb2
 from tests.helpers.greedy import assert_greedy_equal_or_tie
 from tests.helpers.structured import constrained_next_logits
-from tests.services.procs import generate, request
+from tests.services.procs import generate, request, service_info
 
 MAX_TOKENS = 16
 REGEX = "((w1|w2|w3|w4|w5|w6|w7|w8|w9)(w100|w101|w102|w103|w104|w105|w106|w107|w108|w109))+"
@@ -71,3 +73,16 @@ def test_logit_bias_outside_the_vocabulary_is_invalid_argument(split_stack):
     with pytest.raises(grpc.RpcError) as err:
         generate(split_stack.gateway, req)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "outside the vocabulary" in err.value.details()
+
+
+def test_verifier_builds_its_grammar_compiler_before_serving(split_stack):
+    """The verifier service builds its compiler (the target's tokenizer) after its model loads and
+    before its memory profile, not on the first grammar request: the log says so before SERVING,
+    and the host memory it took is inside the plan's non-torch bytes."""
+    verifier = split_stack.procs["verifier"]
+    log = verifier.log_path.read_text(errors="replace")
+    ready = log.index("structured-output compiler ready")
+    assert ready < log.index("memory plan [verifier]") < log.index("health: SERVING")
+    assert "(counted in the memory plan)" in log[ready:ready + 400]
+    plan = json.loads(service_info(verifier.address, "verifier").memory_plan_json)["services"]["verifier"]
+    assert plan["non_torch_bytes"] > 0, plan
