@@ -2,7 +2,10 @@
 
 Vocabulary:
   a_j     the acceptance rate of draft position j given positions 0..j-1 were accepted, estimated
-          online per request (a Beta prior plus that request's own counts).
+          online per request: that request's own counts over a Beta prior centred on what the
+          server has seen at that position (`Pooled`, every request's steps, recent ones weighted
+          most), so a request starts where its drafter usually is and a few unlucky steps do not
+          switch it off.
   d_j     the chance that a drafter asked for k > j drafts drafts position j (a drafter may stop
           early: an EAGLE-3 head where it is unsure, SpecConfig.draft_stop; prompt lookup where its
           match runs out); 1 until a request's drafter is seen to stop.
@@ -35,12 +38,25 @@ from dataclasses import dataclass, field
 from specsplit.calibration import StepCosts
 
 
+# A request's own counts weigh as much as this many trials of the server's pooled rate: a
+# request turns speculation off when its acceptance stays low over ~10-20 steps, not after
+# two unlucky ones (with a fixed prior of 0.6 at weight 2, the default flags chose k = 0 for
+# 45-63% of the steps of requests whose fixed K=1 gained 1.09-1.13x: AMD EPYC Zen 4).
+REQUEST_PRIOR_WEIGHT = 8.0
+# The pooled rate starts at the fixed prior with this weight, so a server's first few steps (a
+# first request's early prompt-lookup misses: 1 of 6 accepted) cannot pull every request's prior
+# down and switch speculation off for all of them.
+POOLED_PRIOR_WEIGHT = 32.0
+
+
 @dataclass
 class Acceptance:
-    """Per-position acceptance of one request's drafts (counted once, here)."""
+    """Per-position acceptance of one request's drafts (counted once, here). `pooled`: the server's
+    acceptance over all requests, the centre of this one's prior (None: prior_rate)."""
 
     prior_rate: float = 0.6
     prior_weight: float = 2.0
+    pooled: "Pooled | None" = None
     tried: list[int] = field(default_factory=list)  # steps that verified position j (all before it accepted)
     accepted: list[int] = field(default_factory=list)
     asked: list[int] = field(default_factory=list)  # steps whose drafter was asked for position j (k > j)
@@ -64,7 +80,8 @@ class Acceptance:
     def rate(self, j: int) -> float:
         tried = self.tried[j] if j < len(self.tried) else 0
         acc = self.accepted[j] if j < len(self.accepted) else 0
-        return (acc + self.prior_rate * self.prior_weight) / (tried + self.prior_weight)
+        prior = self.prior_rate if self.pooled is None else self.pooled.rate(j)
+        return (acc + prior * self.prior_weight) / (tried + self.prior_weight)
 
     def drafted_rate(self, j: int) -> float:
         """d_j: the chance position j is drafted when asked for (a prior of one full chain)."""
@@ -95,6 +112,24 @@ class Acceptance:
             before = d
             total += p
         return total
+
+
+class Pooled(Acceptance):
+    """The server's acceptance per draft position over every request's verified steps: the prior
+    each request's own estimate starts from (Acceptance.pooled; its weight is the request's
+    prior_weight). Counts past `window` trials of a position are halved, so recent requests weigh
+    most and a change of workload shows within a few thousand steps."""
+
+    def __init__(self, prior_rate: float = 0.6, prior_weight: float = POOLED_PRIOR_WEIGHT, window: int = 4096):
+        super().__init__(prior_rate, prior_weight)
+        self.window = window
+
+    def update(self, num_drafts: int, num_accepted: int, asked: int = 0) -> None:
+        super().update(num_drafts, num_accepted, asked)
+        for j in range(len(self.tried)):
+            if self.tried[j] > self.window:
+                self.tried[j] //= 2
+                self.accepted[j] //= 2
 
 
 @dataclass

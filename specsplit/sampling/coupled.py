@@ -27,6 +27,8 @@ import hashlib
 
 import torch
 
+from specsplit.sampling.probs import greedy_ids
+
 
 def _position_seed(seed: int, position: int) -> int:
     digest = hashlib.blake2b(f"specsplit-coupled:{seed}:{position}".encode(), digest_size=8).digest()
@@ -45,4 +47,4 @@ def coupled_sample(probs: torch.Tensor, seed: int, position: int) -> int:
     """argmax(log probs + g) for one row [V]: an exact sample from probs, shared by both sides."""
     g = gumbel_noise(seed, position, probs.shape[-1])
     logp = torch.log(probs.detach().to(device="cpu", dtype=torch.float64))  # 0 -> -inf: never chosen
-    return int(torch.argmax(logp + g))
+    return int(greedy_ids(logp + g))

@@ -32,7 +32,7 @@ from typing import Sequence
 from specsplit.calibration import StepCosts
 from specsplit.config import SpecConfig, step_k_cap
 from specsplit.draft_tree import DraftTree, tree_eligible
-from specsplit.k_policy import Acceptance, KPolicy, TreeValue, tree_nodes
+from specsplit.k_policy import REQUEST_PRIOR_WEIGHT, Acceptance, KPolicy, Pooled, TreeValue, tree_nodes
 from specsplit.protocols import (
     Drafter,
     Proposal,
@@ -136,6 +136,8 @@ class SpecDecoder:
         self._verify_token_s: float | None = None  # ... per token it scored
         self._draft_token_s: float | None = None  # the drafter's seconds per token it computed
         self.tree_value = TreeValue()  # what a branch node of a draft tree gained so far
+        # every request's acceptance per position: the centre of each new request's prior
+        self.pooled = Pooled()
         if costs is not None and costs.verify and spec.k_policy == "auto":
             # A hybrid's model drafts at most model_tokens a step (0: all k, as a feature drafter does)
             hybrid = drafter.model_tokens or None if drafter is not None else None
@@ -190,7 +192,8 @@ class SpecDecoder:
         layers = self.feature_layers if k > 0 else ()
         self.verifier.add([replace(seq, feature_layers=layers)] if layers else [seq])
         track = Track(add=seq, k=k, tokens=list(seq.prompt_token_ids), prefill_left=len(seq.prompt_token_ids),
-                      behind=len(seq.prompt_token_ids))
+                      behind=len(seq.prompt_token_ids),
+                      acceptance=Acceptance(prior_weight=REQUEST_PRIOR_WEIGHT, pooled=self.pooled))
         self.tracks[seq.seq_id] = track
         if self.drafter_up and k > 0:
             try:
@@ -586,6 +589,7 @@ class SpecDecoder:
                 stats.tree_nodes += len(tree) - chain
             if req.draft_token_ids or track.asked:  # asked and drafted fewer (or none): counted too
                 track.acceptance.update(depth, res.num_accepted, asked=track.asked)
+                self.pooled.update(depth, res.num_accepted, asked=track.asked)
             track.asked = 0
             stats.proposed += len(req.draft_token_ids)
             stats.accepted += res.num_accepted

@@ -10,7 +10,7 @@ from specsplit.config import EngineConfig, SpecConfig
 from specsplit.factory import build_colocated
 from specsplit.request import GenerationRequest
 from specsplit.scheduler import Scheduler
-from specsplit.k_policy import Acceptance, KPolicy, ProbeCost
+from specsplit.k_policy import POOLED_PRIOR_WEIGHT, REQUEST_PRIOR_WEIGHT, Acceptance, KPolicy, Pooled, ProbeCost
 from specsplit.protocols import SeqAdd
 from tests.helpers.greedy import assert_outputs_equal_or_tie
 
@@ -317,3 +317,49 @@ def test_the_decoder_times_its_steps_for_the_policy(tiny_llama, tiny_draft_close
     assert decoder.k_chosen[0] == 7 and decoder.k_chosen[1] == 6
     assert cost.samples(2, False) == 6 and cost.samples(2, True) == 6  # the first step computed the prompts
     colo.close()
+
+
+def test_a_request_prior_is_centred_on_the_pooled_rate_and_weighs_request_prior_weight():
+    pooled = Pooled()
+    assert pooled.rate(0) == pytest.approx(0.6)  # the fixed prior until steps come
+    for _ in range(300):  # 300 steps of one draft, 90 accepted: 0.3 at position 0
+        pooled.update(1, 0)
+    for _ in range(90):
+        pooled.update(1, 1)
+    assert pooled.rate(0) == pytest.approx((90 + 0.6 * POOLED_PRIOR_WEIGHT) / (390 + POOLED_PRIOR_WEIGHT))
+    a = Acceptance(prior_weight=REQUEST_PRIOR_WEIGHT, pooled=pooled)
+    assert a.rate(0) == pytest.approx(pooled.rate(0))  # a new request starts at the server's rate
+    a.update(1, 1)
+    a.update(1, 1)
+    assert a.rate(0) == pytest.approx((2 + pooled.rate(0) * REQUEST_PRIOR_WEIGHT) / (2 + REQUEST_PRIOR_WEIGHT))
+
+
+def test_a_few_early_misses_do_not_switch_speculation_off():
+    """One draft costs 0.36 of a step here, so it pays from ~0.42 accepted; the drafter's true rate
+    is 0.65. A server's first request missing 5 of its first 6 drafts (prompt lookup early on) must
+    not pull every later request's prior under that: the pooled prior holds, and so does a single
+    request that starts with 1 of 4 accepted (a fixed prior of 0.6 at weight 2 read 0.37 there)."""
+    policy = KPolicy(_costs([1.0, 1.31]), max_k=1)
+    pooled = Pooled()
+    pooled.update(1, 1)
+    for _ in range(5):
+        pooled.update(1, 0)
+    fresh = Acceptance(prior_weight=REQUEST_PRIOR_WEIGHT, pooled=pooled)
+    assert policy.choose([fresh]) == 1
+    unlucky = Acceptance(prior_weight=REQUEST_PRIOR_WEIGHT, pooled=pooled)
+    for n in (1, 0, 0, 0):
+        unlucky.update(1, n)
+    assert Acceptance(prior_weight=2.0, tried=[4], accepted=[1]).rate(0) < 0.4 < unlucky.rate(0)
+    assert policy.choose([unlucky]) == 1
+    bad = Acceptance(prior_weight=REQUEST_PRIOR_WEIGHT, pooled=pooled)  # 40 steps at 0.2: off
+    for j in range(40):
+        bad.update(1, int(j % 5 == 0))
+    assert policy.choose([bad]) == 0
+
+
+def test_pooled_counts_halve_past_the_window():
+    pooled = Pooled(window=100)
+    for j in range(101):
+        pooled.update(2, 2 if j % 2 else 1)
+    assert pooled.tried[0] == 50 and pooled.accepted[0] == 50  # 101 -> halved
+    assert pooled.tried[1] == 50 and pooled.accepted[1] == 25
