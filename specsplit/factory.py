@@ -40,6 +40,7 @@ from specsplit.spec import SpecDecoder
 
 log = logging.getLogger(__name__)
 
+
 @dataclass
 class HeadService:
     """An EAGLE-3 head colocated with its target on one budget: loaded after the target (it reads
