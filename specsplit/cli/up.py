@@ -197,6 +197,22 @@ def commands(args, drafter_port: int, verifier_port: int) -> dict[str, list[str]
     }
 
 
+# The child pins itself, then execs the service (same pid; the affinity survives exec). A
+# preexec_fn would do it between fork and exec, but it makes Popen fork() with the at-fork
+# handlers this process's gRPC channels registered: once `up` had checked an engine's health,
+# starting the next one could deadlock in them (seen: `up` stuck in Popen for its gateway, a
+# channel's grpc_shutdown thread alive). Without preexec_fn, Popen uses vfork and runs none.
+_PIN = "import os, sys; os.sched_setaffinity(0, {int(c) for c in sys.argv[1].split(',')}); os.execv(sys.argv[2], sys.argv[2:])"
+
+
+def pinned(cmd: list[str], cpus: set[int] | None) -> list[str]:
+    """`cmd` started on `cpus` (None: as it is): a short Python that sets its own affinity and
+    execs cmd[0] (an absolute path: sys.executable) with cmd's arguments."""
+    if cpus is None:
+        return cmd
+    return [sys.executable, "-c", _PIN, ",".join(str(c) for c in sorted(cpus)), *cmd]
+
+
 def stop_all(procs: dict[str, subprocess.Popen], timeout: float) -> None:
     """SIGTERM the gateway first (it drains while the engines are still up), then the drafter and
     the verifier together; kill whatever has not exited after `timeout`."""
@@ -244,8 +260,7 @@ def run(args) -> int:
                 break
             # Children ignore the terminal's Ctrl-C (own process group): this process forwards it.
             cpus = cpu_list(getattr(args, f"{name}_cpus", None))
-            procs[name] = subprocess.Popen(cmds[name], start_new_session=True, env=env,
-                                           preexec_fn=None if cpus is None else (lambda c=cpus: os.sched_setaffinity(0, c)))
+            procs[name] = subprocess.Popen(pinned(cmds[name], cpus), start_new_session=True, env=env)
             print(f"specsplit up: started {name} (pid {procs[name].pid}) on {addresses[name]}"
                   + ("" if cpus is None else f", CPUs {sorted(cpus)}"), file=sys.stderr)
             wait_serving({name: (procs[name], addresses[name])}, max(1.0, deadline - time.monotonic()), security=isec,

@@ -28,3 +28,21 @@ def test_up_check_refuses_a_bad_cpu_list():
 
     rc = main(["up", "--target", "smollm2-135m", "--draft", "ngram", "--drafter-cpus", "99999", "--check"])
     assert rc != 0
+
+
+def test_pinned_child_runs_on_its_cpus_under_its_own_pid():
+    """The child sets its affinity and execs the command: same pid (signals and poll() reach the
+    service), the CPUs asked for, and the command's own arguments and exit code."""
+    import subprocess
+    import sys
+
+    from specsplit.cli.up import pinned
+
+    first = min(os.sched_getaffinity(0))
+    cmd = [sys.executable, "-c", "import os, sys; print(os.getpid(), sorted(os.sched_getaffinity(0)), sys.argv[1:]); "
+           "sys.exit(3)", "a b", "c"]
+    proc = subprocess.Popen(pinned(cmd, {first}), stdout=subprocess.PIPE, text=True)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 3
+    assert out.strip() == f"{proc.pid} [{first}] ['a b', 'c']"
+    assert pinned(cmd, None) == cmd
