@@ -24,7 +24,25 @@ def load_tool(name: str) -> ModuleType:
 
 
 def run_tool(name: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    """`python tools/<name> args...`; its stdout and stderr captured as text."""
+    """`python tools/<name> args...`; its stdout and stderr captured as text. Past `timeout` the
+    tool and every process under it are killed (a tool that started services: killed alone, its
+    `specsplit up` and the services would be orphans the suite's leftover check cannot see), and
+    subprocess.TimeoutExpired is raised with what it printed."""
+    import psutil
+
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, f"tools/{name}", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    proc = subprocess.Popen([sys.executable, f"tools/{name}", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        for p in [psutil.Process(proc.pid), *tree]:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(tree, timeout=10)
+        out, err = proc.communicate()
+        raise subprocess.TimeoutExpired(proc.args, timeout, out, err) from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
