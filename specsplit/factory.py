@@ -97,24 +97,25 @@ def _ngram_plan(cfg: EngineConfig | None) -> MemoryPlan:
     return MemoryPlan(joint=False, budget_bytes=0, services={DRAFTER: ServicePlan.zeros(DRAFTER, model, device)})
 
 
-def _feature_drafter(cfg: EngineConfig, spec: SpecConfig, plan: MemoryPlan | None = None,
-                     loaded: FeatureDrafter | None = None) -> FeatureDrafter:
-    """An EAGLE-3 head, calibrated for the K policy. loaded: a colocated head, loaded and counted
-    in the joint plan already (HeadService); else a drafter service's own, loaded here with its
-    own grammar compiler, its weights, KV bound and compiler recorded in `plan`'s drafter row."""
-    drafter = loaded
-    if drafter is None:  # a drafter service: its own compiler, in the target's vocabulary
-        drafter = load_feature_drafter(cfg.model, cfg.max_model_len, cfg.device, cfg.dtype)
-        compiler_bytes = 0
-        drafter.grammars = feature_grammars(cfg.model)
-        if drafter.grammars is not None:
-            compiler_bytes = _warm_grammars(drafter.grammars, f"feature drafter {cfg.model}")
-        if plan is not None and DRAFTER in plan.services:
-            row = plan.services[DRAFTER]
-            row.weights_bytes = tensor_storage_bytes(drafter.head)
-            row.activation_peak_bytes = drafter.cache_bound_bytes(cfg.max_num_seqs)
-            row.non_torch_bytes += compiler_bytes
-            row.dtype = str(cfg.dtype).replace("torch.", "")
+def _service_head(cfg: EngineConfig, spec: SpecConfig, plan: MemoryPlan) -> FeatureDrafter:
+    """A drafter service's EAGLE-3 head: loaded with its own grammar compiler (in the target's
+    vocabulary), its weights, KV bound and compiler recorded in `plan`'s drafter row."""
+    drafter = load_feature_drafter(cfg.model, cfg.max_model_len, cfg.device, cfg.dtype)
+    compiler_bytes = 0
+    drafter.grammars = feature_grammars(cfg.model)
+    if drafter.grammars is not None:
+        compiler_bytes = _warm_grammars(drafter.grammars, f"feature drafter {cfg.model}")
+    row = plan.services[DRAFTER]
+    row.weights_bytes = tensor_storage_bytes(drafter.head)
+    row.activation_peak_bytes = drafter.cache_bound_bytes(cfg.max_num_seqs)
+    row.non_torch_bytes += compiler_bytes
+    row.dtype = str(cfg.dtype).replace("torch.", "")
+    return _ready_head(drafter, cfg, spec)
+
+
+def _ready_head(drafter: FeatureDrafter, cfg: EngineConfig, spec: SpecConfig) -> FeatureDrafter:
+    """A loaded EAGLE-3 head (a drafter service's, or a colocated one from HeadService) calibrated
+    for the K policy, with the chain's stop threshold."""
     if spec.k_policy == "auto" and spec.num_speculative_tokens > 0:
         drafter.step_costs = calibrate_feature_drafter(drafter, cfg.max_num_seqs)
     drafter.stop_below = spec.draft_stop
@@ -347,7 +348,7 @@ def draft_engine_and_plan(cfg: EngineConfig, spec: SpecConfig, show_progress: bo
         return drafter, plan
     if is_eagle3(cfg.model):
         plan = _ngram_plan(cfg)
-        drafter = with_lookup(_feature_drafter(cfg, spec, plan=plan), hybrid, spec) if allocate else None
+        drafter = with_lookup(_service_head(cfg, spec, plan), hybrid, spec) if allocate else None
         return drafter, plan
     d = ModelService(DRAFTER, cfg, spec.num_speculative_tokens)
     if vocab_size is not None:
@@ -413,7 +414,7 @@ def build_colocated(
     if d is not None:
         drafter = with_lookup(allocate_engine(d, plan.services[DRAFTER], calibrate), hybrid, spec)
     elif head is not None:  # an EAGLE-3 head, loaded and counted in the joint plan
-        drafter = with_lookup(_feature_drafter(head.cfg, spec, loaded=head.drafter), hybrid, spec)
+        drafter = with_lookup(_ready_head(head.drafter, head.cfg, spec), hybrid, spec)
     elif draft is not None:
         drafter = lookup_drafter(draft.model, spec, t.loaded.config.vocab_size, target.max_model_len)
     share_grammars(drafter, verifier.grammars)

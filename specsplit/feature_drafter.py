@@ -87,7 +87,7 @@ class FeatureDrafter(DrafterTraits):
         self.embedding = embedding
         self.max_model_len = max_model_len
         self.seqs: dict[str, _FSeq] = {}
-        self.step_costs = None  # calibration.StepCosts (factory.build_feature_drafter)
+        self.step_costs = None  # calibration.StepCosts (factory._ready_head)
         # a greedy chain ends where the product of the head's top-1 probabilities falls below this
         # (SpecConfig.draft_stop; 0: always k)
         self.stop_below = 0.0

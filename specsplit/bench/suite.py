@@ -351,8 +351,9 @@ class Bench:
             n_batches = self._batches(c, len(prompts))
             for j in range(self.repeats):
                 for b in range(n_batches):
-                    batch = [prompts[((j * n_batches + b) * c + i) % len(prompts)] for i in range(c)]
-                    for spec_on in ((False, True) if (j * n_batches + b) % 2 == 0 else (True, False)):
+                    nth = j * n_batches + b  # this batch's place in the sweep at c
+                    batch = [prompts[(nth * c + i) % len(prompts)] for i in range(c)]
+                    for spec_on in ((False, True) if nth % 2 == 0 else (True, False)):
                         t = generate_timed(colos[spec_on], batch, self.new_tokens, None, f"c{c}r{j}b{b}", max(c, 1))
                         walls[spec_on] += max(x.total_s for x in t)
                         runs[spec_on].extend(t)
