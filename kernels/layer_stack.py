@@ -56,5 +56,5 @@ def stack_of(lean_layers) -> object | None:
         args = []
         for w, bias in layer.weights:
             args += [w.blocks, quant_linear.TYPES[w.qtype][0], bias, w.layout == "tiles"]
-        stack.add(*args, quant_linear.avx512_allowed(), *layer.input_norm, *layer.post_attn_norm)
+        stack.add(*args, layer.avx512, *layer.input_norm, *layer.post_attn_norm)
     return stack

@@ -113,7 +113,7 @@ class LayerStack {
       const torch::Tensor v = qkv.slice(1, qk_size, qkv.size(1)).view({t, Hkv_, D_});
       dops::decode_store_kv(k, v, k_cache, v_cache, slot_mapping);
       const torch::Tensor attn =
-          dops::decode_paged_attention(q.contiguous(), k_cache, v_cache, block_tables, q_lens, kv_lens, scale_);
+          dops::decode_paged_attention(q.contiguous(), k_cache, v_cache, block_tables, q_lens, kv_lens, scale_, l.qkv.avx512);
       x = x + l.o(attn.reshape({t, q_size}));
       const torch::Tensor gate_up = l.gate_up(dops::decode_rms_norm(x, l.post_attn_norm, l.post_attn_eps));
       x = x + l.down(dops::decode_silu_mul(gate_up));

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from specsplit.kernels import decode_ops, dispatch
+from specsplit.kernels import decode_ops, dispatch, quant_linear
 from specsplit.draft_tree import ancestor_mask, tree_depths
 
 
@@ -166,7 +166,7 @@ def paged_attention(
             and query.shape[2] % 8 == 0):
         # fp32 on the CPU: the whole batch in one call, reading the blocks in place
         return decode_ops.load().paged_attention(query.contiguous(), k_cache, v_cache, meta.block_tables,
-                                                 meta.q_lens_t, meta.kv_lens_t, scale)
+                                                 meta.q_lens_t, meta.kv_lens_t, scale, quant_linear.avx512_allowed())
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
     out = None if meta.groups[0].covers_all else torch.empty_like(query)

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specsplit.kernels import decode_ops
+from specsplit.kernels import decode_ops, quant_linear
 
 EAGLE3_ARCH = "LlamaForCausalLMEagle3"
 
@@ -307,7 +307,8 @@ class Eagle3Head(nn.Module):
         L, cap = len(cache), cache.k.shape[0]
         one = torch.zeros(1, 1, dtype=torch.long)
         attn = ops.paged_attention(qk[:, :nh].contiguous(), cache.k.view(1, cap, kvh, hd), cache.v.view(1, cap, kvh, hd),
-                                   one, torch.tensor([n]), torch.tensor([L]), hd**-0.5)  # [n, nh, hd]
+                                   one, torch.tensor([n]), torch.tensor([L]), hd**-0.5,
+                                   quant_linear.avx512_allowed())  # [n, nh, hd]
         h = g + layer.o_proj(attn.view(n, nh * hd))
         gate_up = layer.gate_up_proj(ops.rms_norm(h, layer.post_attention_layernorm, eps))
         return h + layer.down_proj(ops.silu_mul(gate_up))

@@ -49,6 +49,7 @@ class LeanLayer:
         self.qk_heads = layer.num_heads + layer.num_kv_heads
         self.num_heads = layer.num_heads
         self.scale = layer.scale
+        self.avx512 = quant_linear.avx512_allowed()  # the attention's loop, as the stack's layers pass it
 
     def __call__(
         self,
@@ -66,7 +67,7 @@ class LeanLayer:
         v = qkv[:, self.qk_size:].view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         self.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         attn = self.attention(q.contiguous(), k_cache, v_cache, meta.block_tables, meta.q_lens_t, meta.kv_lens_t,
-                              self.scale)  # [T, H, D]
+                              self.scale, self.avx512)  # [T, H, D]
         x = x + self.o(attn.reshape(t, self.q_size))
         gate_up = self.gate_up(self.rms_norm(x, *self.post_attn_norm))  # [T, 2I]
         return x + self.down(self.silu_mul(gate_up))

@@ -8,11 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specsplit.kernels import decode_ops
+from specsplit.kernels import decode_ops, quant_linear
 from specsplit.models.attention import BatchMetadata
 from specsplit.models.llama import RMSNorm, RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(decode_ops.load() is None, reason="no AVX2/FMA CPU or no C++ compiler: decode ops off")
+# the attention's loops: the 8-lane one everywhere, the 16-lane one where the CPU has AVX-512
+# (the same CPU test that quant_linear's AVX-512 loop makes)
+ISAS = [False, True] if quant_linear.uses_avx512() else [False]
 
 
 def torch_attention(query, k_cache, v_cache, meta: BatchMetadata, scale: float) -> torch.Tensor:
@@ -34,7 +37,8 @@ def torch_attention(query, k_cache, v_cache, meta: BatchMetadata, scale: float) 
     return torch.stack(out).float()
 
 
-def test_paged_attention_mixed_batch_matches_reference():
+@pytest.mark.parametrize("avx512", ISAS)
+def test_paged_attention_mixed_batch_matches_reference(avx512):
     g = torch.Generator().manual_seed(0)
     nb, bs, hkv, d, h = 40, 16, 3, 64, 9
     k_cache, v_cache = torch.randn(nb, bs, hkv, d, generator=g), torch.randn(nb, bs, hkv, d, generator=g)
@@ -47,25 +51,28 @@ def test_paged_attention_mixed_batch_matches_reference():
         used += n
     meta = BatchMetadata.build(q_lens, kv_lens, tables, [0] * sum(q_lens), [1] * len(q_lens), bs, torch.device("cpu"))
     query = torch.randn(sum(q_lens), h, d, generator=g)
-    got = decode_ops.load().paged_attention(query, k_cache, v_cache, meta.block_tables, meta.q_lens_t, meta.kv_lens_t, d**-0.5)
+    got = decode_ops.load().paged_attention(query, k_cache, v_cache, meta.block_tables, meta.q_lens_t, meta.kv_lens_t, d**-0.5,
+                                            avx512)
     torch.testing.assert_close(got, torch_attention(query, k_cache, v_cache, meta, d**-0.5), rtol=1e-5, atol=1e-6)
 
 
-def test_verify_rows_equal_decode_rows_bit_for_bit():
+@pytest.mark.parametrize("avx512", ISAS)
+def test_verify_rows_equal_decode_rows_bit_for_bit(avx512):
     g = torch.Generator().manual_seed(1)
     k_cache, v_cache = torch.randn(8, 16, 3, 64, generator=g), torch.randn(8, 16, 3, 64, generator=g)
     query = torch.randn(4, 9, 64, generator=g)
     op = decode_ops.load().paged_attention
     t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
     table = t([[5, 2, 7]])
-    verify = op(query, k_cache, v_cache, table, t([4]), t([40]), 0.125)  # positions 36..39
+    verify = op(query, k_cache, v_cache, table, t([4]), t([40]), 0.125, avx512)  # positions 36..39
     for i in range(4):
-        decode = op(query[i:i + 1].contiguous(), k_cache, v_cache, table, t([1]), t([37 + i]), 0.125)
+        decode = op(query[i:i + 1].contiguous(), k_cache, v_cache, table, t([1]), t([37 + i]), 0.125, avx512)
         assert torch.equal(verify[i:i + 1], decode)
 
 
+@pytest.mark.parametrize("avx512", ISAS)
 @pytest.mark.parametrize("d, hkv, h", [(64, 3, 9), (32, 2, 2), (24, 1, 4)])  # 24: the 8-lane path on every CPU
-def test_runs_of_verify_rows_equal_decode_rows_and_the_reference(d, hkv, h):
+def test_runs_of_verify_rows_equal_decode_rows_and_the_reference(d, hkv, h, avx512):
     """A batch of sequences with 1 to 13 new rows each (runs of up to 8 rows share their passes
     over the cache where AVX-512 runs; output rows in blocks of 4) at contexts that end inside a
     block of 8 keys and at its edge: every row equals that row decoded alone, bit for bit, and the
@@ -81,14 +88,36 @@ def test_runs_of_verify_rows_equal_decode_rows_and_the_reference(d, hkv, h):
     meta = BatchMetadata.build(q_lens, kv_lens, tables, [0] * sum(q_lens), [1] * len(q_lens), bs, torch.device("cpu"))
     query = torch.randn(sum(q_lens), h, d, generator=g)
     op = decode_ops.load().paged_attention
-    got = op(query, k_cache, v_cache, meta.block_tables, meta.q_lens_t, meta.kv_lens_t, d**-0.5)
+    got = op(query, k_cache, v_cache, meta.block_tables, meta.q_lens_t, meta.kv_lens_t, d**-0.5, avx512)
     torch.testing.assert_close(got, torch_attention(query, k_cache, v_cache, meta, d**-0.5), rtol=1e-5, atol=1e-6)
     t, row = (lambda xs: torch.tensor(xs, dtype=torch.int64)), 0  # noqa: E731
     for b, (q, kv) in enumerate(zip(q_lens, kv_lens)):
         for i in range(q):
-            alone = op(query[row:row + 1].contiguous(), k_cache, v_cache, t([tables[b]]), t([1]), t([kv - q + i + 1]), d**-0.5)
+            alone = op(query[row:row + 1].contiguous(), k_cache, v_cache, t([tables[b]]), t([1]), t([kv - q + i + 1]), d**-0.5,
+                       avx512)
             assert torch.equal(got[row:row + 1], alone), (b, i)
             row += 1
+
+
+@pytest.mark.parametrize("avx512", ISAS)
+def test_threads_split_the_heads_without_changing_the_bits(avx512):
+    """One thread takes all KV heads of a run in one pass over the keys; more threads share the
+    heads out. The sums are the same either way: the same output bits."""
+    g = torch.Generator().manual_seed(3)
+    k_cache, v_cache = torch.randn(24, 16, 3, 64, generator=g), torch.randn(24, 16, 3, 64, generator=g)
+    t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+    tables, q_lens, kv_lens = t([list(range(0, 12)), list(range(12, 24))]), t([1, 5]), t([181, 97])
+    query = torch.randn(6, 9, 64, generator=g)
+    op = decode_ops.load().paged_attention
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = op(query, k_cache, v_cache, tables, q_lens, kv_lens, 0.125, avx512)
+        torch.set_num_threads(2)
+        two = op(query, k_cache, v_cache, tables, q_lens, kv_lens, 0.125, avx512)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
 
 
 def test_paged_attention_refuses_bad_shapes_with_a_message():
@@ -96,11 +125,11 @@ def test_paged_attention_refuses_bad_shapes_with_a_message():
     k = torch.zeros(2, 16, 3, 64)
     t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
     with pytest.raises(RuntimeError, match="q_lens add up"):
-        op(torch.zeros(3, 9, 64), k, k, t([[0, 1]]), t([2]), t([20]), 0.125)
+        op(torch.zeros(3, 9, 64), k, k, t([[0, 1]]), t([2]), t([20]), 0.125, True)
     with pytest.raises(RuntimeError, match="kv_len"):
-        op(torch.zeros(1, 9, 64), k, k, t([[0, 1]]), t([1]), t([40]), 0.125)
+        op(torch.zeros(1, 9, 64), k, k, t([[0, 1]]), t([1]), t([40]), 0.125, True)
     with pytest.raises(RuntimeError, match="outside the cache"):
-        op(torch.zeros(1, 9, 64), k, k, t([[0, 5]]), t([1]), t([20]), 0.125)
+        op(torch.zeros(1, 9, 64), k, k, t([[0, 5]]), t([1]), t([20]), 0.125, True)
 
 
 def test_rms_norm_and_rope_match_torch():
