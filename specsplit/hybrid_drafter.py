@@ -1,6 +1,7 @@
 """A draft model and a lookup behind one Drafter: `--draft MODEL+ngram` (prompt lookup) or
 `MODEL+suffix` (suffix drafting over the request and the shared cache of finished outputs,
-specsplit/suffix_drafter.py: it fires when its draft's expected accepted count is >= 1).
+specsplit/suffix_drafter.py: it fires when its draft's expected accepted count is >= 1, on a
+match of `ngram_min` tokens or more).
 
 Each step and each greedy sequence, prompt lookup goes first: when the context's last
 `ngram_min` (or more) tokens occurred before and k tokens followed them, those k tokens are the
@@ -17,8 +18,11 @@ teacher-forced predictions), with a draft forward at 0.1 of a target forward and
 cost (bf16 on this AMX CPU), predicts 1.17x for the model alone (best K=1), 1.26x for lookup
 alone (best K=3) and 1.43x for both (lookup K=3, model 1 token).
 
-Before an EAGLE-3 head the lookup needs a longer match (FEATURE_NGRAM_MIN): the head is right
-more often than a short match.
+Before an EAGLE-3 head the lookup needs a longer match (FEATURE_NGRAM_MIN), prompt lookup and
+the suffix drafter alike: the head is right more often than a short match. (A suffix match's
+expected count cannot tell: a 1-token match seen once reads as certain. Without the minimum,
+`smollm2-135m-eagle3+suffix` took 862 steps where `+ngram` took 773 for the same tokens; with it,
+764. tools/hybrid_acceptance.py, thirteenth session, docs/suffix-drafter.md.)
 
 Sampled requests always use the model: its q rows are what the rejection sampler needs, and
 mixing a one-hot lookup draft into a sampled step would change nothing about losslessness but
@@ -38,8 +42,8 @@ from specsplit.sampling.params import SamplingParams
 from specsplit.suffix_drafter import SuffixDrafter
 
 LOOKUPS = ("ngram", "suffix")  # the drafters that need no model (alone, or after MODEL+)
-# Before an EAGLE-3 head (a feature drafter), prompt lookup goes first only on a match of this
-# many tokens or more. Measured (fifth session, SmolLM2-135M + the shipped head, K=3, greedy, 64
+# Before an EAGLE-3 head (a feature drafter), prompt lookup (or the suffix drafter, MODEL+suffix)
+# goes first only on a match of this many tokens or more. Measured (fifth session, SmolLM2-135M + the shipped head, K=3, greedy, 64
 # tokens, held-out ShareGPT prompts 17-40 with the chat template, tools/hybrid_acceptance.py): a
 # 1-token match fired at 42% of steps and its drafts were accepted 0.74 per step against the
 # head's 0.76, so it cost steps (854 vs 795 with the head alone); from 3 tokens it fires at 11%,
@@ -131,7 +135,7 @@ class HybridDrafter(DrafterTraits):
             if r.k <= 0 or not self.params[r.seq_id].accepts_by_match:  # sampled: the model's q rows
                 continue
             if self.suffix is not None:
-                drafts, expected = self.suffix.draft(r.seq_id, r.k, r.pending_drafts)
+                drafts, expected = self.suffix.draft(r.seq_id, r.k, r.pending_drafts, min_match=self.ngram_min)
                 if drafts and expected >= SUFFIX_FIRES:
                     lookup[r.seq_id] = tuple(drafts)
                 continue

@@ -102,9 +102,10 @@ def _walk(arr: np.ndarray, ends: np.ndarray, k: int, min_prob: float,
 
 
 def draft_from(sources: Sequence, context: Sequence[int], k: int, max_depth: int,
-               min_prob: float, alternatives: list | None = None) -> tuple[list[int], float]:
+               min_prob: float, alternatives: list | None = None, min_match: int = 1) -> tuple[list[int], float]:
     """Up to k drafts continuing `context` from the source with the longest suffix match (ties: the
     more frequent continuation). sources: token arrays [L] (scanned) or SharedOutputs (indexed).
+    min_match: a source whose longest match is shorter drafts nothing.
     Returns (drafts, expected number accepted); alternatives (a list): as _walk's, of those drafts."""
     best: tuple[list[int], float] = ([], 0.0)
     best_alts: list = []
@@ -115,7 +116,7 @@ def draft_from(sources: Sequence, context: Sequence[int], k: int, max_depth: int
         else:
             arr, last_at = source, None
         ends, length = _match(arr, context, max_depth, last_at)
-        if length == 0:
+        if length == 0 or length < min_match:
             continue
         alts: list | None = [] if alternatives is not None else None
         drafts, expected = _walk(arr, ends, k, min_prob, alts)
@@ -221,16 +222,16 @@ class SuffixDrafter(DrafterTraits):
         self.seqs[seq_id].tokens.extend(new)
 
     def draft(self, seq_id: str, k: int, pending: Sequence[int] = (),
-              alternatives: list | None = None) -> tuple[list[int], float]:
+              alternatives: list | None = None, min_match: int = 1) -> tuple[list[int], float]:
         """Up to k drafts after the sequence's tokens + `pending` (drafts being verified now), and
-        their expected accepted count; alternatives: as draft_from's."""
+        their expected accepted count; alternatives, min_match: as draft_from's."""
         if k <= 0:
             return [], 0.0
         t0 = time.perf_counter()
         context = self.seqs[seq_id].tokens + list(pending)
         own = np.asarray(context, dtype=np.int64)  # [L] this request's prompt + output (+ pending)
         sources = [own, self.shared] if self.shared.outputs else [own]
-        drafts, expected = draft_from(sources, context, k, self.max_depth, self.min_prob, alternatives)
+        drafts, expected = draft_from(sources, context, k, self.max_depth, self.min_prob, alternatives, min_match)
         self.busy_s += time.perf_counter() - t0
         if drafts:
             self.proposals += 1

@@ -9,6 +9,9 @@ Every arm's tokens are checked equal (greedy).
 
     PYTHONPATH=. python tools/hybrid_acceptance.py --arms smollm2-135m-eagle3,smollm2-135m-eagle3+ngram@1,\\
         smollm2-135m-eagle3+ngram@3 --num-prompts 24 --skip 16 --new-tokens 64
+
+--passes 2 runs the prompts twice: on the second pass a suffix drafter (`MODEL+suffix`) has the
+first pass's answers in its shared cache, so that pass is the repetition workload.
 """
 from __future__ import annotations
 
@@ -36,6 +39,9 @@ def main(argv=None) -> int:
     ap.add_argument("--skip", type=int, default=0, help="start after this many held-out prompts")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--passes", type=int, default=1,
+                    help="run the prompts this many times (a suffix drafter's later passes repeat answers it has "
+                         "seen: the repetition workload); each pass's totals are printed")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -54,27 +60,34 @@ def main(argv=None) -> int:
         arms[arm] = colo
     first = next(iter(arms.values()))
     prompts = heldout_prompts(first.tokenizer, args.num_prompts + args.skip, 1024, chat=True)[args.skip:]
-    totals = {arm: [0, 0, 0] for arm in arms}  # accepted, speculative steps, proposed
-    for i, prompt in enumerate(prompts):
-        outputs = set()
-        for arm, colo in arms.items():
-            t = generate_timed(colo, [prompt], args.new_tokens, args.k, f"p{i}")[0]
-            totals[arm][0] += t.accepted
-            totals[arm][1] += t.steps
-            totals[arm][2] += t.proposed
-            outputs.add(tuple(t.output))
-        if len(outputs) != 1:
-            print(f"prompt {i}: the arms' greedy tokens differ", file=sys.stderr)
-            return 1
-        print(f"prompt {i + 1}/{len(prompts)}: " + ", ".join(f"{a} {v[0]}/{v[1]}" for a, v in totals.items()), flush=True)
-    for arm, (acc, steps, proposed) in totals.items():
-        line = f"{arm}: {acc / max(steps, 1):.3f} accepted per step, {acc / max(proposed, 1):.3f} per draft ({acc}/{steps} steps)"
-        d = arms[arm].drafter
-        if isinstance(d, HybridDrafter):
-            (lp, la), (mp, ma) = d.judged["lookup"], d.judged["model"]
-            line += (f"; lookup drafted {d.lookup_steps} steps, {la / max(d.lookup_steps, 1):.2f} accepted per step; "
-                     f"model {d.model_steps} steps, {ma / max(d.model_steps, 1):.2f} per step")
-        print(line)
+    for p in range(args.passes):
+        if args.passes > 1:
+            print(f"pass {p + 1}/{args.passes}", flush=True)
+        for arm in arms.values():  # each pass's own counts
+            if isinstance(arm.drafter, HybridDrafter):
+                arm.drafter.lookup_steps = arm.drafter.model_steps = 0
+                arm.drafter.judged = {"lookup": [0, 0], "model": [0, 0]}
+        totals = {arm: [0, 0, 0] for arm in arms}  # accepted, speculative steps, proposed
+        for i, prompt in enumerate(prompts):
+            outputs = set()
+            for arm, colo in arms.items():
+                t = generate_timed(colo, [prompt], args.new_tokens, args.k, f"p{p}-{i}")[0]
+                totals[arm][0] += t.accepted
+                totals[arm][1] += t.steps
+                totals[arm][2] += t.proposed
+                outputs.add(tuple(t.output))
+            if len(outputs) != 1:
+                print(f"prompt {i}: the arms' greedy tokens differ", file=sys.stderr)
+                return 1
+            print(f"prompt {i + 1}/{len(prompts)}: " + ", ".join(f"{a} {v[0]}/{v[1]}" for a, v in totals.items()), flush=True)
+        for arm, (acc, steps, proposed) in totals.items():
+            line = f"{arm}: {acc / max(steps, 1):.3f} accepted per step, {acc / max(proposed, 1):.3f} per draft ({acc}/{steps} steps)"
+            d = arms[arm].drafter
+            if isinstance(d, HybridDrafter):
+                (_, la), (_, ma) = d.judged["lookup"], d.judged["model"]
+                line += (f"; lookup drafted {d.lookup_steps} steps, {la / max(d.lookup_steps, 1):.2f} accepted per step; "
+                         f"model {d.model_steps} steps, {ma / max(d.model_steps, 1):.2f} per step")
+            print(line)
     for colo in arms.values():
         colo.close()
     return 0

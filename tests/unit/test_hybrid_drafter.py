@@ -14,9 +14,9 @@ from tests.unit.test_spec_greedy_equality import MAX_LEN, _requests
 from tests.helpers.greedy import assert_outputs_equal_or_tie
 
 
-def _colo(target, draft, k, max_num_seqs=16):
+def _colo(target, draft, k, max_num_seqs=16, lookup="ngram"):
     tc = EngineConfig(model=str(target), max_model_len=MAX_LEN, max_num_seqs=max_num_seqs)
-    dc = EngineConfig(model=f"{draft}+ngram", max_model_len=MAX_LEN, max_num_seqs=max_num_seqs)
+    dc = EngineConfig(model=f"{draft}+{lookup}", max_model_len=MAX_LEN, max_num_seqs=max_num_seqs)
     return build_colocated(tc, dc, SpecConfig(num_speculative_tokens=k), show_progress=False)
 
 
@@ -124,3 +124,34 @@ def test_before_an_eagle3_head_lookup_needs_a_longer_match(tiny_llama, tmp_path)
         assert small.drafter.ngram_min == 1
     finally:
         small.close()
+
+
+def test_before_an_eagle3_head_a_suffix_match_needs_the_longer_match_too(tiny_llama, tmp_path):
+    """MODEL+suffix over a feature drafter: the suffix drafter's match must be FEATURE_NGRAM_MIN
+    tokens long as prompt lookup's is; a shorter one leaves the drafting to the head, however
+    sure its continuation counts make it (a 1-token match seen once reads as certain). Measured:
+    SmolLM2-135M + the shipped head on plain chat, 862 -> 764 steps for the same tokens (+ngram:
+    773), and fewer on repeated answers too (docs/suffix-drafter.md)."""
+    import torch
+
+    from specsplit.protocols import ProposeRequest, SeqAdd
+    from tests.helpers.eagle3 import write_tiny_head
+
+    head = write_tiny_head(tmp_path / "head", torch.arange(3, 200))
+    colo = _colo(tiny_llama, head, 3, lookup="suffix")
+    try:
+        hybrid = colo.drafter
+        assert isinstance(hybrid, HybridDrafter) and hybrid.suffix is not None and hybrid.ngram_min == 3
+        short = (40, 41, 42, 9, 50, 51, 9)  # '9' occurred before (then 50 51 9: certain), '51 9' did not
+        long = (40, 41, 42, 9, 50, 41, 42, 9)  # '41 42 9' occurred before: 50 41 42 follow it
+        hybrid.add([SeqAdd("short", short), SeqAdd("long", long)])
+        feats = torch.randn(8, hybrid.model.feature_size)
+        a, b = hybrid.propose([ProposeRequest("short", (), 3, features=feats[:7], features_start=0),
+                               ProposeRequest("long", (), 3, features=feats, features_start=0)])
+        assert b.token_ids == (50, 41, 42) and hybrid.lookup_steps == 1  # the long match is looked up
+        assert hybrid.model_steps == 1 and len(a.token_ids) == 3  # the head drafts past a 1-token match
+        assert hybrid.suffix.draft("short", 3)[0] == [50, 51, 9]  # the suffix drafter alone would have
+        hybrid.release(["short", "long"])
+    finally:
+        colo.close()
+

@@ -40,6 +40,16 @@ def test_most_frequent_continuation_and_length_from_frequency():
     assert draft_from([np.asarray(ctx)], ctx + [99], 6, 8, 0.1) == ([], 0.0)
 
 
+def test_a_source_whose_match_is_shorter_than_min_match_drafts_nothing():
+    # the context ends in (5, 6): matched earlier by 2 tokens (then 7), by 3 nowhere
+    ctx = [1, 5, 6, 7, 2, 5, 6]
+    assert draft_from([np.asarray(ctx)], ctx, 3, max_depth=8, min_prob=0.1, min_match=2)[0] == [7, 2, 5]
+    assert draft_from([np.asarray(ctx)], ctx, 3, max_depth=8, min_prob=0.1, min_match=3) == ([], 0.0)
+    # two sources: the one with the long enough match drafts
+    other = np.asarray([9, 2, 5, 6, 8])
+    assert draft_from([np.asarray(ctx), other], ctx, 1, max_depth=8, min_prob=0.1, min_match=3)[0] == [8]
+
+
 def test_outputs_are_shared_only_once_finished():
     d = SuffixDrafter(vocab_size=100, max_model_len=256, share="finished")
     d.add([SeqAdd("a", (1, 2, 3)), SeqAdd("b", (4, 5, 6))])
