@@ -197,15 +197,14 @@ inline void values_lanes(const float* sc, const float* vc, const int64_t* rows, 
 }
 
 // One query row and KV heads [g0, g1) with their G query heads each, over n keys (rows[j]: key j's
-// offset in the caches, in floats, at KV head 0; a token's KV heads contiguous, token_stride
-// floats); q and o hold all H heads one after another ([H, D]). The heads take turns on each 8
+// offset in the caches, in floats, at KV head 0; a token's KV heads contiguous); q and o hold all H heads one after another ([H, D]). The heads take turns on each 8
 // keys, so a key row is read from memory once for all of them, and the keys' pass reads whole
 // token rows in order; the values go head by head, the first prefetching whole token rows.
 // scores: scratch [(g1 - g0) * G, n8up]. Each head's sums are the same whatever the range.
 void attend_group(const float* q, const float* kc, const float* vc, const int64_t* rows, int64_t n, int64_t D,
-                  int64_t G, int64_t g0, int64_t g1, int64_t token_stride, float scale, float* scores, float* o) {
+                  int64_t G, int64_t g0, int64_t g1, float scale, float* scores, float* o) {
   const int64_t n8 = n / 8 * 8, n8up = (n + 7) / 8 * 8, h0 = g0 * G, nh = (g1 - g0) * G;
-  const int64_t span = g1 == g0 + 1 ? D : std::min((g1 - g0) * D, token_stride);
+  const int64_t span = (g1 - g0) * D;  // the range's floats of each token row (prefetched)
   auto sc_of = [&](int64_t h) { return scores + (h - h0) * n8up; };
   for (int64_t h = h0; h < h0 + nh; ++h)
     for (int64_t j = n8; j < n8up; ++j) sc_of(h)[j] = -INFINITY;  // exp -> 0 in the padded tail
@@ -316,7 +315,7 @@ SPECSPLIT_ATTN512 inline void values_rows512(const float* const* sc, const float
 // 3.69 -> 3.07, 4.84 -> 3.94 ms.
 SPECSPLIT_ATTN512 void attend_rows512(const float* q, int64_t ld, const float* kc, const float* vc, const int64_t* rows,
                                       int64_t n0, int64_t R, int64_t D, int64_t G, int64_t g0, int64_t g1,
-                                      int64_t token_stride, float scale, float* scores, float* o) {
+                                      float scale, float* scores, float* o) {
   const int64_t h0 = g0 * G, nh = (g1 - g0) * G, nmax = n0 + R - 1, stride = (nmax + 7) / 8 * 8;
   auto sc_of = [&](int64_t r, int64_t h) { return scores + (r * nh + h - h0) * stride; };  // h: the head's index
   for (int64_t r = 0; r < R; ++r) {
@@ -325,7 +324,7 @@ SPECSPLIT_ATTN512 void attend_rows512(const float* q, int64_t ld, const float* k
       for (int64_t j = n8; j < n8up; ++j) sc_of(r, h)[j] = -INFINITY;  // exp -> 0 in the padded tail
   }
   const float* kg0 = kc + g0 * D;  // the range's keys; prefetch its whole span of each token row
-  const int64_t span = g1 == g0 + 1 ? D : std::min((g1 - g0) * D, token_stride);
+  const int64_t span = (g1 - g0) * D;
   const int64_t n8max = nmax / 8 * 8;
   for (int64_t j = 0; j < n8max; j += 8) {  // 8 keys at a time, one horizontal reduction for all 8
     prefetch_ahead(kg0, vc + g0 * D, rows, j, n8max, nmax, span);
@@ -384,6 +383,17 @@ bool attention_avx512(bool allowed) {
   return allowed && cpu;
 }
 
+// Which KV heads a work item takes: on one thread all of them (one pass over each token's KV row),
+// with more threads one each, so the threads share a sequence's heads. Items are numbered
+// unit * parts + part.
+struct HeadParts {
+  int64_t parts, hkv;
+  explicit HeadParts(int64_t Hkv) : parts(at::get_num_threads() > 1 ? Hkv : 1), hkv(Hkv) {}
+  std::pair<int64_t, int64_t> of(int64_t w) const {  // [g0, g1) of item w
+    return parts == 1 ? std::pair<int64_t, int64_t>(0, hkv) : std::pair<int64_t, int64_t>(w % parts, w % parts + 1);
+  }
+};
+
 }  // namespace
 
 // Causal attention of each new token over its sequence's paged context.
@@ -441,36 +451,36 @@ torch::Tensor decode_paged_attention(torch::Tensor query, torch::Tensor k_cache,
   const int64_t group = H / Hkv;
   const float fscale = static_cast<float>(scale);
   if (D % 16 == 0 && attention_avx512(avx512)) {
-    // work item: a run of up to 8 consecutive rows of one sequence, with all its KV heads (one
-    // thread: one pass over each token's KV row) or one of them (threads share the heads)
+    // work item: a run of up to 8 consecutive rows of one sequence, with its KV heads (HeadParts)
     constexpr int64_t RUN = 8;
     std::vector<std::pair<int64_t, int64_t>> runs;  // (first token row, rows)
     for (int64_t b = 0, t0 = 0; b < B; t0 += ql[b], ++b)
       for (int64_t i = 0; i < ql[b]; i += RUN) runs.emplace_back(t0 + i, std::min(RUN, ql[b] - i));
-    const int64_t num_runs = static_cast<int64_t>(runs.size()), parts = at::get_num_threads() > 1 ? Hkv : 1;
-    at::parallel_for(0, num_runs * parts, 1, [&](int64_t w0, int64_t w1) {
+    const int64_t num_runs = static_cast<int64_t>(runs.size());
+    const HeadParts heads(Hkv);
+    at::parallel_for(0, num_runs * heads.parts, 1, [&](int64_t w0, int64_t w1) {
       std::vector<float> scores;
       for (int64_t w = w0; w < w1; ++w) {
-        const auto [tok, R] = runs[w / parts];
-        const int64_t g0 = parts == 1 ? 0 : w % parts, g1 = parts == 1 ? Hkv : g0 + 1;
+        const auto [tok, R] = runs[w / heads.parts];
+        const auto [g0, g1] = heads.of(w);
         const int64_t b = seq_of[tok], n0 = pos_of[tok] + 1;
         scores.resize(R * (g1 - g0) * group * ((n0 + R - 1 + 7) / 8 * 8));
-        attend_rows512(qp + tok * H * D, H * D, kp, vp, rows.data() + row_start[b], n0, R, D, group, g0, g1,
-                       token_stride, fscale, scores.data(), op + tok * H * D);
+        attend_rows512(qp + tok * H * D, H * D, kp, vp, rows.data() + row_start[b], n0, R, D, group, g0, g1, fscale,
+                       scores.data(), op + tok * H * D);
       }
     });
     return out;
   }
-  // work item: a token with all its KV heads (one thread) or one of them (threads share the heads)
-  const int64_t parts = at::get_num_threads() > 1 ? Hkv : 1;
-  at::parallel_for(0, T * parts, 2, [&](int64_t w0, int64_t w1) {
+  // work item: a token with its KV heads (HeadParts)
+  const HeadParts heads(Hkv);
+  at::parallel_for(0, T * heads.parts, 2, [&](int64_t w0, int64_t w1) {
     std::vector<float> scores;
     for (int64_t w = w0; w < w1; ++w) {
-      const int64_t tok = w / parts, n = pos_of[tok] + 1;
-      const int64_t g0 = parts == 1 ? 0 : w % parts, g1 = parts == 1 ? Hkv : g0 + 1;
+      const int64_t tok = w / heads.parts, n = pos_of[tok] + 1;
+      const auto [g0, g1] = heads.of(w);
       scores.resize((g1 - g0) * group * ((n + 7) / 8 * 8));
-      attend_group(qp + tok * H * D, kp, vp, rows.data() + row_start[seq_of[tok]], n, D, group, g0, g1, token_stride,
-                   fscale, scores.data(), op + tok * H * D);
+      attend_group(qp + tok * H * D, kp, vp, rows.data() + row_start[seq_of[tok]], n, D, group, g0, g1, fscale,
+                   scores.data(), op + tok * H * D);
     }
   });
   return out;
