@@ -43,8 +43,9 @@ from specsplit.suffix_drafter import SuffixDrafter
 
 LOOKUPS = ("ngram", "suffix")  # the drafters that need no model (alone, or after MODEL+)
 # Before an EAGLE-3 head (a feature drafter), prompt lookup (or the suffix drafter, MODEL+suffix)
-# goes first only on a match of this many tokens or more. Measured (fifth session, SmolLM2-135M + the shipped head, K=3, greedy, 64
-# tokens, held-out ShareGPT prompts 17-40 with the chat template, tools/hybrid_acceptance.py): a
+# goes first only on a match of this many tokens or more. Measured (fifth session, SmolLM2-135M +
+# the shipped head, K=3, greedy, 64 tokens, held-out ShareGPT prompts 17-40 with the chat
+# template, tools/hybrid_acceptance.py): a
 # 1-token match fired at 42% of steps and its drafts were accepted 0.74 per step against the
 # head's 0.76, so it cost steps (854 vs 795 with the head alone); from 3 tokens it fires at 11%,
 # is accepted 1.94 per step there, and the run takes the fewest steps (777). The small draft
