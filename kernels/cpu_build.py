@@ -4,12 +4,13 @@ first build (about 25 s). Where there is no ninja or compiler, or the build fail
 None and logs why; the callers fall back to torch's own kernels."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import shutil
 import sys
-import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -37,8 +38,8 @@ def build(name: str, source: Path, cflags: list[str], what: str, fallback: str, 
         from torch.utils.cpp_extension import load
 
         name = build_name(name, source, cflags, includes)
-        clear_stale_build_lock(name)
-        return load(name, [str(source)], extra_cflags=cflags, verbose=False)
+        with build_guard(name):
+            return load(name, [str(source)], extra_cflags=cflags, verbose=False)
     except Exception as e:  # a missing header, an old compiler: fall back, say why
         log.warning("%s: build failed (%s); %s", what, e, fallback)
         return None
@@ -55,16 +56,26 @@ def build_name(name: str, source: Path, cflags: list[str], includes: tuple[Path,
     return f"{name}_{hashlib.sha256(key).hexdigest()[:12]}"
 
 
-def clear_stale_build_lock(name: str, max_age_s: float = 600.0) -> None:
-    """torch's extension build holds a lock file in its build directory; a process killed while
-    compiling leaves it behind, and every later build of that extension then waits on it forever.
-    A lock older than any build (about 25 s here) is such a leftover: remove it."""
+@contextlib.contextmanager
+def build_guard(name: str):
+    """Held while this process loads (and, the first time, compiles) extension `name`: an exclusive
+    flock on a file beside torch's build lock, so one process at a time builds it and the others
+    wait, then load what it built. The kernel drops a flock when its holder dies, so whoever holds
+    it knows no live builder is left: a torch `lock` file found then is the leftover of a build that
+    was killed (a cancelled test run), on which torch would wait forever. It is removed.
+
+    Before, a lock was removed only when older than any build (10 minutes), so a run started
+    within 10 minutes of a killed one hung (seen: a clean-clone CI run restarted at once)."""
     from torch.utils.cpp_extension import _get_build_directory
 
-    try:
-        lock = Path(_get_build_directory(name, verbose=False)) / "lock"
-        if time.time() - lock.stat().st_mtime > max_age_s:
-            log.warning("removing a stale build lock left by a killed build: %s", lock)
-            lock.unlink()
-    except (OSError, RuntimeError):  # no lock (the usual case), or no build directory yet
-        pass
+    directory = Path(_get_build_directory(name, verbose=False))
+    with open(directory / "specsplit.flock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        try:
+            lock = directory / "lock"
+            if lock.exists():
+                log.warning("removing a build lock left by a killed build: %s", lock)
+                lock.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
