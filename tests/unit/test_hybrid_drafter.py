@@ -94,13 +94,28 @@ def test_model_drafts_at_most_model_tokens_lookup_up_to_k(tiny_llama, model_toke
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+def _short_and_long_match(hybrid: HybridDrafter) -> None:
+    """Two sequences before a feature drafter: "short" ends in a 1-token match ('9' occurred before,
+    then 50 51 9; '51 9' did not), "long" in a 3-token one ('41 42 9': 50 41 42 follow it). The
+    long match is looked up; past the short one the head drafts."""
+    import torch
+
+    from specsplit.protocols import ProposeRequest, SeqAdd
+
+    hybrid.add([SeqAdd("short", (40, 41, 42, 9, 50, 51, 9)), SeqAdd("long", (40, 41, 42, 9, 50, 41, 42, 9))])
+    feats = torch.randn(8, hybrid.model.feature_size)
+    a, b = hybrid.propose([ProposeRequest("short", (), 3, features=feats[:7], features_start=0),
+                           ProposeRequest("long", (), 3, features=feats, features_start=0)])
+    assert b.token_ids == (50, 41, 42) and hybrid.lookup_steps == 1
+    assert hybrid.model_steps == 1 and len(a.token_ids) == 3
+
+
 def test_before_an_eagle3_head_lookup_needs_a_longer_match(tiny_llama, tmp_path):
     """MODEL+ngram over a feature drafter: a match shorter than FEATURE_NGRAM_MIN tokens leaves the
     drafting to the head; a longer one is still looked up. The small draft model keeps 1."""
     import torch
 
     from specsplit.hybrid_drafter import FEATURE_NGRAM_MIN
-    from specsplit.protocols import ProposeRequest, SeqAdd
     from tests.helpers.eagle3 import write_tiny_head
 
     head = write_tiny_head(tmp_path / "head", torch.arange(3, 200))
@@ -108,14 +123,7 @@ def test_before_an_eagle3_head_lookup_needs_a_longer_match(tiny_llama, tmp_path)
     try:
         hybrid = colo.drafter
         assert isinstance(hybrid, HybridDrafter) and hybrid.ngram_min == FEATURE_NGRAM_MIN == 3
-        short = (40, 41, 42, 9, 50, 51, 9)  # '9' occurred before, '51 9' did not
-        long = (40, 41, 42, 9, 50, 41, 42, 9)  # '41 42 9' occurred before: 50 41 42 follow it
-        hybrid.add([SeqAdd("short", short), SeqAdd("long", long)])
-        feats = torch.randn(8, hybrid.model.feature_size)
-        a, b = hybrid.propose([ProposeRequest("short", (), 3, features=feats[:7], features_start=0),
-                               ProposeRequest("long", (), 3, features=feats, features_start=0)])
-        assert b.token_ids == (50, 41, 42) and hybrid.lookup_steps == 1  # the long match is looked up
-        assert hybrid.model_steps == 1 and len(a.token_ids) == 3  # the head drafts past a 1-token match
+        _short_and_long_match(hybrid)
         hybrid.release(["short", "long"])
     finally:
         colo.close()
@@ -134,7 +142,6 @@ def test_before_an_eagle3_head_a_suffix_match_needs_the_longer_match_too(tiny_ll
     773), and fewer on repeated answers too (docs/suffix-drafter.md)."""
     import torch
 
-    from specsplit.protocols import ProposeRequest, SeqAdd
     from tests.helpers.eagle3 import write_tiny_head
 
     head = write_tiny_head(tmp_path / "head", torch.arange(3, 200))
@@ -142,14 +149,7 @@ def test_before_an_eagle3_head_a_suffix_match_needs_the_longer_match_too(tiny_ll
     try:
         hybrid = colo.drafter
         assert isinstance(hybrid, HybridDrafter) and hybrid.suffix is not None and hybrid.ngram_min == 3
-        short = (40, 41, 42, 9, 50, 51, 9)  # '9' occurred before (then 50 51 9: certain), '51 9' did not
-        long = (40, 41, 42, 9, 50, 41, 42, 9)  # '41 42 9' occurred before: 50 41 42 follow it
-        hybrid.add([SeqAdd("short", short), SeqAdd("long", long)])
-        feats = torch.randn(8, hybrid.model.feature_size)
-        a, b = hybrid.propose([ProposeRequest("short", (), 3, features=feats[:7], features_start=0),
-                               ProposeRequest("long", (), 3, features=feats, features_start=0)])
-        assert b.token_ids == (50, 41, 42) and hybrid.lookup_steps == 1  # the long match is looked up
-        assert hybrid.model_steps == 1 and len(a.token_ids) == 3  # the head drafts past a 1-token match
+        _short_and_long_match(hybrid)
         assert hybrid.suffix.draft("short", 3)[0] == [50, 51, 9]  # the suffix drafter alone would have
         hybrid.release(["short", "long"])
     finally:
