@@ -30,6 +30,15 @@ from specsplit.factory import build_colocated  # noqa: E402
 from specsplit.hybrid_drafter import HybridDrafter  # noqa: E402
 
 
+def _source_counts(drafter) -> tuple[int, int, int, int] | None:
+    """A hybrid's running counts (lookup steps, lookup drafts accepted, model steps, model drafts
+    accepted), None for another drafter: a pass reports the difference, leaving the drafter's
+    counters (its model_share, its metrics) as they run."""
+    if not isinstance(drafter, HybridDrafter):
+        return None
+    return (drafter.lookup_steps, drafter.judged["lookup"][1], drafter.model_steps, drafter.judged["model"][1])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="smollm2-135m")
@@ -63,10 +72,7 @@ def main(argv=None) -> int:
     for p in range(args.passes):
         if args.passes > 1:
             print(f"pass {p + 1}/{args.passes}", flush=True)
-        for arm in arms.values():  # each pass's own counts
-            if isinstance(arm.drafter, HybridDrafter):
-                arm.drafter.lookup_steps = arm.drafter.model_steps = 0
-                arm.drafter.judged = {"lookup": [0, 0], "model": [0, 0]}
+        before = {arm: _source_counts(colo.drafter) for arm, colo in arms.items()}
         totals = {arm: [0, 0, 0] for arm in arms}  # accepted, speculative steps, proposed
         for i, prompt in enumerate(prompts):
             outputs = set()
@@ -82,11 +88,11 @@ def main(argv=None) -> int:
             print(f"prompt {i + 1}/{len(prompts)}: " + ", ".join(f"{a} {v[0]}/{v[1]}" for a, v in totals.items()), flush=True)
         for arm, (acc, steps, proposed) in totals.items():
             line = f"{arm}: {acc / max(steps, 1):.3f} accepted per step, {acc / max(proposed, 1):.3f} per draft ({acc}/{steps} steps)"
-            d = arms[arm].drafter
-            if isinstance(d, HybridDrafter):
-                (_, la), (_, ma) = d.judged["lookup"], d.judged["model"]
-                line += (f"; lookup drafted {d.lookup_steps} steps, {la / max(d.lookup_steps, 1):.2f} accepted per step; "
-                         f"model {d.model_steps} steps, {ma / max(d.model_steps, 1):.2f} per step")
+            if before[arm] is not None:  # this pass's share of the hybrid's running counts
+                lookup_steps, lookup_acc, model_steps, model_acc = (
+                    now - then for now, then in zip(_source_counts(arms[arm].drafter), before[arm]))
+                line += (f"; lookup drafted {lookup_steps} steps, {lookup_acc / max(lookup_steps, 1):.2f} accepted per step; "
+                         f"model {model_steps} steps, {model_acc / max(model_steps, 1):.2f} per step")
             print(line)
     for colo in arms.values():
         colo.close()
