@@ -219,7 +219,7 @@ class FeatureDrafter(DrafterTraits):
             elif s.params.greedy:  # the argmax over the draft vocabulary is the one over all (q = 0 elsewhere)
                 sub = self.head.logits(h)[0]  # [Vd]
                 t = int(self.head.draft_ids[greedy_ids(sub)])
-                if leaves or self.stop_below > 0:
+                if leaves or (self.stop_below > 0 and r.k > 1):  # one draft: nothing to stop early
                     p1, alt = runner_up(sub)
                     sure *= p1
                     if j > 0 and sure < self.stop_below:
