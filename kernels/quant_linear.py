@@ -37,6 +37,7 @@ SOURCE = Path(__file__).resolve().parent / "cpu" / "quant_linear.cpp"
 ENV_SWITCH = "SPECSPLIT_QUANT"  # "0": never build or use it
 ENV_AVX512 = "SPECSPLIT_QUANT_AVX512"  # "0": the AVX2 loop even where AVX-512 exists
 ENV_AMX = "SPECSPLIT_QUANT_AMX"  # "0": the rows layout even where AMX runs
+ENV_GREEDY = "SPECSPLIT_QUANT_GREEDY"  # "0": no greedy copy of a Q8_0 head (greedy steps compute the logits)
 TILE_ROWS = 16  # output features per group of the tiles layout
 TILE_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # the types the AMX loop runs
 BLOCK = 32  # weights per block
@@ -46,6 +47,7 @@ SCALE_BYTES = {"Q4_0": 2, "Q4_1": 4, "Q8_0": 2}  # the fp16 d (and m) at the sta
 _lock = threading.Lock()
 _module = None
 _tried = False
+GREEDY_MAX_ROWS = 3  # greedy(): kernels/cpu/quant_linear.cpp's GREEDY_MAX_ROWS
 _avx512 = True  # SPECSPLIT_QUANT_AVX512, read once by load() (a decode step makes ~120 calls)
 
 
@@ -227,6 +229,43 @@ def linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, av
     if w.layout == "tiles":
         return load().quant_linear_amx(x, w.blocks, TYPES[w.qtype][0], bias)
     return load().quant_linear(x, w.blocks, TYPES[w.qtype][0], bias, _avx512 if avx512 is None else avx512)
+
+
+@dataclass(frozen=True)
+class GreedyCopy:
+    """A Q8_0 weight's copy for `greedy`: 16 output rows interleaved 4 bytes at a time (one
+    VPDPBUSD reads 4 weights of 16 rows), and each row's largest block sum of |q| (its bound)."""
+
+    groups: torch.Tensor  # [ceil(out/16), in/32 * 544] uint8
+    cmax: torch.Tensor  # [out] fp32
+
+    @property
+    def nbytes(self) -> int:
+        return self.groups.numel() + 4 * self.cmax.numel()
+
+
+def greedy_copy(w: QuantWeight) -> GreedyCopy | None:
+    """The copy `greedy` reads (about the weight's own size again), or None where `greedy` cannot
+    run: not Q8_0, no extension, no AVX-512 VNNI (or SPECSPLIT_QUANT_AVX512=0), or
+    SPECSPLIT_QUANT_GREEDY=0."""
+    m = load()
+    if m is None or w.qtype != "Q8_0" or not _avx512 or os.environ.get(ENV_GREEDY, "1") == "0" \
+            or not cpu_has("avx512_vnni", "avx512dq", "avx512bw", "avx512vl"):
+        return None
+    return GreedyCopy(*m.quant_greedy_pack(w.as_rows().blocks, TYPES[w.qtype][0], w.in_features))
+
+
+def greedy(x: torch.Tensor, w: QuantWeight, copy: GreedyCopy) -> torch.Tensor | None:
+    """x [M, in] fp32 -> [M] int64: the argmax of each row of `linear(x, w)`, the very ids
+    `linear(x, w).max(dim=-1).indices` gives, mostly without computing that product: an int8 bound
+    read from `copy` (greedy_copy(w)) picks the rows that may hold a row's maximum and only those
+    are computed exactly (kernels/cpu/quant_linear.cpp, "The greedy token of a Q8_0 head"). None
+    where it cannot answer (not a Q8_0 weight in rows, M > 3, or the bound too loose): the caller
+    computes the logits."""
+    if w.layout != "rows" or w.qtype != "Q8_0" or not 1 <= x.shape[0] <= GREEDY_MAX_ROWS:
+        return None
+    ids = load().quant_greedy(x, w.blocks, TYPES[w.qtype][0], copy.groups, copy.cmax, _avx512)
+    return ids if ids.numel() else None
 
 
 def bind(w: QuantWeight, bias: torch.Tensor | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
