@@ -157,7 +157,9 @@ class Timings:
 def _measure(runner: ModelRunner, shapes: list[tuple[int, int]], rounds: int = ROUNDS) -> Timings:
     """Time every (batch, rows) forward once per round, the shapes interleaved (and their order
     rotated) so drift over the seconds calibration takes hits every shape alike; one warm-up round
-    is dropped. Dummy sequences share a CONTEXT_TOKENS prefix in the cache."""
+    is dropped. Dummy sequences share a CONTEXT_TOKENS prefix in the cache. The forwards are
+    greedy ones (ModelRunner.forward's `greedy`: the default requests' steps, whose head may skip
+    most logits)."""
     max_b = max(b for b, _ in shapes)
     ids = [f"__calibrate_{i}__" for i in range(max_b)]
     context = [(7 * j + 3) % runner.vocab_size for j in range(CONTEXT_TOKENS)]
@@ -170,7 +172,7 @@ def _measure(runner: ModelRunner, shapes: list[tuple[int, int]], rounds: int = R
                 if rnd > 3 and b >= 16:
                     continue
                 t0 = time.perf_counter()
-                runner.forward([ForwardItem(s, CONTEXT_TOKENS, context[:rows], rows) for s in ids[:b]])
+                runner.forward([ForwardItem(s, CONTEXT_TOKENS, context[:rows], rows) for s in ids[:b]], greedy=True)
                 dt = time.perf_counter() - t0
                 for s in ids[:b]:
                     runner.truncate(s, CONTEXT_TOKENS)

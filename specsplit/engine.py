@@ -353,9 +353,11 @@ class _EngineBase:
         self.block_manager.grow_to(seq_id, len(s.tokens))
 
     def _forward(self, items: list[ForwardItem], features: tuple[int, ...] = (),
-                 out_features: list | None = None) -> list[torch.Tensor]:
+                 out_features: list | None = None, greedy: bool = False) -> list[torch.Tensor]:
         """runner.forward with long inputs (prompts) split into chunks of max_prefill_tokens.
-        features/out_features: as ModelRunner.forward (whole items' rows, chunks joined)."""
+        features/out_features: as ModelRunner.forward (whole items' rows, chunks joined).
+        greedy: each item's greedy ids [num_logits] instead of its logits (ModelRunner.forward)."""
+        more = {"greedy": True} if greedy else {}  # (a profiling runner takes no such argument)
         chunk = self.max_prefill_tokens
         items = list(items)
         heads: dict[int, list[torch.Tensor]] = {}  # rows of the chunks already run, per item
@@ -378,9 +380,9 @@ class _EngineBase:
                 it, c = items[i], cut[i]
                 items[i] = replace(it, start=it.start + c, token_ids=it.token_ids[c:])
         if not features:
-            return self.runner.forward(items)
+            return self.runner.forward(items, **more)
         got = []
-        logits = self.runner.forward(items, features, got)
+        logits = self.runner.forward(items, features, got, **more)
         out_features.extend(torch.cat(heads.get(i, []) + [f]) for i, f in enumerate(got))
         return logits
 
@@ -512,25 +514,32 @@ class TargetEngine(_EngineBase, VerifierTraits):
         ]
         layers = _feature_layers(seqs)
         feats: list = []
-        logits = self._forward(items, layers, feats)  # per seq [k+1, V] ([1, V] for a chunk); feats per seq [rows, F]
+        # Only greedy ids asked of every row (plain greedy chains, no logprobs): the forward gives
+        # the ids (the head's greedy copy skips most logits), else the logits
+        ids_only = all(i in chunks or (s.params.greedy and not s.params.processed and s.logprobs is None
+                                       and i not in trees and i not in prompt_lps) for i, s in enumerate(seqs))
+        logits = self._forward(items, layers, feats, greedy=ids_only)  # per seq [k+1, V] or [k+1] ids ([1, ...] for a chunk); feats per seq [rows, F]
         for i, s in enumerate(seqs):
             s.undo = (len(s.tokens), s.num_computed)
             s.step_features = _features_for(s, layers, feats[i]) if layers else None
             if i in prompt_feats:  # the scored prompt positions come first
                 s.step_features = torch.cat([prompt_feats[i], s.step_features])
 
-        raw, logits = logits, self._process(logits, reqs, seqs, masks)
         results: list[VerifyResult | None] = [None] * len(reqs)
         for i, n in chunks.items():
             results[i] = self._prefilled(reqs[i].seq_id, seqs[i], n)
         # Greedy and coupled (seeded, specsplit.sampling.coupled) sequences accept while the draft
         # equals the target's own choice; the others run the rejection sampler.
         greedy = [i for i, s in enumerate(seqs) if s.params.accepts_by_match and i not in trees and i not in chunks]
+        if ids_only:
+            self._accept_greedy(greedy, reqs, seqs, [logits[i].tolist() for i in greedy], results)
+            return results  # type: ignore[return-value]
+        raw, logits = logits, self._process(logits, reqs, seqs, masks)
         sampled = [i for i, s in enumerate(seqs) if not s.params.accepts_by_match and i not in chunks]
         for i, tree in trees.items():
             raw[i] = self._verify_tree(reqs[i].seq_id, seqs[i], tree, logits[i], raw[i], results, i)
         if greedy:
-            self._verify_greedy(greedy, reqs, seqs, logits, results)
+            self._accept_greedy(greedy, reqs, seqs, self._targets(greedy, seqs, logits), results)
         if sampled:
             self._verify_sampled(sampled, reqs, seqs, logits, results)
         asked = [i for i, s in enumerate(seqs) if s.logprobs is not None and i not in chunks]
@@ -607,23 +616,27 @@ class TargetEngine(_EngineBase, VerifierTraits):
         num_draft = torch.tensor([len(reqs[i].draft_token_ids) for i in idx], dtype=torch.int64)  # [B]
         return drafts, num_draft, k_max
 
-    def _verify_greedy(self, idx, reqs, seqs, logits, results) -> None:
-        drafts, num_draft, k_max = self._padded_drafts(idx, reqs)
-        argmax = torch.full((len(idx), k_max + 1), 0, dtype=torch.int64)  # [B, K+1]
+    @staticmethod
+    def _targets(idx, seqs, logits) -> list[list[int]]:
+        """Per sequence in idx, the target's token at each verified row: its argmax, or for a
+        coupled (seeded) one argmax(log p_j + g_j) with the noise both sides share."""
         coupled = [i for i in idx if seqs[i].params.coupled]
         probs = dict(zip(coupled, _probs([logits[i] for i in coupled], [seqs[i].params for i in coupled]))) if coupled else {}
-        for row, i in enumerate(idx):
-            if i in probs:  # y_j = argmax(log p_j + g_j) with the noise both sides share
+        targets = []
+        for i in idx:
+            if i in probs:
                 s, start = seqs[i], len(seqs[i].tokens)
-                a = torch.tensor([coupled_sample(p, s.params.seed, start + j) for j, p in enumerate(probs[i])])
+                targets.append([coupled_sample(p, s.params.seed, start + j) for j, p in enumerate(probs[i])])
             else:
-                a = greedy_ids(logits[i]).cpu()
-            argmax[row, : a.shape[0]] = a
-        num_accepted, out = self.sampler.greedy(drafts, num_draft, argmax)
-        for row, i in enumerate(idx):
-            n = int(num_accepted[row])
-            emitted = out[row, : n + 1].tolist()
-            results[i] = self._commit(reqs[i].seq_id, seqs[i], n, emitted)
+                targets.append(greedy_ids(logits[i]).tolist())
+        return targets
+
+    def _accept_greedy(self, idx, reqs, seqs, targets: list[list[int]], results) -> None:
+        """Accept each sequence's drafts while they equal the target's tokens (targets [k + 1] per
+        sequence in idx), then commit them and the target's next token."""
+        accepted = self.sampler.greedy_host([reqs[i].draft_token_ids for i in idx], targets)
+        for i, a, n in zip(idx, targets, accepted):
+            results[i] = self._commit(reqs[i].seq_id, seqs[i], n, a[: n + 1])
 
     def _verify_tree(self, seq_id: str, s: _Seq, tree: DraftTree, logits: torch.Tensor, raw: torch.Tensor,
                      results: list, i: int) -> torch.Tensor:

@@ -91,16 +91,16 @@ class BoundedRunner(ModelRunner):
         self.bound = bound
 
     def forward(self, items: list[ForwardItem], features: tuple[int, ...] = (),
-                out_features: list | None = None) -> list[torch.Tensor]:
+                out_features: list | None = None, greedy: bool = False) -> list[torch.Tensor]:
         groups = split_forward(list(items), self.bound)
         if len(groups) <= 1:
-            return self._forward_group(list(items), features, out_features)
+            return self._forward_group(list(items), features, out_features, greedy)
         self._reserve(items)  # all or nothing, as one forward would be
         out: dict[int, torch.Tensor] = {}
         pieces: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(items))}  # per item, in order
         for group in groups:
             feats: list = []
-            logits = self._forward_group([p.item for p in group], features, feats)
+            logits = self._forward_group([p.item for p in group], features, feats, greedy)
             for j, (p, lg) in enumerate(zip(group, logits)):
                 if features:
                     pieces[p.index].append(feats[j])
@@ -111,8 +111,8 @@ class BoundedRunner(ModelRunner):
         return [out[i] for i in range(len(items))]
 
     def _forward_group(self, items: list[ForwardItem], features: tuple[int, ...] = (),
-                       out_features: list | None = None) -> list[torch.Tensor]:
-        return ModelRunner.forward(self, items, features, out_features)
+                       out_features: list | None = None, greedy: bool = False) -> list[torch.Tensor]:
+        return ModelRunner.forward(self, items, features, out_features, greedy)
 
     def _reserve(self, items) -> None:
         """Grow every item's KV to its end up front, so OutOfBlocks is raised before any forward."""

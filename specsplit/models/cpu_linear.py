@@ -123,9 +123,7 @@ def run(
     """One linear call with the kernel the table gives for M rows (no table: packed if there is
     a packed copy, else dense; a quantized weight: quant up to QUANT_ROWS rows, else dequant)."""
     if quant is not None:
-        m = x.shape[0]
-        kind = table.kernel(m) if table is not None else (QUANT if m <= QUANT_ROWS else DEQUANT)
-        if kind == QUANT:
+        if quant_kind(table, x.shape[0]) == QUANT:
             return quant_linear.linear(x, quant, bias)
         return quant_linear.dequantized_linear(x, quant, bias)
     kind = table.kernel(x.shape[0]) if table is not None else (PACKED if packed is not None else DENSE)
@@ -134,6 +132,12 @@ def run(
     if kind == PACKED:
         return packed_linear(x, packed, bias)
     return F.linear(x, dense, bias)
+
+
+def quant_kind(table: "RowKernels | None", rows: int) -> str:
+    """The kernel `run` gives a quantized weight at `rows` rows: its table's, else quant up to
+    QUANT_ROWS rows and dequant past them."""
+    return table.kernel(rows) if table is not None else (QUANT if rows <= QUANT_ROWS else DEQUANT)
 
 
 def candidates(device: torch.device | str, dtype: torch.dtype, policy: str) -> tuple[str, ...]:

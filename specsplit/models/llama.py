@@ -20,6 +20,7 @@ from specsplit.models import cpu_linear
 from specsplit.kv.paged_cache import PagedKVCache
 from specsplit.models.attention import BatchMetadata, paged_attention, store_kv
 from specsplit.models.lean_layer import LeanLayer
+from specsplit.sampling.probs import greedy_ids
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +83,18 @@ class _Head:
         self.packed: torch.Tensor | None = None
         self.skinny: torch.Tensor | None = None
         self.kernels: cpu_linear.RowKernels | None = None
+        # a Q8_0 head's copy for the greedy ids alone (kernels/quant_linear.greedy; None: none here)
+        self.greedy_copy: quant_linear.GreedyCopy | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V or subset]
         return cpu_linear.run(x, self.kernels, self.dense, self.packed, self.skinny, self.rows, None, self.quant)
+
+    def greedy(self, x: torch.Tensor) -> torch.Tensor | None:  # [N, hidden] -> [N] int64, or None
+        """greedy_ids(self(x)) without most of the logits, where the greedy copy answers for N rows
+        (the rows at which self(x) runs quant_linear's loop, whose bits the copy's exact rows repeat)."""
+        if self.greedy_copy is None or cpu_linear.quant_kind(self.kernels, x.shape[0]) != cpu_linear.QUANT:
+            return None
+        return quant_linear.greedy(x, self.quant, self.greedy_copy)
 
 
 class RMSNorm(nn.Module):
@@ -273,6 +283,8 @@ class LlamaForCausalLM(nn.Module):
                 total += sum(m.keep(table) for m in ms)
         if head.quant is not None:
             head.kernels = self._quant_table(policy, [head])
+            head.greedy_copy = quant_linear.greedy_copy(head.quant) if head.quant.layout == "rows" else None
+            self._keep_greedy_copy(head.greedy_copy)
             self.kernel_tables[f"head {head.rows}x{self.cfg.hidden_size} {head.quant.qtype}"] = head.kernels
         elif kinds:
             if cpu_linear.PACKED in kinds:
@@ -297,6 +309,13 @@ class LlamaForCausalLM(nn.Module):
         self._head = None
         self.kernel_tables = {}
         self.lean_layers = self.lean_stack = None
+        self._keep_greedy_copy(None)
+
+    def _keep_greedy_copy(self, copy: quant_linear.GreedyCopy | None) -> None:
+        """The head's greedy copy as buffers too (not saved): plain tensors, so the memory meters
+        and tensor_storage_bytes see them (~the head's size again)."""
+        self.register_buffer("greedy_head_groups", None if copy is None else copy.groups, persistent=False)
+        self.register_buffer("greedy_head_cmax", None if copy is None else copy.cmax, persistent=False)
 
     def _lean_layers(self) -> list[LeanLayer] | None:
         """Each layer's step as direct kernel calls (models/lean_layer.py), for the row counts at
@@ -448,10 +467,18 @@ class LlamaForCausalLM(nn.Module):
             begin = i + 1
         return self.lean_stack.run(x, *args, begin, n) if begin < n else x
 
+    def _greedy_head(self, x: torch.Tensor) -> torch.Tensor | None:  # [N, hidden] -> [N] int64, or None
+        if type(self._head) is not _Head or self.vocab_subset is not None:  # none, or wrapped (--deterministic)
+            return None
+        return self._head.greedy(x)
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: BatchMetadata, kv: PagedKVCache,
-                capture: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+                capture: dict[int, torch.Tensor] | None = None, greedy: bool = False) -> torch.Tensor:
         """input_ids [T] -> logits [N, V] float32 at meta.logits_index.
+
+        greedy: return greedy_ids(logits) [N] int64 instead, the same ids, mostly without the
+        logits where the head has a greedy copy (a Q8_0 head: kernels/quant_linear.greedy).
 
         capture: layer indices as keys; each gets that layer's output [T, hidden] (the residual
         stream after it, Hugging Face's hidden_states[i + 1]) for a feature drafter."""
@@ -472,6 +499,12 @@ class LlamaForCausalLM(nn.Module):
                 if capture is not None and i in capture:
                     capture[i] = x
         x = self.norm(x[meta.logits_index])  # [N, hidden]
+        if greedy:
+            ids = self._greedy_head(x)
+            return ids if ids is not None else greedy_ids(self._full_logits(x))
+        return self._full_logits(x)
+
+    def _full_logits(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V] float32
         if self.vocab_subset is None:
             return self._logits(x)
         sub = self._logits(x)  # [N, subset]

@@ -43,8 +43,9 @@ class ModelRunner:
         return self.model.cfg.vocab_size
 
     def forward(self, items: list[ForwardItem], features: tuple[int, ...] = (),
-                out_features: list | None = None) -> list[torch.Tensor]:
-        """Run one forward; returns per item logits [num_logits, V] float32.
+                out_features: list | None = None, greedy: bool = False) -> list[torch.Tensor]:
+        """Run one forward; returns per item logits [num_logits, V] float32 (greedy: the greedy
+        ids [num_logits] int64 instead, LlamaForCausalLM.forward's `greedy`).
 
         features: target layers to capture; out_features (a list) then receives, per item, the
         fused outputs of those layers [len(token_ids), len(features) * hidden] (feature drafters).
@@ -84,11 +85,12 @@ class ModelRunner:
         )
         input_ids = torch.tensor([t for it in items for t in it.token_ids], dtype=torch.int64, device=self.device)
         capture = dict.fromkeys(features) if features else None
-        logits = self.model(input_ids, meta, self.kv, capture=capture) if capture else self.model(input_ids, meta, self.kv)
+        logits = self.model(input_ids, meta, self.kv, capture=capture, greedy=greedy) if capture or greedy \
+            else self.model(input_ids, meta, self.kv)
         if capture:
             fused = torch.cat([capture[i] for i in features], dim=-1)  # [T, F]
             out_features.extend(fused.split(q_lens))
-        return list(logits.split([it.num_logits for it in items]))  # [sum num_logits, V] per item
+        return list(logits.split([it.num_logits for it in items]))  # [sum num_logits(, V)] per item
 
     def check_items(self, items: list[ForwardItem]) -> None:
         """Refuse (ValueError) an item with no tokens or one that would pass max_model_len."""

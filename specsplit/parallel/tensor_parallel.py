@@ -168,14 +168,17 @@ class TPLlamaForCausalLM(LlamaForCausalLM):
         if token_ids is not None:
             raise RuntimeError("a vocabulary subset (a draft's head) is not supported with tensor parallelism")
 
+    def _greedy_head(self, x: torch.Tensor) -> None:
+        return None  # every rank must run _logits (its all_gather) in each forward
+
     @torch.inference_mode()
-    def forward(self, input_ids, meta, kv, capture=None):
+    def forward(self, input_ids, meta, kv, capture=None, greedy: bool = False):
         if capture is not None:
             raise RuntimeError("a feature drafter (EAGLE-3) is not supported with tensor parallelism yet: "
                                "use a model or n-gram draft, or --tensor-parallel-size 1")
         if self.driver is not None:
             self.driver.forward_started(input_ids, meta)
-        return super().forward(input_ids, meta, kv)
+        return super().forward(input_ids, meta, kv, greedy=greedy)
 
 
 def shard_model(model: LlamaForCausalLM, rank: int, world: int, group=None, kernel_policy: str | None = None) -> ModelConfig:

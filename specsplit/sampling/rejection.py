@@ -27,6 +27,7 @@ from typing import Sequence
 import torch
 
 from specsplit.kernels.reference import (  # the torch references live beside their kernels
+    greedy_accepted,
     greedy_rejection_ref,
     q_rows_tensor,
     random_accept_ref,
@@ -65,6 +66,15 @@ class RejectionSampler:
         target_argmax: torch.Tensor,  # [B, K+1] int64
     ) -> tuple[torch.Tensor, torch.Tensor]:  # num_accepted [B], out_ids [B, K+1] (-1 pad)
         return self._ops().greedy_rejection(draft_ids, num_draft, target_argmax)
+
+    @staticmethod
+    def greedy_host(
+        draft_ids: Sequence[Sequence[int]],  # per sequence [k_b]
+        target_ids: Sequence[Sequence[int]],  # per sequence [k_b + 1]: the target's token at each row
+    ) -> list[int]:  # num_accepted per sequence; emitted = target_ids[b][: num_accepted + 1]
+        """`greedy` on host lists (the verifier's argmax rows come to the host anyway): the same
+        rule, without building and reading back tensors each step."""
+        return greedy_accepted(draft_ids, target_ids)
 
     def accept(
         self,

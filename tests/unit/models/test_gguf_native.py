@@ -115,6 +115,25 @@ def test_greedy_generation_equals_the_fp32_path(models):
     assert _greedy(native.model) == _greedy(dense.model)
 
 
+def test_a_greedy_forward_gives_the_ids_of_the_logits(models):
+    """forward(greedy=True) gives greedy_ids of forward()'s logits: through the Q8_0 head's greedy
+    copy at 1-3 rows where the CPU has AVX-512 VNNI (its bytes counted with the untracked ones),
+    through the logits past them and elsewhere. Its bytes are the model's (tensor_storage_bytes)."""
+    model = models[0].model
+    copy = model._head.greedy_copy
+    if quant_linear.greedy_copy(model._head.quant) is not None:  # buffers: the memory meters see them
+        assert copy is not None and model.greedy_head_groups is copy.groups and model.greedy_head_cmax is copy.cmax
+    runner = ModelRunner(model, num_blocks=32, block_size=16, max_model_len=256)
+    g = torch.Generator().manual_seed(5)
+    context = torch.randint(0, 49152, (60,), generator=g).tolist()
+    runner.forward([ForwardItem("s", 0, context, num_logits=1)])
+    for q in (1, 2, 3, 4, 8):
+        item = ForwardItem("s", 60, torch.randint(0, 49152, (q,), generator=g).tolist(), num_logits=q)
+        ids = runner.forward([item], greedy=True)[0]
+        logits = runner.forward([item])[0]
+        assert ids.dtype == torch.int64 and torch.equal(ids, logits.max(dim=-1).indices)
+
+
 def test_without_the_kernel_native_loads_dense(monkeypatch):
     monkeypatch.setattr(quant_linear, "_tried", True)  # as on a CPU without AVX2 or a compiler
     monkeypatch.setattr(quant_linear, "_module", None)
