@@ -17,6 +17,15 @@ torch.set_num_threads(int(os.environ.get("SPECSPLIT_TEST_THREADS", "1")))
 os.environ.setdefault("SPECSPLIT_LINEAR_KERNEL", "static")
 
 
+def pytest_configure(config):
+    """The fresh-venv install's owner hooks (tests/deploy/fresh_venv_plugin.py) in every process:
+    under `make test` the xdist controller loads this conftest and not tests/deploy's."""
+    from tests.deploy import fresh_venv_plugin
+
+    if not config.pluginmanager.is_registered(fresh_venv_plugin):
+        config.pluginmanager.register(fresh_venv_plugin, "specsplit-fresh-venv")
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama", seed=0)
