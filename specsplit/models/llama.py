@@ -337,8 +337,12 @@ class LlamaForCausalLM(nn.Module):
 
     def wrap_head(self, wrap: Callable[[_Head], object]) -> None:
         """Replace the head by wrap(head): the chosen one, or the plain head where no kernels were
-        chosen (--deterministic makes it row-wise, models/deterministic.py)."""
-        self._head = wrap(self._head if self._head is not None else self._make_head())
+        chosen (--deterministic makes it row-wise, models/deterministic.py). The wrapper computes
+        the logits its own way, so a greedy copy goes (greedy steps take the wrapper's argmax)."""
+        head = self._head if self._head is not None else self._make_head()
+        head.greedy_copy = None
+        self._keep_greedy_copy(None)
+        self._head = wrap(head)
 
     def _quant_table(self, policy: str, layers: list) -> cpu_linear.RowKernels:
         """quant / dequant by row count for quantized weights of one shape (Linears or the _Head):
