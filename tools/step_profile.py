@@ -8,7 +8,10 @@ commit and its draft), the K policy. Only decode steps count: a step whose forwa
 forward, ...); what a part does not cover is Python and small torch ops around it.
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python tools/step_profile.py [--draft DRAFT | --draft none]
-        [--num-prompts 6] [--new-tokens 64] [--rounds 2]
+        [--num-prompts 6] [--new-tokens 64] [--rounds 2] [--fixed-k K]
+
+--fixed-k drafts K tokens every step (`--k-policy fixed`); by default the K policy chooses, as
+the server's default flags do (so a step may draft nothing).
 
 The wrappers cost ~1 us a call; compare arms (old and new trees on PYTHONPATH) run by run.
 """
@@ -114,6 +117,7 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=6)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--fixed-k", type=int, default=None, help="draft K every step (default: the K policy's choice)")
     args = ap.parse_args()
     torch.set_num_threads(1)
 
@@ -125,7 +129,8 @@ def main() -> None:
         arm = "target-only"
     else:
         draft = resolve_draft(args.model, args.draft)
-        spec = spec_config(argparse.Namespace(num_speculative_tokens=None, device="cpu"), draft)
+        spec = spec_config(argparse.Namespace(num_speculative_tokens=args.fixed_k, device="cpu",
+                                              k_policy="fixed" if args.fixed_k else None), draft)
         colo = build_colocated(cfg(args.model), cfg(draft), spec, show_progress=False)
         arm = draft
     prompts = heldout_prompts(colo.tokenizer, args.num_prompts, 512, chat=True)
