@@ -73,24 +73,6 @@ def greedy_rejection_ref(
     return num_accepted, out_ids
 
 
-def greedy_accepted(
-    draft_ids: Sequence[Sequence[int]],  # per sequence: its drafts [k_b]
-    target_ids: Sequence[Sequence[int]],  # per sequence: the target's token at each row [k_b + 1]
-) -> list[int]:  # num_accepted per sequence
-    """greedy_rejection_ref's rule on host lists, for a verifier whose argmax rows are on the host
-    already: drafts are accepted while each equals the target's token at its row; the emitted
-    tokens are then target_ids[b][: num_accepted + 1]. A step of one sequence and one draft
-    took ~0.3 ms through the reference's dozen small torch ops right after a forward (cold
-    caches), a few microseconds here (tests/kernels check both give the same counts)."""
-    out = []
-    for drafts, targets in zip(draft_ids, target_ids):
-        n = 0
-        while n < len(drafts) and drafts[n] == targets[n]:
-            n += 1
-        out.append(n)
-    return out
-
-
 def random_accept_ref(
     draft_ids: torch.Tensor,  # [B, K] int64
     draft_q: torch.Tensor,  # [B, K] float32: q(x_j) of each drafted id

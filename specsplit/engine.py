@@ -37,7 +37,7 @@ from specsplit.sampling.ngram import ngram_branches, ngram_propose
 from specsplit.sampling.params import SamplingParams
 from specsplit.sampling.penalties import penalize
 from specsplit.sampling.probs import greedy_ids, logits_to_probs, sampling_tensors
-from specsplit.sampling.rejection import RejectionSampler
+from specsplit.sampling.rejection import RejectionSampler, matched_prefix
 from specsplit.sampling.rng import SeqRandom
 from specsplit.sampling.sample import sample_from_probs
 
@@ -191,12 +191,7 @@ def ingest_chain(s, new: Sequence[int], pending: Sequence[int] = ()) -> int:
     call (final) and the drafts being verified now (`pending`, not final): the chain of drafts becomes
     `pending`. q rows are kept for the part of the old chain they confirm, so a pre-drafted branch
     that came true costs nothing. Returns how many old drafts were confirmed (its KV stays valid)."""
-    target = list(new) + list(pending)
-    matched = 0
-    for d, t in zip(s.drafted, target):
-        if d != t:
-            break
-        matched += 1
+    matched = matched_prefix(s.drafted, list(new) + list(pending))
     keep = max(0, matched - len(new))  # drafts of `pending` whose q rows are still the old chain's
     rows = s.q_rows[len(new):len(new) + keep]
     s.tokens.extend(new)

@@ -39,6 +39,7 @@ from specsplit.engine import DraftEngine, EngineError
 from specsplit.protocols import DrafterTraits, Proposal, ProposeRequest, QRow, RowRequest, SeqAdd
 from specsplit.sampling.ngram import ngram_propose
 from specsplit.sampling.params import SamplingParams
+from specsplit.sampling.rejection import matched_prefix
 from specsplit.suffix_drafter import SuffixDrafter
 
 LOOKUPS = ("ngram", "suffix")  # the drafters that need no model (alone, or after MODEL+)
@@ -173,12 +174,7 @@ class HybridDrafter(DrafterTraits):
         if last is None or r.pending_drafts or not r.new_token_ids:
             return
         source, drafts = last
-        accepted = 0
-        for d, t in zip(drafts, r.new_token_ids):
-            if d != t:
-                break
-            accepted += 1
-        self.judged[source][1] += accepted
+        self.judged[source][1] += matched_prefix(drafts, r.new_token_ids)
 
     def _model_k(self, k: int) -> int:
         return k if self.model_tokens <= 0 else min(k, self.model_tokens)

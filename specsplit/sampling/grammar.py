@@ -38,6 +38,7 @@ from typing import Sequence
 import torch
 
 from specsplit.sampling.params import Grammar
+from specsplit.sampling.rejection import matched_prefix
 
 log = logging.getLogger(__name__)
 
@@ -224,11 +225,7 @@ class GrammarState:
         """Make the matcher's tokens the sequence's generated tokens: roll back what is no longer
         there (an abandoned step), accept what is new. Tokens after the grammar terminated (its
         stop token) are ignored: the request ends there."""
-        same = 0
-        for a, b in zip(self.accepted, generated):
-            if a != b:
-                break
-            same += 1
+        same = matched_prefix(self.accepted, generated)
         if same < len(self.accepted):
             self.matcher.rollback(len(self.accepted) - same)
             del self.accepted[same:]

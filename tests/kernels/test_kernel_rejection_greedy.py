@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from specsplit.kernels.reference import greedy_accepted, greedy_rejection_ref
+from specsplit.kernels.reference import greedy_rejection_ref
+from specsplit.sampling.rejection import RejectionSampler
 
 
 @pytest.fixture(scope="module")
@@ -74,18 +75,18 @@ def test_non_contiguous_inputs(greedy_triton, device):
 
 @pytest.mark.parametrize("batch,k,vocab", [(1, 1, 10), (3, 2, 10), (7, 5, 49152), (31, 7, 10)])
 def test_the_host_rule_accepts_what_the_reference_accepts(batch, k, vocab):
-    """greedy_accepted (the verifier's host-list rule) == greedy_rejection_ref: the same counts, and
+    """RejectionSampler.greedy_host (the verifier's host-list rule) == greedy_rejection_ref: the same counts, and
     the emitted tokens are the reference's unpadded ones. Each sequence has its own draft count."""
     for seed in range(5):
         draft, num_draft, target = _case(batch, k, vocab, seed, "cpu", match_rate=0.8)
         n_ref, out_ref = greedy_rejection_ref(draft, num_draft, target)
         drafts = [draft[b, : int(num_draft[b])].tolist() for b in range(batch)]
         targets = [target[b, : int(num_draft[b]) + 1].tolist() for b in range(batch)]
-        accepted = greedy_accepted(drafts, targets)
+        accepted = RejectionSampler.greedy_host(drafts, targets)
         assert accepted == n_ref.tolist()
         for b in range(batch):
             assert targets[b][: accepted[b] + 1] == [t for t in out_ref[b].tolist() if t != -1]
 
 
 def test_the_host_rule_stops_at_the_first_mismatch_and_counts_all_drafts_when_none_differ():
-    assert greedy_accepted([[4, 5, 6], [4, 9, 6], [], [1]], [[4, 5, 6, 7], [4, 5, 6, 7], [3], [2, 8]]) == [3, 1, 0, 0]
+    assert RejectionSampler.greedy_host([[4, 5, 6], [4, 9, 6], [], [1]], [[4, 5, 6, 7], [4, 5, 6, 7], [3], [2, 8]]) == [3, 1, 0, 0]
