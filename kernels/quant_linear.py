@@ -41,13 +41,13 @@ ENV_GREEDY = "SPECSPLIT_QUANT_GREEDY"  # "0": no greedy copy of a Q8_0 head (gre
 TILE_ROWS = 16  # output features per group of the tiles layout
 TILE_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # the types the AMX loop runs
 BLOCK = 32  # weights per block
+GREEDY_MAX_ROWS = 3  # greedy(): kernels/cpu/quant_linear.cpp's GREEDY_MAX_ROWS
 # name -> (ggml type id, bytes per block of 32 weights)
 TYPES: dict[str, tuple[int, int]] = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
 SCALE_BYTES = {"Q4_0": 2, "Q4_1": 4, "Q8_0": 2}  # the fp16 d (and m) at the start of a file block
 _lock = threading.Lock()
 _module = None
 _tried = False
-GREEDY_MAX_ROWS = 3  # greedy(): kernels/cpu/quant_linear.cpp's GREEDY_MAX_ROWS
 _avx512 = True  # SPECSPLIT_QUANT_AVX512, read once by load() (a decode step makes ~120 calls)
 
 

@@ -197,9 +197,10 @@ inline void values_lanes(const float* sc, const float* vc, const int64_t* rows, 
 }
 
 // One query row and KV heads [g0, g1) with their G query heads each, over n keys (rows[j]: key j's
-// offset in the caches, in floats, at KV head 0; a token's KV heads contiguous); q and o hold all H heads one after another ([H, D]). The heads take turns on each 8
-// keys, so a key row is read from memory once for all of them, and the keys' pass reads whole
-// token rows in order; the values go head by head, the first prefetching whole token rows.
+// offset in the caches, in floats, at KV head 0; a token's KV heads contiguous); q and o hold all
+// H heads one after another ([H, D]). The heads take turns on each 8 keys, so a key row is read
+// from memory once for all of them, and the keys' pass reads whole token rows in order; the
+// values go head by head, the first prefetching whole token rows.
 // scores: scratch [(g1 - g0) * G, n8up]. Each head's sums are the same whatever the range.
 void attend_group(const float* q, const float* kc, const float* vc, const int64_t* rows, int64_t n, int64_t D,
                   int64_t G, int64_t g0, int64_t g1, float scale, float* scores, float* o) {
