@@ -232,9 +232,10 @@ def linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, av
 
 
 @dataclass(frozen=True)
-class GreedyCopy:
-    """A Q8_0 weight's copy for `greedy`: 16 output rows interleaved 4 bytes at a time (one
-    VPDPBUSD reads 4 weights of 16 rows), and each row's largest block sum of |q| (its bound)."""
+class GroupCopy:
+    """A Q8_0 weight's copy for the VNNI loops (`greedy`, `int8_linear`): 16 output rows
+    interleaved 4 bytes at a time (one VPDPBUSD reads 4 weights of 16 rows), and each row's largest
+    block sum of |q| (greedy's bound)."""
 
     groups: torch.Tensor  # [ceil(out/16), in/32 * 544] uint8
     cmax: torch.Tensor  # [out] fp32
@@ -244,18 +245,37 @@ class GreedyCopy:
         return self.groups.numel() + 4 * self.cmax.numel()
 
 
-def greedy_copy(w: QuantWeight) -> GreedyCopy | None:
-    """The copy `greedy` reads (about the weight's own size again), or None where `greedy` cannot
-    run: not Q8_0, no extension, no AVX-512 VNNI (or SPECSPLIT_QUANT_AVX512=0), or
-    SPECSPLIT_QUANT_GREEDY=0."""
+def uses_vnni() -> bool:
+    """Whether the AVX-512 VNNI loops (`greedy`, `int8_linear`) run here: the extension, the CPU's
+    flags and SPECSPLIT_QUANT_AVX512 not "0"."""
     m = load()
-    if m is None or w.qtype != "Q8_0" or not _avx512 or os.environ.get(ENV_GREEDY, "1") == "0" \
-            or not cpu_has("avx512_vnni", "avx512dq", "avx512bw", "avx512vl"):
+    return m is not None and _avx512 and bool(m.quant_uses_vnni())
+
+
+def group_copy(w: QuantWeight) -> GroupCopy | None:
+    """The 16-row copy of a Q8_0 weight (about its own size again), or None where the VNNI loops
+    cannot run (not Q8_0, no extension, no AVX-512 VNNI, or SPECSPLIT_QUANT_AVX512=0)."""
+    if w.qtype != "Q8_0" or not uses_vnni():
         return None
-    return GreedyCopy(*m.quant_greedy_pack(w.as_rows().blocks, TYPES[w.qtype][0], w.in_features))
+    return GroupCopy(*load().quant_greedy_pack(w.as_rows().blocks, TYPES[w.qtype][0], w.in_features))
 
 
-def greedy(x: torch.Tensor, w: QuantWeight, copy: GreedyCopy) -> torch.Tensor | None:
+def greedy_copy(w: QuantWeight) -> GroupCopy | None:
+    """The copy `greedy` reads (group_copy), or None where `greedy` cannot run: see group_copy, or
+    SPECSPLIT_QUANT_GREEDY=0."""
+    return None if os.environ.get(ENV_GREEDY, "1") == "0" else group_copy(w)
+
+
+def int8_linear(x: torch.Tensor, copy: GroupCopy, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, in] fp32 -> [M, out] fp32: x @ W^T with x rounded to int8 per block of 32 (s =
+    max|x_b| / 127), the int8 products exact (VPDPBUSD), from W's `copy` (group_copy(w)). Not
+    `linear`'s function: each output moves by at most greedy's bound (~1% of sum |w x|), so it is
+    for a drafter, whose numbers only choose what is proposed. A row of x that is not finite gives
+    NaN. Needs uses_vnni()."""
+    return load().quant_int8_linear(x, copy.groups, copy.cmax.numel(), bias)
+
+
+def greedy(x: torch.Tensor, w: QuantWeight, copy: GroupCopy) -> torch.Tensor | None:
     """x [M, in] fp32 -> [M] int64: the argmax of each row of `linear(x, w)`, the very ids
     `linear(x, w).max(dim=-1).indices` gives, mostly without computing that product: an int8 bound
     read from `copy` (greedy_copy(w)) picks the rows that may hold a row's maximum and only those

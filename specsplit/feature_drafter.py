@@ -49,6 +49,7 @@ from specsplit.engine import (DraftGrammar, EngineError, chain_proposal, check_p
                               draft_mask, fetch_q_rows, ingest_chain, sample_drafts)
 from specsplit.kv.meters import tensor_storage_bytes
 from specsplit.models.eagle3 import DraftCache, Eagle3Head
+from specsplit.models.int8_linear import Int8Linear
 from specsplit.protocols import DrafterTraits, Proposal, ProposeRequest, QRow, RowRequest, SeqAdd
 from specsplit.sampling.grammar import GrammarCompiler, apply_masks
 from specsplit.sampling.params import SamplingParams
@@ -56,6 +57,7 @@ from specsplit.sampling.probs import greedy_ids
 from specsplit.sampling.rng import SeqRandom
 
 log = logging.getLogger(__name__)
+ENV_INT8 = "SPECSPLIT_DRAFT_INT8"  # "0": the head's Q8_0 linears keep fp32 activations (quantized())
 
 
 @dataclass
@@ -338,7 +340,7 @@ def use_cpu_kernels(head: Eagle3Head) -> None:
 
     quantize_layer = os.environ.get("SPECSPLIT_DRAFT_Q8", "1") != "0"
 
-    def pick(w: torch.Tensor) -> Linear:
+    def pick(w: torch.Tensor) -> torch.nn.Module:
         return (quantized(w) if quantize_layer else None) or fast(w)
 
     layer = head.midlayer
@@ -351,13 +353,20 @@ def use_cpu_kernels(head: Eagle3Head) -> None:
     else:
         head.head_linear = fast(head.lm_head)
     head.untracked_weight_bytes = sum(untracked)  # tensor_storage_bytes and the memory plan add it
-    log.info("EAGLE-3 head on the CPU kernels: lm head %s, layer %s", "Q8_0" if quant is not None else "fp32",
-             "Q8_0" if layer.qkv_proj.quant is not None else "fp32")
+    log.info("EAGLE-3 head on the CPU kernels: lm head %s, layer %s", linear_kind(head.head_linear),
+             linear_kind(layer.qkv_proj))
 
 
-def quantized(w: torch.Tensor):
-    """w [out, in] as Q8_0 blocks through kernels/quant_linear, or None (not fp32 on a CPU, `in`
-    not a multiple of 32, or no kernel).
+def linear_kind(m: torch.nn.Module) -> str:
+    """How a head's linear multiplies (the log's words)."""
+    if isinstance(m, Int8Linear):
+        return "Q8_0 x int8 activations (AVX-512 VNNI)"
+    return "Q8_0" if getattr(m, "quant", None) is not None else "fp32"
+
+
+def quantized(w: torch.Tensor) -> torch.nn.Module | None:
+    """w [out, in] as Q8_0 blocks, or None (not fp32 on a CPU, `in` not a multiple of 32, or no
+    kernel).
 
     The lm head is most of a drafted token's bytes (8,192 rows x 576: 18.9 MB fp32, 5.0 MB as
     Q8_0); a GGUF target's embedding is Q8_0 already, and its dequantized rows quantize back to the
@@ -365,13 +374,22 @@ def quantized(w: torch.Tensor):
     gate|up, down: 5.1M weights, 20 MB fp32) go to Q8_0 too (SPECSPLIT_DRAFT_Q8=0 keeps them fp32):
     a drafter's numbers decide only which tokens are proposed, never which are kept (the target
     verifies every one), so its precision costs acceptance at most, measured in
-    docs/feature-drafter.md."""
+    docs/feature-drafter.md.
+
+    For the same reason the activations are rounded to int8 too where the CPU has AVX-512 VNNI
+    (models/int8_linear.Int8Linear: ~3x faster than the fp32 loop over the same blocks, measured in
+    docs/feature-drafter.md), except where the AMX loop runs (an Intel Xeon with AMX keeps its tile
+    loop, not measured against this one) or SPECSPLIT_DRAFT_INT8=0."""
     from specsplit.kernels import quant_linear
     from specsplit.models.llama import Linear
 
     if (w.device.type != "cpu" or w.dtype != torch.float32 or w.shape[1] % quant_linear.BLOCK
             or quant_linear.load() is None):
         return None
+    if os.environ.get(ENV_INT8, "1") != "0" and not quant_linear.uses_amx():
+        int8 = Int8Linear.from_weight(w)
+        if int8 is not None:
+            return int8
     m = Linear(w.shape[1], w.shape[0], bias=False, dtype=torch.float32)
     m.set_quant(quant_linear.for_kernel(quant_linear.quantize_q8_0(w)))  # AMX tiles where that loop runs
     m.requires_grad_(False)

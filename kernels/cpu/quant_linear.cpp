@@ -23,6 +23,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cmath>
 #include <cstring>
@@ -345,37 +346,47 @@ struct QuantX {
   std::vector<int8_t> q;      // [M][K]
   std::vector<int32_t> corr;  // [M][nb]: -128 * the block's sum of xq (W's quants go in as q + 128)
   std::vector<float> scale;   // [M][nb]: the block's s
+  std::vector<uint8_t> ok;    // [M]: false where the row could not be quantized (quantize_row)
 };
 
-// false where a value is not finite or a block's largest is nearly subnormal (127 / it overflows)
-bool quantize_x(const float* x, int64_t M, int64_t K, QuantX& r) {
+// One x row's blocks as int8: xq = round(x / s) (to nearest even, as nearbyint), s = max|x_b| / 127
+// (an all-zero block: xq = 0, s = 0, exact). false where a value is not finite or a block's
+// largest is nearly subnormal (127 / it overflows); the row's outputs are then left as they were.
+SPECSPLIT_VNNI bool quantize_row(const float* x, int64_t K, int8_t* q, int32_t* corr, float* scale) {
   const int64_t nb = K / QK;
-  r.q.assign(M * K, 0);
-  r.corr.assign(M * nb, 0);
-  r.scale.assign(M * nb, 0.f);
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t b = 0; b < nb; ++b) {
-      const float* xb = x + m * K + b * QK;
-      float amax = 0.f;
-      for (int j = 0; j < QK; ++j) {
-        if (!std::isfinite(xb[j])) return false;
-        amax = std::max(amax, std::fabs(xb[j]));
-      }
-      if (amax == 0.f) continue;  // xq = 0, s = 0: exact
-      if (amax < 1e-30f) return false;
-      const float inv = 127.f / amax;
-      int8_t* q = r.q.data() + m * K + b * QK;
-      int32_t sum = 0;
-      for (int j = 0; j < QK; ++j) {
-        const int v = std::max(-127, std::min(127, static_cast<int>(std::nearbyint(xb[j] * inv))));
-        q[j] = static_cast<int8_t>(v);
-        sum += v;
-      }
-      r.corr[m * nb + b] = -128 * sum;
-      r.scale[m * nb + b] = amax / 127.f;
+  const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m512 v0 = _mm512_loadu_ps(x + b * QK), v1 = _mm512_loadu_ps(x + b * QK + 16);
+    if (_mm512_fpclass_ps_mask(v0, 0x99) | _mm512_fpclass_ps_mask(v1, 0x99)) return false;  // NaN or +-inf
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v0, absmask), _mm512_and_ps(v1, absmask)));
+    if (amax == 0.f) {
+      std::memset(q + b * QK, 0, QK);
+      corr[b] = 0;
+      scale[b] = 0.f;
+      continue;
     }
+    if (amax < 1e-30f) return false;
+    const __m512 inv = _mm512_set1_ps(127.f / amax);
+    const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+    const __m512i q0 = _mm512_min_epi32(hi, _mm512_max_epi32(lo, _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv))));
+    const __m512i q1 = _mm512_min_epi32(hi, _mm512_max_epi32(lo, _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv))));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * QK), _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * QK + 16), _mm512_cvtepi32_epi8(q1));
+    corr[b] = -128 * _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    scale[b] = amax / 127.f;
   }
   return true;
+}
+
+// x's rows as int8 (quantize_row); ok[m] = false: row m could not be
+SPECSPLIT_VNNI void quantize_x(const float* x, int64_t M, int64_t K, QuantX& r) {
+  const int64_t nb = K / QK;
+  r.q.resize(M * K);
+  r.corr.resize(M * nb);
+  r.scale.resize(M * nb);
+  r.ok.resize(M);
+  for (int64_t m = 0; m < M; ++m)
+    r.ok[m] = quantize_row(x + m * K, K, r.q.data() + m * K, r.corr.data() + m * nb, r.scale.data() + m * nb);
 }
 
 // a, e [M, N] (row stride N) for groups g0..g1; cmax [N]
@@ -412,6 +423,65 @@ SPECSPLIT_VNNI void greedy_bounds(const QuantX& xq, int64_t K, const uint8_t* gr
       _mm512_mask_storeu_ps(e + m * N + n, keep, _mm512_mul_ps(err[m], c));
     }
   }
+}
+
+// ---- x @ W^T with x rounded to int8 too (AVX-512 VNNI): a drafter's linears ------------------
+//
+// A drafter's numbers only choose which tokens are proposed (the target verifies every one, so
+// they never decide what is kept), so its Q8_0 linears may round x as well: y[m, n] = a[m, n] of
+// the greedy bound above (llama.cpp's Q8_0 x Q8_0 dot product: |y_exact - a| <= e there), read from
+// the same 16-row copy. One VPDPBUSD multiplies 64 weight-activation pairs exactly, where the fp32
+// loop spends a conversion and an FMA per 16 weights; the drafter's step then reads its weights at
+// about memory speed. Rows of x go 4 at a time over each group of 16 output rows (the group's
+// bytes, 18-48 blocks x 544, stay in L1 for the next pass).
+template <int MP>
+SPECSPLIT_VNNI inline void int8_group(const QuantX& xq, int64_t m0, int64_t K, const uint8_t* gp, int64_t n,
+                                      __mmask16 keep, float* y, int64_t N) {
+  const int64_t nb = K / QK;
+  __m512 acc[MP];
+  for (int m = 0; m < MP; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* bp = gp + b * GROUP_BLOCK_BYTES;
+    if (m0 == 0)
+      for (int64_t o = 0; o < GROUP_BLOCK_BYTES; o += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(bp + PREFETCH_BYTES + o), _MM_HINT_T0);
+    __m512i w[8];
+    for (int c = 0; c < 8; ++c) w[c] = _mm512_loadu_si512(bp + 64 * c);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + 512)));
+    for (int m = 0; m < MP; ++m) {
+      const int64_t r = m0 + m;
+      const int32_t* x4 = reinterpret_cast<const int32_t*>(xq.q.data() + r * K + b * QK);
+      __m512i dot = _mm512_set1_epi32(xq.corr[r * nb + b]);
+      for (int c = 0; c < 8; ++c) dot = _mm512_dpbusd_epi32(dot, w[c], _mm512_set1_epi32(x4[c]));
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(xq.scale[r * nb + b])), acc[m]);
+    }
+  }
+  for (int m = 0; m < MP; ++m) _mm512_mask_storeu_ps(y + (m0 + m) * N + n, keep, acc[m]);
+}
+
+// y [M, N] for x [M, K] (M any) and the 16-row copy of a Q8_0 W [N, K]; a row of x that cannot be
+// quantized (not finite) gives NaN
+SPECSPLIT_VNNI void int8_linear_rows(const float* x, int64_t M, int64_t K, const uint8_t* groups, int64_t N, float* y) {
+  QuantX xq;
+  quantize_x(x, M, K, xq);
+  const int64_t group_bytes = K / QK * GROUP_BLOCK_BYTES;
+  at::parallel_for(0, (N + GROUP_ROWS - 1) / GROUP_ROWS, 4, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t* gp = groups + g * group_bytes;
+      const int64_t n = g * GROUP_ROWS, rows = std::min<int64_t>(GROUP_ROWS, N - n);
+      const __mmask16 keep = static_cast<__mmask16>((1u << rows) - 1u);
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        switch (std::min<int64_t>(4, M - m0)) {
+          case 1: int8_group<1>(xq, m0, K, gp, n, keep, y, N); break;
+          case 2: int8_group<2>(xq, m0, K, gp, n, keep, y, N); break;
+          case 3: int8_group<3>(xq, m0, K, gp, n, keep, y, N); break;
+          default: int8_group<4>(xq, m0, K, gp, n, keep, y, N); break;
+        }
+      }
+    }
+  });
+  for (int64_t m = 0; m < M; ++m)
+    if (!xq.ok[m]) std::fill(y + m * N, y + (m + 1) * N, std::numeric_limits<float>::quiet_NaN());
 }
 
 // max_n (a - e) of one x row; false where an a or e is not finite
@@ -456,7 +526,9 @@ SPECSPLIT_VNNI torch::Tensor greedy_rows(const float* x, int64_t K, const uint8_
                                          const float* cmax, int64_t N) {
   const auto none = torch::empty({0}, torch::kLong);
   QuantX xq;
-  if (!quantize_x(x, MP, K, xq)) return none;
+  quantize_x(x, MP, K, xq);
+  for (int m = 0; m < MP; ++m)
+    if (!xq.ok[m]) return none;
   std::unique_ptr<float[]> a(new float[MP * N]), e(new float[MP * N]);  // every entry written below
   at::parallel_for(0, (N + GROUP_ROWS - 1) / GROUP_ROWS, 4, [&](int64_t g0, int64_t g1) {
     greedy_bounds<MP>(xq, K, groups, cmax, g0, g1, a.get(), e.get(), N);
@@ -803,7 +875,7 @@ torch::Tensor quant_linear(const torch::Tensor& x_in, const torch::Tensor& block
 void check_groups(const torch::Tensor& groups, int64_t N, int64_t K) {
   TORCH_CHECK(groups.dim() == 2 && groups.scalar_type() == at::kByte && groups.is_contiguous() &&
                   groups.size(0) == (N + GROUP_ROWS - 1) / GROUP_ROWS && groups.size(1) == K / QK * GROUP_BLOCK_BYTES,
-              "quant_greedy: groups must be quant_greedy_pack's uint8 [ceil(N/16), K/32 * 544]");
+              "groups must be quant_greedy_pack's uint8 [ceil(N/16), K/32 * 544]");
 }
 
 // argmax_n of quant_linear(x, blocks) for each x row, the ids torch.max(dim=-1) gives: x [M, K]
@@ -831,6 +903,25 @@ torch::Tensor quant_greedy(const torch::Tensor& x_in, const torch::Tensor& block
     default: return greedy_rows<3>(xp, K, bp, gp, cp, N);
   }
 }
+
+// y = x @ W.T (+ bias) with x rounded to int8 per block: x [M, K] fp32, W's 16-row copy
+// quant_greedy_pack(blocks) [ceil(N/16), K/32 * 544] (see int8_group). AVX-512 VNNI only.
+torch::Tensor quant_int8_linear(const torch::Tensor& x_in, const torch::Tensor& groups, int64_t N,
+                                const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.size(1) % QK == 0,
+              "quant_int8_linear: x must be fp32 [M, K], K a multiple of 32");
+  TORCH_CHECK(N >= 1, "quant_int8_linear: N must be positive");
+  const int64_t M = x_in.size(0), K = x_in.size(1);
+  check_groups(groups, N, K);
+  TORCH_CHECK(use_vnni(), "quant_int8_linear: this CPU has no AVX-512 VNNI");
+  const torch::Tensor x = x_in.contiguous();
+  auto y = torch::empty({M, N}, x.options());
+  if (M > 0) int8_linear_rows(x.data_ptr<float>(), M, K, groups.data_ptr<uint8_t>(), N, y.data_ptr<float>());
+  if (bias.has_value() && bias->defined()) y.add_(*bias);
+  return y;
+}
+
+bool quant_uses_vnni() { return use_vnni(); }
 
 // Q8_0 split rows [N, K/32 * 34] -> (groups [ceil(N/16), K/32 * 544] uint8: quant_greedy's copy,
 // cmax [N] fp32: each row's largest sum of |q| over one block)
@@ -992,6 +1083,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_uses_avx512", &quant_uses_avx512, "whether the AVX-512 loop runs on this CPU");
   m.def("quant_greedy", &quant_greedy, "argmax ids [M] of x @ W.T for a Q8_0 W (M <= 3) from a bound, or empty");
   m.def("quant_greedy_pack", &quant_greedy_pack, "Q8_0 split rows -> (quant_greedy's 16-row groups, cmax [N])");
+  m.def("quant_int8_linear", &quant_int8_linear, "y = x @ W.T (+ bias), x rounded to int8 per block, W's 16-row copy");
+  m.def("quant_uses_vnni", &quant_uses_vnni, "whether the AVX-512 VNNI loops (greedy, int8 linear) run on this CPU");
   m.def("quant_linear_amx", &quant_linear_amx, "y = x @ W.T (+ bias), W as Q4_0/Q4_1 in the tile layout, on AMX");
   m.def("quant_dequantize_amx", &quant_dequantize_amx, "the tile layout [N/16, K/32*GB] -> fp32 [N, K]");
   m.def("quant_dequantize_amx_rows", &quant_dequantize_amx_rows, "rows ids [R] of the tile layout -> fp32 [R, K]");

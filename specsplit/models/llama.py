@@ -84,7 +84,7 @@ class _Head:
         self.skinny: torch.Tensor | None = None
         self.kernels: cpu_linear.RowKernels | None = None
         # a Q8_0 head's copy for the greedy ids alone (kernels/quant_linear.greedy; None: none here)
-        self.greedy_copy: quant_linear.GreedyCopy | None = None
+        self.greedy_copy: quant_linear.GroupCopy | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V or subset]
         return cpu_linear.run(x, self.kernels, self.dense, self.packed, self.skinny, self.rows, None, self.quant)
@@ -311,7 +311,7 @@ class LlamaForCausalLM(nn.Module):
         self.lean_layers = self.lean_stack = None
         self._keep_greedy_copy(None)
 
-    def _keep_greedy_copy(self, copy: quant_linear.GreedyCopy | None) -> None:
+    def _keep_greedy_copy(self, copy: quant_linear.GroupCopy | None) -> None:
         """The head's greedy copy as buffers too (not saved): plain tensors, so the memory meters
         and tensor_storage_bytes see them (~the head's size again)."""
         self.register_buffer("greedy_head_groups", None if copy is None else copy.groups, persistent=False)

@@ -208,43 +208,55 @@ def test_a_greedy_chain_stops_where_the_head_is_unsure(tiny_llama, tiny_llama_lo
     colo.close()
 
 
-@pytest.mark.parametrize("q8", ["1", "0"])
-def test_head_layer_runs_on_q8_0_blocks_unless_told_not_to(tiny_llama, tiny_head, monkeypatch, q8):
-    """On a CPU with the quant kernel the head's layer (fc, q|k|v, o, gate|up, down) runs on Q8_0
-    blocks (SPECSPLIT_DRAFT_Q8=0: fp32): its outputs stay within Q8_0's rounding of the fp32 head's
-    and the memory plan counts the blocks it holds."""
+@pytest.mark.parametrize("mode", ["int8", "q8", "fp32"])
+def test_head_layer_runs_on_q8_0_blocks_unless_told_not_to(tiny_llama, tiny_head, monkeypatch, mode):
+    """On a CPU with the quant kernel the head's layer (fc, q|k|v, o, gate|up, down) and lm head run
+    on Q8_0 blocks: with int8 activations where the VNNI loop runs (models/int8_linear), with fp32
+    ones under SPECSPLIT_DRAFT_INT8=0; SPECSPLIT_DRAFT_Q8=0 keeps the layer fp32. The outputs stay
+    within the roundings' reach of the fp32 head's, and the memory plan counts the bytes each holds."""
     from specsplit.feature_drafter import load_feature_drafter
     from specsplit.kernels import quant_linear
     from specsplit.kv.meters import tensor_storage_bytes
     from specsplit.models.eagle3 import DraftCache
+    from specsplit.models.int8_linear import Int8Linear
     from specsplit.models.loader import TensorSource, hf_dir_for
 
     if quant_linear.load() is None:
         pytest.skip("no quant kernel on this CPU (it needs AVX2 + FMA + F16C and a compiler)")
+    if mode == "int8" and (not quant_linear.uses_vnni() or quant_linear.uses_amx()):
+        pytest.skip("the int8 loop runs where the CPU has AVX-512 VNNI and no AMX loop is used")
     src = TensorSource(hf_dir_for(str(tiny_llama), show_progress=False))
     try:
         embedding = src.get("model.embed_tokens.weight")
     finally:
         src.close()
     monkeypatch.setenv("SPECSPLIT_DRAFT_Q8", "0")
+    monkeypatch.setenv("SPECSPLIT_DRAFT_INT8", "0")
     ref = load_feature_drafter(str(tiny_head), MAX_LEN, embedding=embedding).head
-    monkeypatch.setenv("SPECSPLIT_DRAFT_Q8", q8)
+    monkeypatch.setenv("SPECSPLIT_DRAFT_Q8", "0" if mode == "fp32" else "1")
+    monkeypatch.setenv("SPECSPLIT_DRAFT_INT8", "1" if mode == "int8" else "0")
     head = load_feature_drafter(str(tiny_head), MAX_LEN, embedding=embedding).head
     layer = head.midlayer
     linears = [head.fc, layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj]
-    assert all((m.quant is not None) == (q8 == "1") for m in linears)
-    fp32_bytes = sum(m.weight.numel() * 4 for m in (ref.fc, ref.midlayer.qkv_proj, ref.midlayer.o_proj,
-                                                     ref.midlayer.gate_up_proj, ref.midlayer.down_proj))
-    q8_bytes = sum(m.quant_blocks.numel() for m in linears if m.quant is not None)
-    assert q8_bytes == (fp32_bytes * 34 // 128 if q8 == "1" else 0)  # 34 bytes per 32 weights
-    # The memory plan's weights (tensor_storage_bytes): a Q8_0 linear holds its blocks only; an fp32
-    # one its weight and the CPU kernel's copy of it; the rest of the head is the same in both.
+    assert all(isinstance(m, Int8Linear) == (mode == "int8") for m in linears + [head.head_linear])
+    assert all((getattr(m, "quant", None) is not None) == (mode == "q8") for m in linears)
     ref_linears = [ref.fc, ref.midlayer.qkv_proj, ref.midlayer.o_proj, ref.midlayer.gate_up_proj, ref.midlayer.down_proj]
+    fp32_bytes = sum(m.weight.numel() * 4 for m in ref_linears)
+    # 34 bytes per 32 weights, plus the int8 copy's 4-byte bound per output row (16-row groups:
+    # the tiny head's rows are multiples of 16)
+    held = {"int8": lambda m: m.groups.numel() + m.cmax.numel() * 4, "q8": lambda m: m.quant_blocks.numel(),
+            "fp32": lambda m: 0}[mode]
+    expect = fp32_bytes * 34 // 128 + (sum(m.out_features for m in linears) * 4 if mode == "int8" else 0)
+    assert sum(held(m) for m in linears) == (expect if mode != "fp32" else 0)
+    # The memory plan's weights (tensor_storage_bytes): a Q8_0 linear holds its blocks (or their
+    # int8 loop's copy) only; an fp32 one its weight and the CPU kernel's copy of it; the lm head is
+    # Q8_0 in both (with fp32 or int8 activations); the rest of the head is the same.
     assert all(tensor_storage_bytes(r) >= r.weight.numel() * 4 for r in ref_linears)
-    if q8 == "1":
-        assert [tensor_storage_bytes(m) for m in linears] == [m.quant_blocks.numel() for m in linears]
+    if mode != "fp32":
+        assert [tensor_storage_bytes(m) for m in linears] == [held(m) for m in linears]
     assert tensor_storage_bytes(ref) - tensor_storage_bytes(head) == sum(
-        tensor_storage_bytes(r) - tensor_storage_bytes(m) for r, m in zip(ref_linears, linears))
+        tensor_storage_bytes(r) - tensor_storage_bytes(m)
+        for r, m in zip(ref_linears + [ref.head_linear], linears + [head.head_linear]))
 
     torch.manual_seed(0)
     H = head.cfg.hidden_size
@@ -256,7 +268,7 @@ def test_head_layer_runs_on_q8_0_blocks_unless_told_not_to(tiny_llama, tiny_head
         outs.append(h.logits(h.extend(cache, h.fuse(feats[6:]), emb[6:], 6)))  # [3, draft_vocab]
     err = (outs[1] - outs[0]).abs().max().item()
     scale = outs[0].abs().max().item()
-    if q8 == "1":
+    if mode != "fp32":
         assert 0 < err < 0.05 * scale, (err, scale)
     else:
         assert err == 0

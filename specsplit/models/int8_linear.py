@@ -1,0 +1,44 @@
+"""Int8Linear: a drafter's Q8_0 linear with its activations rounded to int8 as well.
+
+y = x @ W^T where W is Q8_0 (int8 quants q, one fp16 scale d per block of 32 weights) and x is
+rounded per block of 32 to int8 too (xq, one fp32 scale s): y[m, n] = sum_b d_nb s_mb
+sum_j q_nbj xq_mbj, the integer dot products exact (AVX-512 VNNI; llama.cpp's Q8_0 x Q8_0 product).
+Each output moves by at most ~1% of sum |w x| from the fp32 product of the same blocks, so this
+is NOT the target's function and never runs in the target: only a drafter's numbers may differ,
+because they only choose which tokens are proposed (the target verifies every one).
+
+The weight is held only as the 16-row interleaved copy the VNNI loop reads
+(kernels/quant_linear.group_copy, 34 bytes per 32 weights, like the blocks), as buffers, so the
+memory meters count it. `weight` is an empty fp32 parameter: callers read its dtype.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specsplit.kernels import quant_linear
+
+
+class Int8Linear(nn.Module):
+    def __init__(self, copy: quant_linear.GroupCopy, in_features: int):
+        super().__init__()
+        self.in_features, self.out_features = in_features, copy.cmax.numel()
+        self.register_buffer("groups", copy.groups, persistent=False)  # [ceil(out/16), in/32 * 544] uint8
+        self.register_buffer("cmax", copy.cmax, persistent=False)  # [out] fp32
+        self.copy = copy
+        self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+
+    @classmethod
+    def from_weight(cls, w: torch.Tensor) -> "Int8Linear | None":
+        """w [out, in] fp32 on the CPU, quantized to Q8_0 blocks; None where the VNNI loop cannot
+        run (no AVX-512 VNNI, `in` not a multiple of 32, not fp32 on a CPU)."""
+        if w.device.type != "cpu" or w.dtype != torch.float32 or w.shape[1] % quant_linear.BLOCK \
+                or not quant_linear.uses_vnni():
+            return None
+        return cls(quant_linear.group_copy(quant_linear.quantize_q8_0(w)), w.shape[1])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, in] fp32 -> [M, out] fp32
+        return quant_linear.int8_linear(x, self.copy)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, Q8_0 x int8"
