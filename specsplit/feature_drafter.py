@@ -49,6 +49,7 @@ from specsplit.engine import (DraftGrammar, EngineError, chain_proposal, check_p
                               draft_mask, fetch_q_rows, ingest_chain, sample_drafts)
 from specsplit.kv.meters import tensor_storage_bytes
 from specsplit.models.eagle3 import DraftCache, Eagle3Head
+from specsplit.models import int8_linear
 from specsplit.models.int8_linear import Int8Linear
 from specsplit.protocols import DrafterTraits, Proposal, ProposeRequest, QRow, RowRequest, SeqAdd
 from specsplit.sampling.grammar import GrammarCompiler, apply_masks
@@ -353,6 +354,8 @@ def use_cpu_kernels(head: Eagle3Head) -> None:
     else:
         head.head_linear = fast(head.lm_head)
     head.untracked_weight_bytes = sum(untracked)  # tensor_storage_bytes and the memory plan add it
+    int8_linear.into_huge_pages([m for m in (head.fc, layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
+                                             layer.down_proj, head.head_linear) if isinstance(m, Int8Linear)])
     log.info("EAGLE-3 head on the CPU kernels: lm head %s, layer %s", linear_kind(head.head_linear),
              linear_kind(layer.qkv_proj))
 

@@ -9,7 +9,10 @@ because they only choose which tokens are proposed (the target verifies every on
 
 The weight is held only as the 16-row interleaved copy the VNNI loop reads
 (kernels/quant_linear.group_copy, 34 bytes per 32 weights, like the blocks), as buffers, so the
-memory meters count it. `weight` is an empty fp32 parameter: callers read its dtype.
+memory meters count it. `weight` is an empty fp32 parameter: callers read its dtype. A drafter
+moves its Int8Linears' copies into one huge-page buffer (`into_huge_pages`): the target's step has
+pushed them out of every cache by the time the drafter reads them, and in 4 KB pages each page of
+the read is a TLB miss too.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import torch
 from torch import nn
 
 from specsplit.kernels import quant_linear
+from specsplit.kv import huge_pages
 
 
 class Int8Linear(nn.Module):
@@ -37,8 +41,24 @@ class Int8Linear(nn.Module):
             return None
         return cls(quant_linear.group_copy(quant_linear.quantize_q8_0(w)), w.shape[1])
 
+    def move_groups(self, groups: torch.Tensor) -> None:
+        """Read the copy from `groups` from now on (the same bytes elsewhere: a huge-page buffer)."""
+        if groups.shape != self.groups.shape or groups.dtype != self.groups.dtype:
+            raise ValueError(f"groups of shape {tuple(groups.shape)} cannot replace {tuple(self.groups.shape)}")
+        self.groups = groups
+        self.copy = quant_linear.GroupCopy(groups, self.cmax)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, in] fp32 -> [M, out] fp32
         return quant_linear.int8_linear(x, self.copy)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, Q8_0 x int8"
+
+
+def into_huge_pages(linears: list[Int8Linear]) -> None:
+    """The linears' copies into one huge-page buffer (kv/huge_pages.py), in the order given (the
+    order a step reads them); nothing changes where huge pages are not available."""
+    moved = huge_pages.into_huge_pages([m.groups for m in linears])
+    for m, groups in zip(linears, moved):
+        if groups is not m.groups:
+            m.move_groups(groups)

@@ -6,6 +6,7 @@ time (weights are concatenated once), which matters on CPUs where per-op overhea
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from typing import Callable
@@ -17,6 +18,7 @@ from torch import nn
 from specsplit.config import ModelConfig
 from specsplit.kernels import decode_ops, dispatch, layer_stack, quant_linear, skinny_linear
 from specsplit.models import cpu_linear
+from specsplit.kv import huge_pages
 from specsplit.kv.paged_cache import PagedKVCache
 from specsplit.models.attention import BatchMetadata, paged_attention, store_kv
 from specsplit.models.lean_layer import LeanLayer
@@ -283,8 +285,11 @@ class LlamaForCausalLM(nn.Module):
                 total += sum(m.keep(table) for m in ms)
         if head.quant is not None:
             head.kernels = self._quant_table(policy, [head])
-            head.greedy_copy = quant_linear.greedy_copy(head.quant) if head.quant.layout == "rows" else None
-            self._keep_greedy_copy(head.greedy_copy)
+            copy = quant_linear.greedy_copy(head.quant) if head.quant.layout == "rows" else None
+            if copy is not None:  # 30 MB read once a step: in huge pages, as the layers' blocks are
+                copy = dataclasses.replace(copy, groups=huge_pages.into_huge_pages([copy.groups])[0])
+            head.greedy_copy = copy
+            self._keep_greedy_copy(copy)
             self.kernel_tables[f"head {head.rows}x{self.cfg.hidden_size} {head.quant.qtype}"] = head.kernels
         elif kinds:
             if cpu_linear.PACKED in kinds:

@@ -232,6 +232,7 @@ def test_head_layer_runs_on_q8_0_blocks_unless_told_not_to(tiny_llama, tiny_head
         src.close()
     monkeypatch.setenv("SPECSPLIT_DRAFT_Q8", "0")
     monkeypatch.setenv("SPECSPLIT_DRAFT_INT8", "0")
+    monkeypatch.setenv("SPECSPLIT_HUGE_PAGES", "0")  # each linear's own bytes (the shared buffer: the next test)
     ref = load_feature_drafter(str(tiny_head), MAX_LEN, embedding=embedding).head
     monkeypatch.setenv("SPECSPLIT_DRAFT_Q8", "0" if mode == "fp32" else "1")
     monkeypatch.setenv("SPECSPLIT_DRAFT_INT8", "1" if mode == "int8" else "0")
@@ -272,6 +273,47 @@ def test_head_layer_runs_on_q8_0_blocks_unless_told_not_to(tiny_llama, tiny_head
         assert 0 < err < 0.05 * scale, (err, scale)
     else:
         assert err == 0
+
+
+def test_int8_linears_share_one_huge_page_buffer(tiny_llama, tiny_head, monkeypatch):
+    """Where huge pages are available the head's int8 linears read their copies from one buffer
+    (in the order a step reads them), counted once by the memory meters, with the same outputs."""
+    from specsplit.feature_drafter import load_feature_drafter
+    from specsplit.kernels import quant_linear
+    from specsplit.kv import huge_pages
+    from specsplit.kv.meters import tensor_storage_bytes
+    from specsplit.models.int8_linear import Int8Linear
+    from specsplit.models.loader import TensorSource, hf_dir_for
+
+    if quant_linear.load() is None or not quant_linear.uses_vnni() or quant_linear.uses_amx():
+        pytest.skip("the int8 loop runs where the CPU has AVX-512 VNNI and no AMX loop is used")
+    if not huge_pages.available():
+        pytest.skip("no transparent huge pages here")
+    src = TensorSource(hf_dir_for(str(tiny_llama), show_progress=False))
+    try:
+        embedding = src.get("model.embed_tokens.weight")
+    finally:
+        src.close()
+    heads = {}
+    for huge in ("0", "1"):
+        monkeypatch.setenv("SPECSPLIT_HUGE_PAGES", huge)
+        heads[huge] = load_feature_drafter(str(tiny_head), MAX_LEN, embedding=embedding).head
+    plain, head = heads["0"], heads["1"]
+    layer = head.midlayer
+    linears = [head.fc, layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj, head.head_linear]
+    assert all(isinstance(m, Int8Linear) for m in linears)
+    storage = {m.groups.untyped_storage().data_ptr() for m in linears}
+    assert len(storage) == 1  # one buffer
+    starts = [m.groups.data_ptr() for m in linears]
+    assert starts == sorted(starts) and all(s % huge_pages.PAGE == 0 for s in starts)  # step order, page-aligned
+    buffer = linears[0].groups.untyped_storage().nbytes()
+    copies = sum(m.groups.numel() for m in linears)
+    assert copies <= buffer <= copies + huge_pages.HUGE_PAGE + len(linears) * huge_pages.PAGE
+    assert tensor_storage_bytes(head) - tensor_storage_bytes(plain) == buffer - copies  # counted once
+    torch.manual_seed(0)
+    x = torch.randn(3, head.cfg.hidden_size)
+    assert torch.equal(head.head_linear(x), plain.head_linear(x))
+    assert torch.equal(layer.gate_up_proj(x), plain.midlayer.gate_up_proj(x))
 
 
 def test_colocated_head_comes_off_the_joint_budget(tiny_llama, tiny_head):
