@@ -310,13 +310,15 @@ def dequantize(w: QuantWeight) -> torch.Tensor:
 
 
 def dequantize_rows(w: QuantWeight, ids: torch.Tensor) -> torch.Tensor:
-    """[R, in] fp32: rows `ids` [R] of `w` dequantized (an embedding lookup). From tiles the
-    compiled gather reads each row from its group (4.6 us for one row, where converting its group
-    back to rows in torch took ~100 us)."""
+    """[R, in] fp32: rows `ids` [R] of `w` dequantized (an embedding lookup), one compiled call
+    for either layout. From tiles the gather reads each row from its group (4.6 us for one row,
+    where converting its group back to rows in torch took ~100 us)."""
     m = load()
-    if w.layout == "tiles" and m is not None:
+    if m is None:
+        return dequantize(w.rows(ids.reshape(-1)))
+    if w.layout == "tiles":
         return m.quant_dequantize_amx_rows(w.blocks, TYPES[w.qtype][0], w.in_features, ids.reshape(-1).long())
-    return dequantize(w.rows(ids.reshape(-1)))
+    return m.quant_dequantize_rows(w.blocks, TYPES[w.qtype][0], w.in_features, ids.reshape(-1).long())
 
 
 # The dense copy is made a slice of output rows at a time, each at most this many bytes: the

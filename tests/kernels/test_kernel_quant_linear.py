@@ -170,3 +170,15 @@ def test_quantize_q8_0_gives_back_a_files_blocks_and_bounds_the_error():
     assert bool((err.reshape(16, 3, 32) <= bound).all()) and err[0, :32].max() == 0
     with pytest.raises(ValueError, match="multiple of 32"):
         quant_linear.quantize_q8_0(torch.zeros(2, 40))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_an_embedding_lookup_dequantizes_just_its_rows(qtype):
+    """dequantize_rows (one compiled gather from the split rows) gives exactly the rows of the
+    whole dequantized weight, in the ids' order, repeats included; an id out of range is refused."""
+    w = random_blocks(qtype, 70, 96, seed=11)
+    ids = torch.tensor([[5, 0, 69], [5, 33, 1]])
+    assert torch.equal(quant_linear.dequantize_rows(w, ids), quant_linear.dequantize(w)[ids.reshape(-1)])
+    assert quant_linear.dequantize_rows(w, torch.tensor([], dtype=torch.long)).shape == (0, 96)
+    with pytest.raises(RuntimeError, match="out of 70"):
+        quant_linear.dequantize_rows(w, torch.tensor([70]))
