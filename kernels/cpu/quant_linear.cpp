@@ -350,22 +350,23 @@ struct QuantX {
 };
 
 // One x row's blocks as int8: xq = round(x / s) (to nearest even, as nearbyint), s = max|x_b| / 127
-// (an all-zero block: xq = 0, s = 0, exact). false where a value is not finite or a block's
-// largest is nearly subnormal (127 / it overflows); the row's outputs are then left as they were.
-SPECSPLIT_VNNI bool quantize_row(const float* x, int64_t K, int8_t* q, int32_t* corr, float* scale) {
+// (an all-zero block: xq = 0, s = 0, exact). false where a value is not finite, or a block's
+// largest is nearly subnormal (127 / it overflows) unless tiny_as_zero (then that block counts as
+// zeros: int8_linear's approximation may drop < 1e-30 per weight; greedy's bound may not).
+SPECSPLIT_VNNI bool quantize_row(const float* x, int64_t K, int8_t* q, int32_t* corr, float* scale, bool tiny_as_zero) {
   const int64_t nb = K / QK;
   const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
   for (int64_t b = 0; b < nb; ++b) {
     const __m512 v0 = _mm512_loadu_ps(x + b * QK), v1 = _mm512_loadu_ps(x + b * QK + 16);
     if (_mm512_fpclass_ps_mask(v0, 0x99) | _mm512_fpclass_ps_mask(v1, 0x99)) return false;  // NaN or +-inf
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v0, absmask), _mm512_and_ps(v1, absmask)));
-    if (amax == 0.f) {
+    if (amax < 1e-30f && !(amax == 0.f || tiny_as_zero)) return false;
+    if (amax < 1e-30f) {  // zero (exact), or tiny and allowed to count as zero
       std::memset(q + b * QK, 0, QK);
       corr[b] = 0;
       scale[b] = 0.f;
       continue;
     }
-    if (amax < 1e-30f) return false;
     const __m512 inv = _mm512_set1_ps(127.f / amax);
     const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
     const __m512i q0 = _mm512_min_epi32(hi, _mm512_max_epi32(lo, _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv))));
@@ -378,15 +379,17 @@ SPECSPLIT_VNNI bool quantize_row(const float* x, int64_t K, int8_t* q, int32_t* 
   return true;
 }
 
-// x's rows as int8 (quantize_row); ok[m] = false: row m could not be
-SPECSPLIT_VNNI void quantize_x(const float* x, int64_t M, int64_t K, QuantX& r) {
+// x's rows as int8 (quantize_row); ok[m] = false: row m could not be (the caller decides what
+// that row gives: greedy no answer, int8_linear NaN)
+SPECSPLIT_VNNI void quantize_x(const float* x, int64_t M, int64_t K, QuantX& r, bool tiny_as_zero) {
   const int64_t nb = K / QK;
   r.q.resize(M * K);
   r.corr.resize(M * nb);
   r.scale.resize(M * nb);
   r.ok.resize(M);
   for (int64_t m = 0; m < M; ++m)
-    r.ok[m] = quantize_row(x + m * K, K, r.q.data() + m * K, r.corr.data() + m * nb, r.scale.data() + m * nb);
+    r.ok[m] = quantize_row(x + m * K, K, r.q.data() + m * K, r.corr.data() + m * nb, r.scale.data() + m * nb,
+                          tiny_as_zero);
 }
 
 // a, e [M, N] (row stride N) for groups g0..g1; cmax [N]
@@ -459,11 +462,11 @@ SPECSPLIT_VNNI inline void int8_group(const QuantX& xq, int64_t m0, int64_t K, c
   for (int m = 0; m < MP; ++m) _mm512_mask_storeu_ps(y + (m0 + m) * N + n, keep, acc[m]);
 }
 
-// y [M, N] for x [M, K] (M any) and the 16-row copy of a Q8_0 W [N, K]; a row of x that cannot be
-// quantized (not finite) gives NaN
+// y [M, N] for x [M, K] (M any) and the 16-row copy of a Q8_0 W [N, K]; a row of x that is not
+// finite gives NaN
 SPECSPLIT_VNNI void int8_linear_rows(const float* x, int64_t M, int64_t K, const uint8_t* groups, int64_t N, float* y) {
   QuantX xq;
-  quantize_x(x, M, K, xq);
+  quantize_x(x, M, K, xq, true);
   const int64_t group_bytes = K / QK * GROUP_BLOCK_BYTES;
   at::parallel_for(0, (N + GROUP_ROWS - 1) / GROUP_ROWS, 4, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
@@ -526,7 +529,7 @@ SPECSPLIT_VNNI torch::Tensor greedy_rows(const float* x, int64_t K, const uint8_
                                          const float* cmax, int64_t N) {
   const auto none = torch::empty({0}, torch::kLong);
   QuantX xq;
-  quantize_x(x, MP, K, xq);
+  quantize_x(x, MP, K, xq, false);
   for (int m = 0; m < MP; ++m)
     if (!xq.ok[m]) return none;
   std::unique_ptr<float[]> a(new float[MP * N]), e(new float[MP * N]);  // every entry written below

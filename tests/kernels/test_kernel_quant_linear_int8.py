@@ -60,15 +60,20 @@ def test_the_product_is_the_int8_formula_and_near_the_fp32_one(m, n, k):
     assert ((y.double() - exact).abs() <= bound * 1.05 + 1e-6 * size).all()
 
 
-def test_zero_blocks_and_a_bias():
+def test_zero_and_tiny_blocks_and_a_bias():
     w = random_blocks("Q8_0", 40, 96, seed=1)
-    x = torch.randn(3, 96)
+    x = torch.randn(4, 96)
     x[1] = 0.0  # a zero row: exactly zero
     x[2, 32:64] = 0.0  # a zero block among others
     bias = torch.randn(40)
-    y = quant_linear.int8_linear(x, quant_linear.group_copy(w), bias)
+    y = quant_linear.int8_linear(x[:3], quant_linear.group_copy(w), bias)
     assert torch.equal(y[1], bias)
-    assert torch.allclose(y - bias, int8_reference(x, w).float(), rtol=1e-5, atol=1e-4)
+    assert torch.allclose(y - bias, int8_reference(x[:3], w).float(), rtol=1e-5, atol=1e-4)
+    # a block of values too small to scale to int8 (greedy refuses such a row) counts as zeros
+    x[3, 64:] = 1e-35
+    tiny = quant_linear.int8_linear(x[3:], quant_linear.group_copy(w))
+    x[3, 64:] = 0.0
+    assert torch.equal(tiny, quant_linear.int8_linear(x[3:], quant_linear.group_copy(w)))
 
 
 def test_a_row_that_is_not_finite_gives_nan_and_leaves_the_others_alone():
