@@ -253,26 +253,28 @@ def uses_vnni() -> bool:
 
 
 def group_copy(w: QuantWeight) -> GroupCopy | None:
-    """The 16-row copy of a Q8_0 weight (about its own size again), or None where the VNNI loops
-    cannot run (not Q8_0, no extension, no AVX-512 VNNI, or SPECSPLIT_QUANT_AVX512=0)."""
-    if w.qtype != "Q8_0" or not uses_vnni():
+    """The 16-row copy of a Q8_0 weight (about its own size again) that `int8_linear` reads, or
+    None (not Q8_0, or no extension)."""
+    if w.qtype != "Q8_0" or load() is None:
         return None
     return GroupCopy(*load().quant_greedy_pack(w.as_rows().blocks, TYPES[w.qtype][0], w.in_features))
 
 
 def greedy_copy(w: QuantWeight) -> GroupCopy | None:
-    """The copy `greedy` reads (group_copy), or None where `greedy` cannot run: see group_copy, or
-    SPECSPLIT_QUANT_GREEDY=0."""
-    return None if os.environ.get(ENV_GREEDY, "1") == "0" else group_copy(w)
+    """The copy `greedy` reads (group_copy), or None where `greedy` cannot run: see group_copy; no
+    AVX-512 VNNI (uses_vnni), or SPECSPLIT_QUANT_GREEDY=0."""
+    return None if os.environ.get(ENV_GREEDY, "1") == "0" or not uses_vnni() else group_copy(w)
 
 
-def int8_linear(x: torch.Tensor, copy: GroupCopy, bias: torch.Tensor | None = None) -> torch.Tensor:
+def int8_linear(x: torch.Tensor, copy: GroupCopy, bias: torch.Tensor | None = None,
+                avx512: bool | None = None) -> torch.Tensor:
     """x [M, in] fp32 -> [M, out] fp32: x @ W^T with x rounded to int8 per block of 32 (s =
-    max|x_b| / 127), the int8 products exact (VPDPBUSD), from W's `copy` (group_copy(w)). Not
-    `linear`'s function: each output moves by up to greedy's bound e from it (measured 0.06-0.3%
-    of the largest sum |w x| on random weights), so it is for a drafter, whose numbers only choose
-    what is proposed. A row of x that is not finite gives NaN. Needs uses_vnni()."""
-    return load().quant_int8_linear(x, copy.groups, copy.cmax.numel(), bias)
+    max|x_b| / 127), the int8 products exact, from W's `copy` (group_copy(w)). Not `linear`'s
+    function: each output moves by up to greedy's bound e from it (measured 0.06-0.3% of the
+    largest sum |w x| on random weights), so it is for a drafter, whose numbers only choose what is
+    proposed. A row of x that is not finite gives NaN. The VNNI loop where uses_vnni(), else the
+    AVX2 one (avx512=False forces it): the same y, bit for bit."""
+    return load().quant_int8_linear(x, copy.groups, copy.cmax.numel(), bias, _avx512 if avx512 is None else avx512)
 
 
 def greedy(x: torch.Tensor, w: QuantWeight, copy: GroupCopy) -> torch.Tensor | None:

@@ -362,8 +362,10 @@ def use_cpu_kernels(head: Eagle3Head) -> None:
 
 def linear_kind(m: torch.nn.Module) -> str:
     """How a head's linear multiplies (the log's words)."""
+    from specsplit.kernels import quant_linear
+
     if isinstance(m, Int8Linear):
-        return "Q8_0 x int8 activations (AVX-512 VNNI)"
+        return "Q8_0 x int8 activations (%s)" % ("AVX-512 VNNI" if quant_linear.uses_vnni() else "AVX2")
     return "Q8_0" if getattr(m, "quant", None) is not None else "fp32"
 
 
@@ -379,10 +381,10 @@ def quantized(w: torch.Tensor) -> torch.nn.Module | None:
     verifies every one), so its precision costs acceptance at most, measured in
     docs/feature-drafter.md.
 
-    For the same reason the activations are rounded to int8 too where the CPU has AVX-512 VNNI
-    (models/int8_linear.Int8Linear: ~3x faster than the fp32 loop over the same blocks, measured in
-    docs/feature-drafter.md), except where the AMX loop runs (an Intel Xeon with AMX keeps its tile
-    loop, not measured against this one) or SPECSPLIT_DRAFT_INT8=0."""
+    For the same reason the activations are rounded to int8 too (models/int8_linear.Int8Linear:
+    ~3x faster than the fp32 loop over the same blocks with AVX-512 VNNI, ~2x with AVX2, measured
+    in docs/feature-drafter.md), except where the AMX loop runs (an Intel Xeon with AMX keeps its
+    tile loop, not measured against this one) or SPECSPLIT_DRAFT_INT8=0."""
     from specsplit.kernels import quant_linear
     from specsplit.models.llama import Linear
 

@@ -353,13 +353,23 @@ struct QuantX {
 // (an all-zero block: xq = 0, s = 0, exact). false where a value is not finite, or a block's
 // largest is nearly subnormal (127 / it overflows) unless tiny_as_zero (then that block counts as
 // zeros: int8_linear's approximation may drop < 1e-30 per weight; greedy's bound may not).
-SPECSPLIT_VNNI bool quantize_row(const float* x, int64_t K, int8_t* q, int32_t* corr, float* scale, bool tiny_as_zero) {
+// AVX2, for both the VNNI and the AVX2 loops (the same xq and s on every CPU).
+bool quantize_row(const float* x, int64_t K, int8_t* q, int32_t* corr, float* scale, bool tiny_as_zero) {
   const int64_t nb = K / QK;
-  const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   for (int64_t b = 0; b < nb; ++b) {
-    const __m512 v0 = _mm512_loadu_ps(x + b * QK), v1 = _mm512_loadu_ps(x + b * QK + 16);
-    if (_mm512_fpclass_ps_mask(v0, 0x99) | _mm512_fpclass_ps_mask(v1, 0x99)) return false;  // NaN or +-inf
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v0, absmask), _mm512_and_ps(v1, absmask)));
+    const float* xb = x + b * QK;
+    __m256 v[4], bad = _mm256_setzero_ps(), mx = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(xb + 8 * i);
+      const __m256 z = _mm256_sub_ps(v[i], v[i]);  // NaN where v is NaN or +-inf
+      bad = _mm256_or_ps(bad, _mm256_cmp_ps(z, z, _CMP_UNORD_Q));
+      mx = _mm256_max_ps(mx, _mm256_and_ps(v[i], absmask));
+    }
+    if (_mm256_movemask_ps(bad)) return false;
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = std::max(_mm_cvtss_f32(m4), _mm_cvtss_f32(_mm_movehdup_ps(m4)));
     if (amax < 1e-30f && !(amax == 0.f || tiny_as_zero)) return false;
     if (amax < 1e-30f) {  // zero (exact), or tiny and allowed to count as zero
       std::memset(q + b * QK, 0, QK);
@@ -367,13 +377,18 @@ SPECSPLIT_VNNI bool quantize_row(const float* x, int64_t K, int8_t* q, int32_t* 
       scale[b] = 0.f;
       continue;
     }
-    const __m512 inv = _mm512_set1_ps(127.f / amax);
-    const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
-    const __m512i q0 = _mm512_min_epi32(hi, _mm512_max_epi32(lo, _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv))));
-    const __m512i q1 = _mm512_min_epi32(hi, _mm512_max_epi32(lo, _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv))));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * QK), _mm512_cvtepi32_epi8(q0));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * QK + 16), _mm512_cvtepi32_epi8(q1));
-    corr[b] = -128 * _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    const __m256 inv = _mm256_set1_ps(127.f / amax);
+    const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+    alignas(32) int32_t qi[QK];
+    for (int i = 0; i < 4; ++i)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(qi + 8 * i),
+                         _mm256_min_epi32(hi, _mm256_max_epi32(lo, _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv)))));
+    int32_t sum = 0;
+    for (int j = 0; j < QK; ++j) {
+      q[b * QK + j] = static_cast<int8_t>(qi[j]);
+      sum += qi[j];
+    }
+    corr[b] = -128 * sum;
     scale[b] = amax / 127.f;
   }
   return true;
@@ -381,7 +396,7 @@ SPECSPLIT_VNNI bool quantize_row(const float* x, int64_t K, int8_t* q, int32_t* 
 
 // x's rows as int8 (quantize_row); ok[m] = false: row m could not be (the caller decides what
 // that row gives: greedy no answer, int8_linear NaN)
-SPECSPLIT_VNNI void quantize_x(const float* x, int64_t M, int64_t K, QuantX& r, bool tiny_as_zero) {
+void quantize_x(const float* x, int64_t M, int64_t K, QuantX& r, bool tiny_as_zero) {
   const int64_t nb = K / QK;
   r.q.resize(M * K);
   r.corr.resize(M * nb);
@@ -428,7 +443,7 @@ SPECSPLIT_VNNI void greedy_bounds(const QuantX& xq, int64_t K, const uint8_t* gr
   }
 }
 
-// ---- x @ W^T with x rounded to int8 too (AVX-512 VNNI): a drafter's linears ------------------
+// ---- x @ W^T with x rounded to int8 too (AVX-512 VNNI, or AVX2): a drafter's linears ---------
 //
 // A drafter's numbers only choose which tokens are proposed (the target verifies every one, so
 // they never decide what is kept), so its Q8_0 linears may round x as well: y[m, n] = a[m, n] of
@@ -437,6 +452,10 @@ SPECSPLIT_VNNI void greedy_bounds(const QuantX& xq, int64_t K, const uint8_t* gr
 // loop spends a conversion and an FMA per 16 weights; the drafter's step then reads its weights at
 // about memory speed. Rows of x go 4 at a time over each group of 16 output rows (the group's
 // bytes, 18-48 blocks x 544, stay in L1 for the next pass).
+// Without VNNI the AVX2 loop (int8_group_avx2) gets the same integer dot products from VPMADDUBSW
+// (|q| times x with q's sign, pairs summed in 16 bits: at most 2 x 128 x 127, no saturation) and
+// VPMADDWD, and does the same float operations per output row, so its y is the VNNI loop's, bit
+// for bit.
 template <int MP>
 SPECSPLIT_VNNI inline void int8_group(const QuantX& xq, int64_t m0, int64_t K, const uint8_t* gp, int64_t n,
                                       __mmask16 keep, float* y, int64_t N) {
@@ -462,26 +481,96 @@ SPECSPLIT_VNNI inline void int8_group(const QuantX& xq, int64_t m0, int64_t K, c
   for (int m = 0; m < MP; ++m) _mm512_mask_storeu_ps(y + (m0 + m) * N + n, keep, acc[m]);
 }
 
-// y [M, N] for x [M, K] (M any) and the 16-row copy of a Q8_0 W [N, K]; a row of x that is not
-// finite gives NaN
-SPECSPLIT_VNNI void int8_linear_rows(const float* x, int64_t M, int64_t K, const uint8_t* groups, int64_t N, float* y) {
-  QuantX xq;
-  quantize_x(x, M, K, xq, true);
-  const int64_t group_bytes = K / QK * GROUP_BLOCK_BYTES;
-  at::parallel_for(0, (N + GROUP_ROWS - 1) / GROUP_ROWS, 4, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      const uint8_t* gp = groups + g * group_bytes;
-      const int64_t n = g * GROUP_ROWS, rows = std::min<int64_t>(GROUP_ROWS, N - n);
-      const __mmask16 keep = static_cast<__mmask16>((1u << rows) - 1u);
-      for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        switch (std::min<int64_t>(4, M - m0)) {
-          case 1: int8_group<1>(xq, m0, K, gp, n, keep, y, N); break;
-          case 2: int8_group<2>(xq, m0, K, gp, n, keep, y, N); break;
-          case 3: int8_group<3>(xq, m0, K, gp, n, keep, y, N); break;
-          default: int8_group<4>(xq, m0, K, gp, n, keep, y, N); break;
-        }
+template <int MP>
+inline void int8_group_avx2(const QuantX& xq, int64_t m0, int64_t K, const uint8_t* gp, int64_t n, int64_t rows,
+                            float* y, int64_t N) {
+  const int64_t nb = K / QK;
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+  __m256 acc[MP][2];  // output rows 0-7 and 8-15 of the group
+  for (int m = 0; m < MP; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* bp = gp + b * GROUP_BLOCK_BYTES;
+    if (m0 == 0)
+      for (int64_t o = 0; o < GROUP_BLOCK_BYTES; o += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(bp + PREFETCH_BYTES + o), _MM_HINT_T0);
+    __m256i dot[MP][2];
+    for (int m = 0; m < MP; ++m) dot[m][0] = dot[m][1] = _mm256_setzero_si256();
+    for (int c = 0; c < 8; ++c) {
+      __m256i w[2], a[2];  // q (signed: the stored q + 128 with its top bit flipped) and |q|
+      for (int h = 0; h < 2; ++h) {
+        w[h] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + 64 * c + 32 * h)), flip);
+        a[h] = _mm256_sign_epi8(w[h], w[h]);  // -128 stays 0x80: 128 as the unsigned operand
+      }
+      for (int m = 0; m < MP; ++m) {
+        const int32_t* x4 = reinterpret_cast<const int32_t*>(xq.q.data() + (m0 + m) * K + b * QK);
+        const __m256i xb = _mm256_set1_epi32(x4[c]);
+        for (int h = 0; h < 2; ++h)
+          dot[m][h] = _mm256_add_epi32(dot[m][h], _mm256_madd_epi16(_mm256_maddubs_epi16(a[h], _mm256_sign_epi8(xb, w[h])), ones));
       }
     }
+    const __m256 d[2] = {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bp + 512))),
+                         _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bp + 528)))};
+    for (int m = 0; m < MP; ++m) {
+      const __m256 sv = _mm256_set1_ps(xq.scale[(m0 + m) * nb + b]);
+      for (int h = 0; h < 2; ++h)
+        acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m][h]), _mm256_mul_ps(d[h], sv), acc[m][h]);
+    }
+  }
+  for (int m = 0; m < MP; ++m) {
+    alignas(32) float out[GROUP_ROWS];
+    _mm256_store_ps(out, acc[m][0]);
+    _mm256_store_ps(out + 8, acc[m][1]);
+    std::memcpy(y + (m0 + m) * N + n, out, rows * sizeof(float));
+  }
+}
+
+// the VNNI loop over groups g0..g1, x rows in passes of up to 4
+SPECSPLIT_VNNI void int8_groups_vnni(const QuantX& xq, int64_t M, int64_t K, const uint8_t* groups, int64_t g0, int64_t g1,
+                                     float* y, int64_t N) {
+  const int64_t group_bytes = K / QK * GROUP_BLOCK_BYTES;
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* gp = groups + g * group_bytes;
+    const int64_t n = g * GROUP_ROWS, rows = std::min<int64_t>(GROUP_ROWS, N - n);
+    const __mmask16 keep = static_cast<__mmask16>((1u << rows) - 1u);
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      switch (std::min<int64_t>(4, M - m0)) {
+        case 1: int8_group<1>(xq, m0, K, gp, n, keep, y, N); break;
+        case 2: int8_group<2>(xq, m0, K, gp, n, keep, y, N); break;
+        case 3: int8_group<3>(xq, m0, K, gp, n, keep, y, N); break;
+        default: int8_group<4>(xq, m0, K, gp, n, keep, y, N); break;
+      }
+    }
+  }
+}
+
+// the AVX2 loop over groups g0..g1 (the same y)
+void int8_groups_avx2(const QuantX& xq, int64_t M, int64_t K, const uint8_t* groups, int64_t g0, int64_t g1, float* y,
+                      int64_t N) {
+  const int64_t group_bytes = K / QK * GROUP_BLOCK_BYTES;
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* gp = groups + g * group_bytes;
+    const int64_t n = g * GROUP_ROWS, rows = std::min<int64_t>(GROUP_ROWS, N - n);
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      switch (std::min<int64_t>(4, M - m0)) {
+        case 1: int8_group_avx2<1>(xq, m0, K, gp, n, rows, y, N); break;
+        case 2: int8_group_avx2<2>(xq, m0, K, gp, n, rows, y, N); break;
+        case 3: int8_group_avx2<3>(xq, m0, K, gp, n, rows, y, N); break;
+        default: int8_group_avx2<4>(xq, m0, K, gp, n, rows, y, N); break;
+      }
+    }
+  }
+}
+
+// y [M, N] for x [M, K] (M any) and the 16-row copy of a Q8_0 W [N, K]; a row of x that is not
+// finite gives NaN
+void int8_linear_rows(const float* x, int64_t M, int64_t K, const uint8_t* groups, int64_t N, float* y, bool vnni) {
+  QuantX xq;
+  quantize_x(x, M, K, xq, true);
+  at::parallel_for(0, (N + GROUP_ROWS - 1) / GROUP_ROWS, 4, [&](int64_t g0, int64_t g1) {
+    if (vnni)
+      int8_groups_vnni(xq, M, K, groups, g0, g1, y, N);
+    else
+      int8_groups_avx2(xq, M, K, groups, g0, g1, y, N);
   });
   for (int64_t m = 0; m < M; ++m)
     if (!xq.ok[m]) std::fill(y + m * N, y + (m + 1) * N, std::numeric_limits<float>::quiet_NaN());
@@ -908,18 +997,19 @@ torch::Tensor quant_greedy(const torch::Tensor& x_in, const torch::Tensor& block
 }
 
 // y = x @ W.T (+ bias) with x rounded to int8 per block: x [M, K] fp32, W's 16-row copy
-// quant_greedy_pack(blocks) [ceil(N/16), K/32 * 544] (see int8_group). AVX-512 VNNI only.
+// quant_greedy_pack(blocks) [ceil(N/16), K/32 * 544] (see int8_group). The VNNI loop where the CPU
+// has it and allow_avx512, else the AVX2 one: the same y.
 torch::Tensor quant_int8_linear(const torch::Tensor& x_in, const torch::Tensor& groups, int64_t N,
-                                const c10::optional<torch::Tensor>& bias) {
+                                const c10::optional<torch::Tensor>& bias, bool allow_avx512) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.size(1) % QK == 0,
               "quant_int8_linear: x must be fp32 [M, K], K a multiple of 32");
   TORCH_CHECK(N >= 1, "quant_int8_linear: N must be positive");
   const int64_t M = x_in.size(0), K = x_in.size(1);
   check_groups(groups, N, K);
-  TORCH_CHECK(use_vnni(), "quant_int8_linear: this CPU has no AVX-512 VNNI");
   const torch::Tensor x = x_in.contiguous();
   auto y = torch::empty({M, N}, x.options());
-  if (M > 0) int8_linear_rows(x.data_ptr<float>(), M, K, groups.data_ptr<uint8_t>(), N, y.data_ptr<float>());
+  if (M > 0)
+    int8_linear_rows(x.data_ptr<float>(), M, K, groups.data_ptr<uint8_t>(), N, y.data_ptr<float>(), allow_avx512 && use_vnni());
   if (bias.has_value() && bias->defined()) y.add_(*bias);
   return y;
 }
@@ -1113,7 +1203,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_greedy", &quant_greedy, "argmax ids [M] of x @ W.T for a Q8_0 W (M <= 3) from a bound, or empty");
   m.def("quant_greedy_pack", &quant_greedy_pack, "Q8_0 split rows -> (quant_greedy's 16-row groups, cmax [N])");
   m.def("quant_int8_linear", &quant_int8_linear, "y = x @ W.T (+ bias), x rounded to int8 per block, W's 16-row copy");
-  m.def("quant_uses_vnni", &quant_uses_vnni, "whether the AVX-512 VNNI loops (greedy, int8 linear) run on this CPU");
+  m.def("quant_uses_vnni", &quant_uses_vnni, "whether the AVX-512 VNNI loops (greedy, int8 linear's) run on this CPU");
   m.def("quant_linear_amx", &quant_linear_amx, "y = x @ W.T (+ bias), W as Q4_0/Q4_1 in the tile layout, on AMX");
   m.def("quant_dequantize_amx", &quant_dequantize_amx, "the tile layout [N/16, K/32*GB] -> fp32 [N, K]");
   m.def("quant_dequantize_amx_rows", &quant_dequantize_amx_rows, "rows ids [R] of the tile layout -> fp32 [R, K]");

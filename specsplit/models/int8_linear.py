@@ -2,13 +2,14 @@
 
 y = x @ W^T where W is Q8_0 (int8 quants q, one fp16 scale d per block of 32 weights) and x is
 rounded per block of 32 to int8 too (xq, one fp32 scale s): y[m, n] = sum_b d_nb s_mb
-sum_j q_nbj xq_mbj, the integer dot products exact (AVX-512 VNNI; llama.cpp's Q8_0 x Q8_0 product).
+sum_j q_nbj xq_mbj, the integer dot products exact (AVX-512 VNNI, or AVX2 where the CPU has no
+VNNI: the same bits; llama.cpp's Q8_0 x Q8_0 product).
 Each output moves by up to greedy's bound from the fp32 product of the same blocks (measured
 0.06-0.3% of the largest sum |w x| on random weights), so this is NOT the target's function and never runs in the target: only a drafter's numbers may differ,
 because they only choose which tokens are proposed (the target verifies every one).
 
 The weight is held only as the 16-row interleaved copy the VNNI loop reads
-(kernels/quant_linear.group_copy, 34 bytes per 32 weights, like the blocks), as buffers, so the
+(kernels/quant_linear.group_copy, 34 bytes per 32 weights, like the blocks, plus 4 per row), as buffers, so the
 memory meters count it. `weight` is an empty fp32 parameter: callers read its dtype. A drafter
 moves its Int8Linears' copies into one huge-page buffer (`into_huge_pages`): the target's step has
 pushed them out of every cache by the time the drafter reads them, and in 4 KB pages each page of
@@ -34,10 +35,10 @@ class Int8Linear(nn.Module):
 
     @classmethod
     def from_weight(cls, w: torch.Tensor) -> "Int8Linear | None":
-        """w [out, in] fp32 on the CPU, quantized to Q8_0 blocks; None where the VNNI loop cannot
-        run (no AVX-512 VNNI, `in` not a multiple of 32, not fp32 on a CPU)."""
+        """w [out, in] fp32 on the CPU, quantized to Q8_0 blocks; None where the loops cannot run
+        (no extension, `in` not a multiple of 32, not fp32 on a CPU)."""
         if w.device.type != "cpu" or w.dtype != torch.float32 or w.shape[1] % quant_linear.BLOCK \
-                or not quant_linear.uses_vnni():
+                or quant_linear.load() is None:
             return None
         return cls(quant_linear.group_copy(quant_linear.quantize_q8_0(w)), w.shape[1])
 

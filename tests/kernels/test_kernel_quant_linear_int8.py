@@ -10,8 +10,9 @@ from specsplit.kernels import quant_linear
 from specsplit.kernels.quant_linear import QuantWeight
 from tests.kernels.test_kernel_quant_linear import random_blocks
 
-pytestmark = pytest.mark.skipif(quant_linear.load() is None or not quant_linear.uses_vnni(),
-                                reason="no AVX-512 VNNI here (or no quantized kernel): drafters keep fp32 activations")
+pytestmark = pytest.mark.skipif(quant_linear.load() is None, reason="no quantized kernel here (AVX2, FMA, F16C)")
+# the loops this CPU runs: the AVX2 one everywhere, the VNNI one where the CPU has it
+LOOPS = [False] + ([True] if quant_linear.uses_vnni() else [])
 
 
 def quants_and_scales(w: QuantWeight) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,15 +38,16 @@ def int8_reference(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     return (dots * (d.double()[None] * s.double()[:, None])).sum(-1)  # [M, N]
 
 
+@pytest.mark.parametrize("avx512", LOOPS)
 @pytest.mark.parametrize("k", [32, 96, 576, 1536])
 @pytest.mark.parametrize("n", [1, 15, 16, 17, 200])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
-def test_the_product_is_the_int8_formula_and_near_the_fp32_one(m, n, k):
+def test_the_product_is_the_int8_formula_and_near_the_fp32_one(m, n, k, avx512):
     w = random_blocks("Q8_0", n, k, seed=n + k)
     copy = quant_linear.group_copy(w)
     g = torch.Generator().manual_seed(m * 7 + n)
     x = torch.randn(m, k, generator=g) * torch.rand(1, k, generator=g) * 3  # blocks of different scales
-    y = quant_linear.int8_linear(x, copy)
+    y = quant_linear.int8_linear(x, copy, avx512=avx512)
     assert y.shape == (m, n) and y.dtype == torch.float32
     ref = int8_reference(x, w)
     q, d = quants_and_scales(w)
@@ -60,31 +62,45 @@ def test_the_product_is_the_int8_formula_and_near_the_fp32_one(m, n, k):
     assert ((y.double() - exact).abs() <= bound * 1.05 + 1e-6 * size).all()
 
 
-def test_zero_and_tiny_blocks_and_a_bias():
+@pytest.mark.skipif(not quant_linear.uses_vnni(), reason="one loop here (no AVX-512 VNNI)")
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7])
+def test_the_avx2_loop_gives_the_vnni_loops_bits(m):
+    """The same integer dot products and the same float operations per output row: the two loops'
+    outputs are equal, so a drafter drafts the same tokens on either CPU kind."""
+    w = random_blocks("Q8_0", 77, 576, seed=m)
+    copy = quant_linear.group_copy(w)
+    x = torch.randn(m, 576) * torch.rand(1, 576) * 3
+    x[0, :32] = -x[0, :32].abs().max()  # a block whose largest is negative (xq = -127 there)
+    assert torch.equal(quant_linear.int8_linear(x, copy, avx512=True), quant_linear.int8_linear(x, copy, avx512=False))
+
+
+@pytest.mark.parametrize("avx512", LOOPS)
+def test_zero_and_tiny_blocks_and_a_bias(avx512):
     w = random_blocks("Q8_0", 40, 96, seed=1)
     x = torch.randn(4, 96)
     x[1] = 0.0  # a zero row: exactly zero
     x[2, 32:64] = 0.0  # a zero block among others
     bias = torch.randn(40)
-    y = quant_linear.int8_linear(x[:3], quant_linear.group_copy(w), bias)
+    y = quant_linear.int8_linear(x[:3], quant_linear.group_copy(w), bias, avx512=avx512)
     assert torch.equal(y[1], bias)
     assert torch.allclose(y - bias, int8_reference(x[:3], w).float(), rtol=1e-5, atol=1e-4)
     # a block of values too small to scale to int8 (greedy refuses such a row) counts as zeros
     x[3, 64:] = 1e-35
-    tiny = quant_linear.int8_linear(x[3:], quant_linear.group_copy(w))
+    tiny = quant_linear.int8_linear(x[3:], quant_linear.group_copy(w), avx512=avx512)
     x[3, 64:] = 0.0
-    assert torch.equal(tiny, quant_linear.int8_linear(x[3:], quant_linear.group_copy(w)))
+    assert torch.equal(tiny, quant_linear.int8_linear(x[3:], quant_linear.group_copy(w), avx512=avx512))
 
 
-def test_a_row_that_is_not_finite_gives_nan_and_leaves_the_others_alone():
+@pytest.mark.parametrize("avx512", LOOPS)
+def test_a_row_that_is_not_finite_gives_nan_and_leaves_the_others_alone(avx512):
     w = random_blocks("Q8_0", 33, 64, seed=2)
     copy = quant_linear.group_copy(w)
     x = torch.randn(5, 64)
-    clean = quant_linear.int8_linear(x, copy)
-    for bad in (float("nan"), float("inf")):
+    clean = quant_linear.int8_linear(x, copy, avx512=avx512)
+    for bad in (float("nan"), float("inf"), float("-inf")):
         y = x.clone()
         y[2, 40] = bad
-        out = quant_linear.int8_linear(y, copy)
+        out = quant_linear.int8_linear(y, copy, avx512=avx512)
         assert out[2].isnan().all()
         assert torch.equal(out[[0, 1, 3, 4]], clean[[0, 1, 3, 4]])
 
@@ -97,3 +113,5 @@ def test_bad_shapes_are_refused_with_a_message():
     with pytest.raises(RuntimeError, match="groups must be"):
         quant_linear.int8_linear(torch.randn(1, 96), copy)  # the copy is for K = 64
     assert quant_linear.group_copy(random_blocks("Q4_1", 16, 64)) is None  # Q8_0 only
+    if not quant_linear.uses_vnni():
+        assert quant_linear.greedy_copy(w) is None  # greedy's bound pass is VNNI only

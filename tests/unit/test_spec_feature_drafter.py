@@ -211,8 +211,8 @@ def test_a_greedy_chain_stops_where_the_head_is_unsure(tiny_llama, tiny_llama_lo
 @pytest.mark.parametrize("mode", ["int8", "q8", "fp32"])
 def test_head_layer_runs_on_q8_0_blocks_unless_told_not_to(tiny_llama, tiny_head, monkeypatch, mode):
     """On a CPU with the quant kernel the head's layer (fc, q|k|v, o, gate|up, down) and lm head run
-    on Q8_0 blocks: with int8 activations where the VNNI loop runs (models/int8_linear), with fp32
-    ones under SPECSPLIT_DRAFT_INT8=0; SPECSPLIT_DRAFT_Q8=0 keeps the layer fp32. The outputs stay
+    on Q8_0 blocks: with int8 activations (models/int8_linear; not where the AMX loop runs), with
+    fp32 ones under SPECSPLIT_DRAFT_INT8=0; SPECSPLIT_DRAFT_Q8=0 keeps the layer fp32. The outputs stay
     within the roundings' reach of the fp32 head's, and the memory plan counts the bytes each holds."""
     from specsplit.feature_drafter import load_feature_drafter
     from specsplit.kernels import quant_linear
@@ -223,8 +223,8 @@ def test_head_layer_runs_on_q8_0_blocks_unless_told_not_to(tiny_llama, tiny_head
 
     if quant_linear.load() is None:
         pytest.skip("no quant kernel on this CPU (it needs AVX2 + FMA + F16C and a compiler)")
-    if mode == "int8" and (not quant_linear.uses_vnni() or quant_linear.uses_amx()):
-        pytest.skip("the int8 loop runs where the CPU has AVX-512 VNNI and no AMX loop is used")
+    if mode == "int8" and quant_linear.uses_amx():
+        pytest.skip("where the AMX loop runs the head's blocks stay in its tiles (fp32 x)")
     src = TensorSource(hf_dir_for(str(tiny_llama), show_progress=False))
     try:
         embedding = src.get("model.embed_tokens.weight")
@@ -285,8 +285,8 @@ def test_int8_linears_share_one_huge_page_buffer(tiny_llama, tiny_head, monkeypa
     from specsplit.models.int8_linear import Int8Linear
     from specsplit.models.loader import TensorSource, hf_dir_for
 
-    if quant_linear.load() is None or not quant_linear.uses_vnni() or quant_linear.uses_amx():
-        pytest.skip("the int8 loop runs where the CPU has AVX-512 VNNI and no AMX loop is used")
+    if quant_linear.load() is None or quant_linear.uses_amx():
+        pytest.skip("no quant kernel here, or the AMX loop runs the head's blocks (fp32 x)")
     if not huge_pages.available():
         pytest.skip("no transparent huge pages here")
     src = TensorSource(hf_dir_for(str(tiny_llama), show_progress=False))
