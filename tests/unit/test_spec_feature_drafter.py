@@ -208,6 +208,17 @@ def test_a_greedy_chain_stops_where_the_head_is_unsure(tiny_llama, tiny_llama_lo
     colo.close()
 
 
+def target_embedding(model_dir) -> torch.Tensor:
+    """The target's token embedding [V, H], read from its checkpoint (what a drafter is given)."""
+    from specsplit.models.loader import TensorSource, hf_dir_for
+
+    src = TensorSource(hf_dir_for(str(model_dir), show_progress=False))
+    try:
+        return src.get("model.embed_tokens.weight")
+    finally:
+        src.close()
+
+
 @pytest.mark.parametrize("mode", ["int8", "q8", "fp32"])
 def test_head_layer_runs_on_q8_0_blocks_unless_told_not_to(tiny_llama, tiny_head, monkeypatch, mode):
     """On a CPU with the quant kernel the head's layer (fc, q|k|v, o, gate|up, down) and lm head run
@@ -219,17 +230,12 @@ def test_head_layer_runs_on_q8_0_blocks_unless_told_not_to(tiny_llama, tiny_head
     from specsplit.kv.meters import tensor_storage_bytes
     from specsplit.models.eagle3 import DraftCache
     from specsplit.models.int8_linear import Int8Linear
-    from specsplit.models.loader import TensorSource, hf_dir_for
 
     if quant_linear.load() is None:
         pytest.skip("no quant kernel on this CPU (it needs AVX2 + FMA + F16C and a compiler)")
     if mode == "int8" and quant_linear.uses_amx():
         pytest.skip("where the AMX loop runs the head's blocks stay in its tiles (fp32 x)")
-    src = TensorSource(hf_dir_for(str(tiny_llama), show_progress=False))
-    try:
-        embedding = src.get("model.embed_tokens.weight")
-    finally:
-        src.close()
+    embedding = target_embedding(tiny_llama)
     monkeypatch.setenv("SPECSPLIT_DRAFT_Q8", "0")
     monkeypatch.setenv("SPECSPLIT_DRAFT_INT8", "0")
     monkeypatch.setenv("SPECSPLIT_HUGE_PAGES", "0")  # each linear's own bytes (the shared buffer: the next test)
@@ -283,17 +289,12 @@ def test_int8_linears_share_one_huge_page_buffer(tiny_llama, tiny_head, monkeypa
     from specsplit.kv import huge_pages
     from specsplit.kv.meters import tensor_storage_bytes
     from specsplit.models.int8_linear import Int8Linear
-    from specsplit.models.loader import TensorSource, hf_dir_for
 
     if quant_linear.load() is None or quant_linear.uses_amx():
         pytest.skip("no quant kernel here, or the AMX loop runs the head's blocks (fp32 x)")
     if not huge_pages.available():
         pytest.skip("no transparent huge pages here")
-    src = TensorSource(hf_dir_for(str(tiny_llama), show_progress=False))
-    try:
-        embedding = src.get("model.embed_tokens.weight")
-    finally:
-        src.close()
+    embedding = target_embedding(tiny_llama)
     heads = {}
     for huge in ("0", "1"):
         monkeypatch.setenv("SPECSPLIT_HUGE_PAGES", huge)
