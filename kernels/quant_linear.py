@@ -255,9 +255,10 @@ def uses_vnni() -> bool:
 def group_copy(w: QuantWeight) -> GroupCopy | None:
     """The 16-row copy of a Q8_0 weight (about its own size again) that `int8_linear` reads, or
     None (not Q8_0, or no extension)."""
-    if w.qtype != "Q8_0" or load() is None:
+    m = load()
+    if w.qtype != "Q8_0" or m is None:
         return None
-    return GroupCopy(*load().quant_greedy_pack(w.as_rows().blocks, TYPES[w.qtype][0], w.in_features))
+    return GroupCopy(*m.quant_greedy_pack(w.as_rows().blocks, TYPES[w.qtype][0], w.in_features))
 
 
 def greedy_copy(w: QuantWeight) -> GroupCopy | None:

@@ -391,12 +391,11 @@ def quantized(w: torch.Tensor) -> torch.nn.Module | None:
     if (w.device.type != "cpu" or w.dtype != torch.float32 or w.shape[1] % quant_linear.BLOCK
             or quant_linear.load() is None):
         return None
+    blocks = quant_linear.quantize_q8_0(w)
     if os.environ.get(ENV_INT8, "1") != "0" and not quant_linear.uses_amx():
-        int8 = Int8Linear.from_weight(w)
-        if int8 is not None:
-            return int8
+        return Int8Linear(blocks)
     m = Linear(w.shape[1], w.shape[0], bias=False, dtype=torch.float32)
-    m.set_quant(quant_linear.for_kernel(quant_linear.quantize_q8_0(w)))  # AMX tiles where that loop runs
+    m.set_quant(quant_linear.for_kernel(blocks))  # AMX tiles where that loop runs
     m.requires_grad_(False)
     return m
 
