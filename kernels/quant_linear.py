@@ -233,7 +233,7 @@ def linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, av
 
 @dataclass(frozen=True)
 class GroupCopy:
-    """A Q8_0 weight's copy for the VNNI loops (`greedy`, `int8_linear`): 16 output rows
+    """A Q8_0 weight's copy for the int8 loops (`greedy`, `int8_linear`): 16 output rows
     interleaved 4 bytes at a time (one VPDPBUSD reads 4 weights of 16 rows), and each row's largest
     block sum of |q| (greedy's bound)."""
 
@@ -246,8 +246,8 @@ class GroupCopy:
 
 
 def uses_vnni() -> bool:
-    """Whether the AVX-512 VNNI loops (`greedy`, `int8_linear`) run here: the extension, the CPU's
-    flags and SPECSPLIT_QUANT_AVX512 not "0"."""
+    """Whether the AVX-512 VNNI loops (`greedy`, `int8_linear`) run here (else their AVX2 loops):
+    the extension, the CPU's flags and SPECSPLIT_QUANT_AVX512 not "0"."""
     m = load()
     return m is not None and _avx512 and bool(m.quant_uses_vnni())
 
@@ -262,9 +262,9 @@ def group_copy(w: QuantWeight) -> GroupCopy | None:
 
 
 def greedy_copy(w: QuantWeight) -> GroupCopy | None:
-    """The copy `greedy` reads (group_copy), or None where `greedy` cannot run: see group_copy; no
-    AVX-512 VNNI (uses_vnni), or SPECSPLIT_QUANT_GREEDY=0."""
-    return None if os.environ.get(ENV_GREEDY, "1") == "0" or not uses_vnni() else group_copy(w)
+    """The copy `greedy` reads (group_copy), or None where `greedy` cannot run: see group_copy, or
+    SPECSPLIT_QUANT_GREEDY=0. Every CPU the extension runs on (AVX2) has a bound loop."""
+    return None if os.environ.get(ENV_GREEDY, "1") == "0" else group_copy(w)
 
 
 def int8_linear(x: torch.Tensor, copy: GroupCopy, bias: torch.Tensor | None = None,
@@ -278,16 +278,18 @@ def int8_linear(x: torch.Tensor, copy: GroupCopy, bias: torch.Tensor | None = No
     return load().quant_int8_linear(x, copy.groups, copy.cmax.numel(), bias, _avx512 if avx512 is None else avx512)
 
 
-def greedy(x: torch.Tensor, w: QuantWeight, copy: GroupCopy) -> torch.Tensor | None:
-    """x [M, in] fp32 -> [M] int64: the argmax of each row of `linear(x, w)`, the very ids
-    `linear(x, w).max(dim=-1).indices` gives, mostly without computing that product: an int8 bound
-    read from `copy` (greedy_copy(w)) picks the rows that may hold a row's maximum and only those
-    are computed exactly (kernels/cpu/quant_linear.cpp, "The greedy token of a Q8_0 head"). None
-    where it cannot answer (not a Q8_0 weight in rows, M > 3, or the bound too loose): the caller
-    computes the logits."""
+def greedy(x: torch.Tensor, w: QuantWeight, copy: GroupCopy, avx512: bool | None = None) -> torch.Tensor | None:
+    """x [M, in] fp32 -> [M] int64: the argmax of each row of `linear(x, w, avx512=avx512)`, the very
+    ids `linear(x, w).max(dim=-1).indices` gives, mostly without computing that product: an int8
+    bound read from `copy` (greedy_copy(w)) picks the rows that may hold a row's maximum and only
+    those are computed exactly (kernels/cpu/quant_linear.cpp, "The greedy token of a Q8_0 head").
+    The bound pass runs the VNNI loop where uses_vnni(), else the AVX2 one (avx512=False forces it,
+    and the AVX2 loop of `linear` for the exact rows). None where it cannot answer (not a Q8_0
+    weight in rows, M > 3, or the bound too loose): the caller computes the logits."""
     if w.layout != "rows" or w.qtype != "Q8_0" or not 1 <= x.shape[0] <= GREEDY_MAX_ROWS:
         return None
-    ids = load().quant_greedy(x, w.blocks, TYPES[w.qtype][0], copy.groups, copy.cmax, _avx512)
+    ids = load().quant_greedy(x, w.blocks, TYPES[w.qtype][0], copy.groups, copy.cmax,
+                              _avx512 if avx512 is None else avx512)
     return ids if ids.numel() else None
 
 

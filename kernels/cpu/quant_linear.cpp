@@ -300,7 +300,7 @@ void run(const float* x, int64_t M, int64_t K, const uint8_t* blocks, int64_t N,
   }
 }
 
-// ---- The greedy token of a Q8_0 head without every logit (AVX-512 VNNI) ----------------------
+// ---- The greedy token of a Q8_0 head without every logit (AVX-512 VNNI, or AVX2) --------------
 //
 // A greedy step with nothing else asked of it (no logprobs, penalties, grammar, sampling) needs
 // only argmax_n y[m, n] of y = x @ W^T. The exact y of SmolLM2's 49152-row head costs 1.8 ms at
@@ -309,7 +309,8 @@ void run(const float* x, int64_t M, int64_t K, const uint8_t* blocks, int64_t N,
 //
 //   1. x's blocks are quantized to int8, s = max|x_b| / 127, xq = round(x / s): |x - s xq| <= s/2
 //      (plus fp32 rounding of x / s, a few ulps of 127 s). Per output row n and x row m,
-//        a[m, n] = sum_b d_nb s_mb sum_j q_nbj xq_mbj   (the int8 dot products exact: VPDPBUSD)
+//        a[m, n] = sum_b d_nb s_mb sum_j q_nbj xq_mbj   (the int8 dot products exact: VPDPBUSD,
+//                                                         or VPMADDUBSW + VPMADDWD without VNNI)
 //        e[m, n] = C_n / 2 sum_b |d_nb| s_mb            (C_n = max_b sum_j |q_nbj|)
 //      so |y - a| <= e in exact arithmetic. BOUND_SLACK (5%) covers the rounding: of the computed
 //      y (K + 2 ulps of sum |w x| <= 254 e: 0.9% of e at K = 576), of a (~0.01%) and of xq.
@@ -325,6 +326,9 @@ void run(const float* x, int64_t M, int64_t K, const uint8_t* blocks, int64_t N,
 // median, 54 at the 90th percentile, 223 at most. Where it cannot answer (x not finite or nearly
 // subnormal, a bound not finite, more than GREEDY_MAX_CANDIDATES rows) it returns nothing and the
 // caller computes y.
+// Without AVX-512 VNNI (an AVX2-only CPU, or SPECSPLIT_QUANT_AVX512=0) the bound pass runs the
+// AVX2 int8 loop's dot products (greedy_bounds_avx2); the exact rows then run the loop
+// quant_linear runs there (rows_avx2, or rows_avx512 on an AVX-512 CPU without VNNI).
 constexpr int GREEDY_MAX_ROWS = 3;  // rows_avx512's passes (4+ rows pair output rows: bits shift)
 constexpr int64_t GREEDY_MAX_CANDIDATES = 4096;
 constexpr float BOUND_SLACK = 1.05f;
@@ -333,6 +337,12 @@ constexpr float BOUND_SLACK = 1.05f;
 //   512 bytes: chunk c (0..7) = 16 rows x 4 bytes, byte (c, r, t) = q[16g + r][32b + 4c + t] + 128
 //   32 bytes:  the 16 rows' d (fp16)
 constexpr int64_t GROUP_ROWS = 16, GROUP_BLOCK_BYTES = 512 + 32;
+
+// the group's block bytes PREFETCH_BYTES ahead (the copy is read once, in order)
+inline void prefetch_group_block(const uint8_t* bp) {
+  for (int64_t o = 0; o < GROUP_BLOCK_BYTES; o += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(bp + PREFETCH_BYTES + o), _MM_HINT_T0);
+}
 
 #define SPECSPLIT_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
 
@@ -418,8 +428,7 @@ SPECSPLIT_VNNI void greedy_bounds(const QuantX& xq, int64_t K, const uint8_t* gr
     for (int m = 0; m < MP; ++m) acc[m] = err[m] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* bp = gp + b * GROUP_BLOCK_BYTES;
-      for (int64_t o = 0; o < GROUP_BLOCK_BYTES; o += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(bp + PREFETCH_BYTES + o), _MM_HINT_T0);
+      prefetch_group_block(bp);
       __m512i w[8];
       for (int c = 0; c < 8; ++c) w[c] = _mm512_loadu_si512(bp + 64 * c);
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + 512)));
@@ -464,9 +473,7 @@ SPECSPLIT_VNNI inline void int8_group(const QuantX& xq, int64_t m0, int64_t K, c
   for (int m = 0; m < MP; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* bp = gp + b * GROUP_BLOCK_BYTES;
-    if (m0 == 0)
-      for (int64_t o = 0; o < GROUP_BLOCK_BYTES; o += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(bp + PREFETCH_BYTES + o), _MM_HINT_T0);
+    if (m0 == 0) prefetch_group_block(bp);
     __m512i w[8];
     for (int c = 0; c < 8; ++c) w[c] = _mm512_loadu_si512(bp + 64 * c);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + 512)));
@@ -481,46 +488,99 @@ SPECSPLIT_VNNI inline void int8_group(const QuantX& xq, int64_t m0, int64_t K, c
   for (int m = 0; m < MP; ++m) _mm512_mask_storeu_ps(y + (m0 + m) * N + n, keep, acc[m]);
 }
 
+// One block's integer dot products for rows m0.. of x and the group's 16 output rows, the AVX2 way:
+// dot[m][0] rows 0-7, dot[m][1] rows 8-15; bp: the group's block
+template <int MP>
+inline void block_dots_avx2(const QuantX& xq, int64_t m0, int64_t K, int64_t b, const uint8_t* bp, __m256i dot[MP][2]) {
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+  for (int m = 0; m < MP; ++m) dot[m][0] = dot[m][1] = _mm256_setzero_si256();
+  for (int c = 0; c < 8; ++c) {
+    __m256i w[2], a[2];  // q (signed: the stored q + 128 with its top bit flipped) and |q|
+    for (int h = 0; h < 2; ++h) {
+      w[h] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + 64 * c + 32 * h)), flip);
+      a[h] = _mm256_sign_epi8(w[h], w[h]);  // -128 stays 0x80: 128 as the unsigned operand
+    }
+    for (int m = 0; m < MP; ++m) {
+      const int32_t* x4 = reinterpret_cast<const int32_t*>(xq.q.data() + (m0 + m) * K + b * QK);
+      const __m256i xb = _mm256_set1_epi32(x4[c]);
+      for (int h = 0; h < 2; ++h)
+        dot[m][h] = _mm256_add_epi32(dot[m][h], _mm256_madd_epi16(_mm256_maddubs_epi16(a[h], _mm256_sign_epi8(xb, w[h])), ones));
+    }
+  }
+}
+
+// the 16 rows' fp16 d of a group's block, as fp32 (rows 0-7, 8-15)
+inline void block_scales_avx2(const uint8_t* bp, __m256 d[2]) {
+  d[0] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bp + 512)));
+  d[1] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bp + 528)));
+}
+
+// 16 lanes (rows 0-7, 8-15) -> out[0 .. rows)
+inline void store_rows_avx2(const __m256 v[2], int64_t rows, float* out) {
+  alignas(32) float tmp[GROUP_ROWS];
+  _mm256_store_ps(tmp, v[0]);
+  _mm256_store_ps(tmp + 8, v[1]);
+  std::memcpy(out, tmp, rows * sizeof(float));
+}
+
 template <int MP>
 inline void int8_group_avx2(const QuantX& xq, int64_t m0, int64_t K, const uint8_t* gp, int64_t n, int64_t rows,
                             float* y, int64_t N) {
   const int64_t nb = K / QK;
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
   __m256 acc[MP][2];  // output rows 0-7 and 8-15 of the group
   for (int m = 0; m < MP; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* bp = gp + b * GROUP_BLOCK_BYTES;
-    if (m0 == 0)
-      for (int64_t o = 0; o < GROUP_BLOCK_BYTES; o += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(bp + PREFETCH_BYTES + o), _MM_HINT_T0);
+    if (m0 == 0) prefetch_group_block(bp);
     __m256i dot[MP][2];
-    for (int m = 0; m < MP; ++m) dot[m][0] = dot[m][1] = _mm256_setzero_si256();
-    for (int c = 0; c < 8; ++c) {
-      __m256i w[2], a[2];  // q (signed: the stored q + 128 with its top bit flipped) and |q|
-      for (int h = 0; h < 2; ++h) {
-        w[h] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + 64 * c + 32 * h)), flip);
-        a[h] = _mm256_sign_epi8(w[h], w[h]);  // -128 stays 0x80: 128 as the unsigned operand
-      }
-      for (int m = 0; m < MP; ++m) {
-        const int32_t* x4 = reinterpret_cast<const int32_t*>(xq.q.data() + (m0 + m) * K + b * QK);
-        const __m256i xb = _mm256_set1_epi32(x4[c]);
-        for (int h = 0; h < 2; ++h)
-          dot[m][h] = _mm256_add_epi32(dot[m][h], _mm256_madd_epi16(_mm256_maddubs_epi16(a[h], _mm256_sign_epi8(xb, w[h])), ones));
-      }
-    }
-    const __m256 d[2] = {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bp + 512))),
-                         _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bp + 528)))};
+    block_dots_avx2<MP>(xq, m0, K, b, bp, dot);
+    __m256 d[2];
+    block_scales_avx2(bp, d);
     for (int m = 0; m < MP; ++m) {
       const __m256 sv = _mm256_set1_ps(xq.scale[(m0 + m) * nb + b]);
       for (int h = 0; h < 2; ++h)
         acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m][h]), _mm256_mul_ps(d[h], sv), acc[m][h]);
     }
   }
-  for (int m = 0; m < MP; ++m) {
-    alignas(32) float out[GROUP_ROWS];
-    _mm256_store_ps(out, acc[m][0]);
-    _mm256_store_ps(out + 8, acc[m][1]);
-    std::memcpy(y + (m0 + m) * N + n, out, rows * sizeof(float));
+  for (int m = 0; m < MP; ++m) store_rows_avx2(acc[m], rows, y + (m0 + m) * N + n);
+}
+
+// greedy_bounds without VNNI: the same a and e per output row, the dot products from
+// block_dots_avx2 (the integers are the same; the float operations per row are the same too)
+template <int MP>
+void greedy_bounds_avx2(const QuantX& xq, int64_t K, const uint8_t* groups, const float* cmax, int64_t g0, int64_t g1,
+                        float* a, float* e, int64_t N) {
+  const int64_t nb = K / QK, group_bytes = nb * GROUP_BLOCK_BYTES;
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* gp = groups + g * group_bytes;
+    __m256 acc[MP][2], err[MP][2];
+    for (int m = 0; m < MP; ++m) acc[m][0] = acc[m][1] = err[m][0] = err[m][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* bp = gp + b * GROUP_BLOCK_BYTES;
+      prefetch_group_block(bp);
+      __m256i dot[MP][2];
+      block_dots_avx2<MP>(xq, 0, K, b, bp, dot);
+      __m256 d[2];
+      block_scales_avx2(bp, d);
+      for (int m = 0; m < MP; ++m) {
+        const __m256 s = _mm256_set1_ps(xq.scale[m * nb + b]);
+        for (int h = 0; h < 2; ++h) {
+          acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m][h]), _mm256_mul_ps(d[h], s), acc[m][h]);
+          err[m][h] = _mm256_fmadd_ps(_mm256_and_ps(d[h], absmask), s, err[m][h]);
+        }
+      }
+    }
+    const int64_t n = g * GROUP_ROWS, rows = std::min<int64_t>(GROUP_ROWS, N - n);
+    alignas(32) float cm[GROUP_ROWS] = {};
+    std::memcpy(cm, cmax + n, rows * sizeof(float));
+    const __m256 half = _mm256_set1_ps(0.5f * BOUND_SLACK);
+    const __m256 c[2] = {_mm256_mul_ps(_mm256_load_ps(cm), half), _mm256_mul_ps(_mm256_load_ps(cm + 8), half)};
+    for (int m = 0; m < MP; ++m) {
+      const __m256 ev[2] = {_mm256_mul_ps(err[m][0], c[0]), _mm256_mul_ps(err[m][1], c[1])};
+      store_rows_avx2(acc[m], rows, a + m * N + n);
+      store_rows_avx2(ev, rows, e + m * N + n);
+    }
   }
 }
 
@@ -576,35 +636,38 @@ void int8_linear_rows(const float* x, int64_t M, int64_t K, const uint8_t* group
     if (!xq.ok[m]) std::fill(y + m * N, y + (m + 1) * N, std::numeric_limits<float>::quiet_NaN());
 }
 
-// max_n (a - e) of one x row; false where an a or e is not finite
-SPECSPLIT_VNNI bool lower_bound(const float* a, const float* e, int64_t N, float* lo) {
-  __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  __mmask16 bad = 0;
+// max_n (a - e) of one x row; false where an a or e is not finite (AVX2, for both loops)
+bool lower_bound(const float* a, const float* e, int64_t N, float* lo) {
+  __m256 best = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), bad = _mm256_setzero_ps();
   int64_t n = 0;
-  for (; n + 16 <= N; n += 16) {
-    const __m512 av = _mm512_loadu_ps(a + n), ev = _mm512_loadu_ps(e + n);
-    bad |= _mm512_fpclass_ps_mask(av, 0x99) | _mm512_fpclass_ps_mask(ev, 0x99);  // NaN or +-inf
-    best = _mm512_max_ps(best, _mm512_sub_ps(av, ev));
+  for (; n + 8 <= N; n += 8) {
+    const __m256 av = _mm256_loadu_ps(a + n), ev = _mm256_loadu_ps(e + n);
+    const __m256 za = _mm256_sub_ps(av, av), ze = _mm256_sub_ps(ev, ev);  // NaN where NaN or +-inf
+    bad = _mm256_or_ps(bad, _mm256_or_ps(_mm256_cmp_ps(za, za, _CMP_UNORD_Q), _mm256_cmp_ps(ze, ze, _CMP_UNORD_Q)));
+    best = _mm256_max_ps(best, _mm256_sub_ps(av, ev));
   }
-  float out = _mm512_reduce_max_ps(best);
+  if (_mm256_movemask_ps(bad)) return false;
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, best);
+  float out = *std::max_element(lanes, lanes + 8);
   for (; n < N; ++n) {
     if (!std::isfinite(a[n]) || !std::isfinite(e[n])) return false;
     out = std::max(out, a[n] - e[n]);
   }
   *lo = out;
-  return bad == 0;
+  return true;
 }
 
-// the rows n where a[m, n] + e[m, n] >= lo[m] for some m, in order
+// the rows n where a[m, n] + e[m, n] >= lo[m] for some m, in order (AVX2, for both loops)
 template <int MP>
-SPECSPLIT_VNNI void candidates(const float* a, const float* e, const float* lo, int64_t N, std::vector<int64_t>& rows) {
+void candidates(const float* a, const float* e, const float* lo, int64_t N, std::vector<int64_t>& rows) {
   int64_t n = 0;
-  for (; n + 16 <= N; n += 16) {
-    __mmask16 hit = 0;
+  for (; n + 8 <= N; n += 8) {
+    __m256 hit = _mm256_setzero_ps();
     for (int m = 0; m < MP; ++m)
-      hit |= _mm512_cmp_ps_mask(_mm512_add_ps(_mm512_loadu_ps(a + m * N + n), _mm512_loadu_ps(e + m * N + n)),
-                                _mm512_set1_ps(lo[m]), _CMP_GE_OQ);
-    for (unsigned bits = hit; bits; bits &= bits - 1) rows.push_back(n + __builtin_ctz(bits));
+      hit = _mm256_or_ps(hit, _mm256_cmp_ps(_mm256_add_ps(_mm256_loadu_ps(a + m * N + n), _mm256_loadu_ps(e + m * N + n)),
+                                            _mm256_set1_ps(lo[m]), _CMP_GE_OQ));
+    for (unsigned bits = _mm256_movemask_ps(hit); bits; bits &= bits - 1) rows.push_back(n + __builtin_ctz(bits));
   }
   for (; n < N; ++n) {
     bool maybe = false;
@@ -613,18 +676,33 @@ SPECSPLIT_VNNI void candidates(const float* a, const float* e, const float* lo, 
   }
 }
 
+// a, e [MP, N] of the bound pass, the VNNI loop over all groups
 template <int MP>
-SPECSPLIT_VNNI torch::Tensor greedy_rows(const float* x, int64_t K, const uint8_t* blocks, const uint8_t* groups,
-                                         const float* cmax, int64_t N) {
+void greedy_bounds_vnni(const QuantX& xq, int64_t K, const uint8_t* groups, const float* cmax,
+                                       int64_t N, float* a, float* e) {
+  at::parallel_for(0, (N + GROUP_ROWS - 1) / GROUP_ROWS, 4, [&](int64_t g0, int64_t g1) {
+    greedy_bounds<MP>(xq, K, groups, cmax, g0, g1, a, e, N);
+  });
+}
+
+// The greedy ids of MP rows of x: the bound pass (VNNI, or the AVX2 loop where vnni is false),
+// the candidate rows, their exact y by quant_linear's loop (exact_avx512: the loop quant_linear
+// itself runs here, so y has its bits), the first maximum. Empty where it cannot answer.
+template <int MP>
+torch::Tensor greedy_rows(const float* x, int64_t K, const uint8_t* blocks, const uint8_t* groups, const float* cmax,
+                          int64_t N, bool vnni, bool exact_avx512) {
   const auto none = torch::empty({0}, torch::kLong);
   QuantX xq;
   quantize_x(x, MP, K, xq, false);
   for (int m = 0; m < MP; ++m)
     if (!xq.ok[m]) return none;
   std::unique_ptr<float[]> a(new float[MP * N]), e(new float[MP * N]);  // every entry written below
-  at::parallel_for(0, (N + GROUP_ROWS - 1) / GROUP_ROWS, 4, [&](int64_t g0, int64_t g1) {
-    greedy_bounds<MP>(xq, K, groups, cmax, g0, g1, a.get(), e.get(), N);
-  });
+  if (vnni)
+    greedy_bounds_vnni<MP>(xq, K, groups, cmax, N, a.get(), e.get());
+  else
+    at::parallel_for(0, (N + GROUP_ROWS - 1) / GROUP_ROWS, 4, [&](int64_t g0, int64_t g1) {
+      greedy_bounds_avx2<MP>(xq, K, groups, cmax, g0, g1, a.get(), e.get(), N);
+    });
   float lo[MP];
   for (int m = 0; m < MP; ++m)
     if (!lower_bound(a.get() + m * N, e.get() + m * N, N, lo + m)) return none;
@@ -635,7 +713,7 @@ SPECSPLIT_VNNI torch::Tensor greedy_rows(const float* x, int64_t K, const uint8_
   std::vector<uint8_t> picked(C * row_bytes);
   for (int64_t c = 0; c < C; ++c) std::memcpy(picked.data() + c * row_bytes, blocks + rows[c] * row_bytes, row_bytes);
   std::vector<float> y(MP * C);
-  run<Q8_0>(x, MP, K, picked.data(), C, y.data(), true);  // quant_linear's loop: y's very bits
+  run<Q8_0>(x, MP, K, picked.data(), C, y.data(), exact_avx512);  // quant_linear's loop: y's very bits
   auto ids = torch::empty({MP}, torch::kLong);
   int64_t* ip = ids.data_ptr<int64_t>();
   for (int m = 0; m < MP; ++m) {  // torch's max(dim=-1): the first maximum, a NaN counted as one
@@ -973,7 +1051,8 @@ void check_groups(const torch::Tensor& groups, int64_t N, int64_t K) {
 // argmax_n of quant_linear(x, blocks) for each x row, the ids torch.max(dim=-1) gives: x [M, K]
 // fp32 (M <= 3), Q8_0 split rows [N, K/32 * 34], their copy quant_greedy_pack(blocks) and its
 // cmax [N]. Returns int64 [M], or an empty tensor where this path cannot answer (another type,
-// more rows, no AVX-512 VNNI, see greedy_rows): the caller then computes y.
+// more rows, see greedy_rows): the caller then computes y. allow_avx512 = false runs the AVX2
+// loops on any CPU (tests compare both).
 torch::Tensor quant_greedy(const torch::Tensor& x_in, const torch::Tensor& blocks, int64_t qtype,
                            const torch::Tensor& groups, const torch::Tensor& cmax, bool allow_avx512) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "quant_greedy: x must be fp32 [M, K]");
@@ -982,17 +1061,17 @@ torch::Tensor quant_greedy(const torch::Tensor& x_in, const torch::Tensor& block
   check_groups(groups, N, K);
   TORCH_CHECK(cmax.dim() == 1 && cmax.size(0) == N && cmax.scalar_type() == at::kFloat && cmax.is_contiguous(),
               "quant_greedy: cmax must be contiguous fp32 [N]");
-  if (qtype != Q8_0 || M < 1 || M > GREEDY_MAX_ROWS || N < 1 || !allow_avx512 || !use_vnni())
-    return torch::empty({0}, torch::kLong);
+  if (qtype != Q8_0 || M < 1 || M > GREEDY_MAX_ROWS || N < 1) return torch::empty({0}, torch::kLong);
+  const bool vnni = allow_avx512 && use_vnni(), exact_avx512 = allow_avx512 && use_avx512();
   const torch::Tensor x = x_in.contiguous();
   const float* xp = x.data_ptr<float>();
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   const uint8_t* gp = groups.data_ptr<uint8_t>();
   const float* cp = cmax.data_ptr<float>();
   switch (M) {
-    case 1: return greedy_rows<1>(xp, K, bp, gp, cp, N);
-    case 2: return greedy_rows<2>(xp, K, bp, gp, cp, N);
-    default: return greedy_rows<3>(xp, K, bp, gp, cp, N);
+    case 1: return greedy_rows<1>(xp, K, bp, gp, cp, N, vnni, exact_avx512);
+    case 2: return greedy_rows<2>(xp, K, bp, gp, cp, N, vnni, exact_avx512);
+    default: return greedy_rows<3>(xp, K, bp, gp, cp, N, vnni, exact_avx512);
   }
 }
 

@@ -1,6 +1,7 @@
 """kernels/quant_linear.greedy: the greedy ids of a Q8_0 weight, found from an int8 bound over its
 16-row copy and the exact rows it picks, equal linear(x, w).max(dim=-1).indices exactly, ties
-and near-ties included; where it cannot answer it says so (None) rather than guess."""
+and near-ties included; where it cannot answer it says so (None) rather than guess. Both bound
+loops: the AVX2 one (avx512=False, against the AVX2 linear) and, where the CPU has it, VNNI."""
 from __future__ import annotations
 
 import pytest
@@ -10,12 +11,13 @@ from specsplit.kernels import quant_linear
 from specsplit.kernels.quant_linear import QuantWeight
 from tests.kernels.test_kernel_quant_linear import random_blocks
 
-pytestmark = pytest.mark.skipif(quant_linear.load() is None or quant_linear.greedy_copy(random_blocks("Q8_0", 1, 32)) is None,
-                                reason="no AVX-512 VNNI here (or no quantized kernel): greedy heads compute their logits")
+pytestmark = pytest.mark.skipif(quant_linear.load() is None, reason="no quantized kernel here (AVX2, FMA, F16C)")
+
+LOOPS = [False] + ([True] if quant_linear.uses_vnni() else [])  # avx512: the AVX2 bound loop, then VNNI
 
 
-def argmax_of_linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
-    return quant_linear.linear(x, w).max(dim=-1).indices
+def argmax_of_linear(x: torch.Tensor, w: QuantWeight, avx512: bool) -> torch.Tensor:
+    return quant_linear.linear(x, w, avx512=avx512).max(dim=-1).indices
 
 
 def with_rows(w: QuantWeight, src: int, dst: list[int]) -> QuantWeight:
@@ -25,58 +27,63 @@ def with_rows(w: QuantWeight, src: int, dst: list[int]) -> QuantWeight:
     return QuantWeight(blocks, w.qtype, w.in_features)
 
 
+@pytest.mark.parametrize("avx512", LOOPS)
 @pytest.mark.parametrize("k", [32, 96, 576])
 @pytest.mark.parametrize("n", [1, 15, 16, 17, 1000, 4099])
 @pytest.mark.parametrize("m", [1, 2, 3])
-def test_the_ids_equal_the_argmax_of_the_linear(m, n, k):
+def test_the_ids_equal_the_argmax_of_the_linear(m, n, k, avx512):
     w = random_blocks("Q8_0", n, k, seed=n + k)
     copy = quant_linear.greedy_copy(w)
     g = torch.Generator().manual_seed(m * 7 + n)
     for _ in range(4):
         x = torch.randn(m, k, generator=g) * torch.rand(1, k, generator=g) * 3  # blocks of different scales
-        ids = quant_linear.greedy(x, w, copy)
+        ids = quant_linear.greedy(x, w, copy, avx512=avx512)
         assert ids is not None and ids.dtype == torch.int64
-        assert torch.equal(ids, argmax_of_linear(x, w))
+        assert torch.equal(ids, argmax_of_linear(x, w, avx512))
 
 
-def test_a_tie_goes_to_the_first_of_the_tied_rows():
+@pytest.mark.parametrize("avx512", LOOPS)
+def test_a_tie_goes_to_the_first_of_the_tied_rows(avx512):
     w = random_blocks("Q8_0", 3000, 576, seed=3)
     x = torch.randn(2, 576, generator=torch.Generator().manual_seed(1))
-    best = int(argmax_of_linear(x, w)[0])
+    best = int(argmax_of_linear(x, w, avx512)[0])
     tied = with_rows(w, best, [5, best + 1, 2999])  # the same row before and after the maximum
-    ids = quant_linear.greedy(x, tied, quant_linear.greedy_copy(tied))
-    assert torch.equal(ids, argmax_of_linear(x, tied)) and int(ids[0]) == 5
+    ids = quant_linear.greedy(x, tied, quant_linear.greedy_copy(tied), avx512=avx512)
+    assert torch.equal(ids, argmax_of_linear(x, tied, avx512)) and int(ids[0]) == 5
 
 
-def test_rows_a_hair_apart_are_told_apart_exactly():
+@pytest.mark.parametrize("avx512", LOOPS)
+def test_rows_a_hair_apart_are_told_apart_exactly(avx512):
     """Copies of the maximum's row with one quant moved by one where x is tiny: the logits differ in
     the last bits only, far inside the bound, so the exact rows decide."""
     w = random_blocks("Q8_0", 2000, 576, seed=4)
     x = torch.randn(1, 576, generator=torch.Generator().manual_seed(2))
     x[0, 100] = 1e-6
-    best = int(argmax_of_linear(x, w)[0])
+    best = int(argmax_of_linear(x, w, avx512)[0])
     blocks = w.blocks.clone()
     for j, row in enumerate((7, 900, 1999)):  # quants come first in a split row: byte 100 is weight 100
         blocks[row] = blocks[best]
         blocks[row, 100] = (int(blocks[best, 100]) + j + 1) % 256
     near = QuantWeight(blocks, "Q8_0", 576)
-    y = quant_linear.linear(x, near)
+    y = quant_linear.linear(x, near, avx512=avx512)
     assert sorted(y[0].topk(4).indices.tolist()) == sorted([best, 7, 900, 1999])  # the near-tie is real
-    assert torch.equal(quant_linear.greedy(x, near, quant_linear.greedy_copy(near)), y.max(dim=-1).indices)
+    assert torch.equal(quant_linear.greedy(x, near, quant_linear.greedy_copy(near), avx512=avx512),
+                       y.max(dim=-1).indices)
 
 
-def test_where_it_cannot_answer_it_returns_none():
+@pytest.mark.parametrize("avx512", LOOPS)
+def test_where_it_cannot_answer_it_returns_none(avx512):
     w = random_blocks("Q8_0", 500, 64, seed=5)
     copy = quant_linear.greedy_copy(w)
     x = torch.randn(3, 64)
     for bad in (float("nan"), float("inf")):
         y = x.clone()
         y[1, 3] = bad
-        assert quant_linear.greedy(y, w, copy) is None
-    assert quant_linear.greedy(torch.randn(4, 64), w, copy) is None  # 4+ rows: quant_linear pairs output rows
+        assert quant_linear.greedy(y, w, copy, avx512=avx512) is None
+    assert quant_linear.greedy(torch.randn(4, 64), w, copy, avx512=avx512) is None  # 4+ rows: quant_linear pairs output rows
     assert quant_linear.greedy_copy(random_blocks("Q4_1", 16, 64)) is None
     same = with_rows(random_blocks("Q8_0", 5000, 64, seed=6), 0, list(range(1, 5000)))  # 5000 tied rows
-    assert quant_linear.greedy(x, same, quant_linear.greedy_copy(same)) is None  # past GREEDY_MAX_CANDIDATES
+    assert quant_linear.greedy(x, same, quant_linear.greedy_copy(same), avx512=avx512) is None  # past GREEDY_MAX_CANDIDATES
 
 
 def test_the_copy_holds_the_rows_bytes_and_their_bound_scale():

@@ -113,5 +113,3 @@ def test_bad_shapes_are_refused_with_a_message():
     with pytest.raises(RuntimeError, match="groups must be"):
         quant_linear.int8_linear(torch.randn(1, 96), copy)  # the copy is for K = 64
     assert quant_linear.group_copy(random_blocks("Q4_1", 16, 64)) is None  # Q8_0 only
-    if not quant_linear.uses_vnni():
-        assert quant_linear.greedy_copy(w) is None  # greedy's bound pass is VNNI only
