@@ -117,7 +117,7 @@ def test_greedy_generation_equals_the_fp32_path(models):
 
 def test_a_greedy_forward_gives_the_ids_of_the_logits(models):
     """forward(greedy=True) gives greedy_ids of forward()'s logits: through the Q8_0 head's greedy
-    copy at 1-3 rows where the CPU has AVX-512 VNNI (its bytes counted with the untracked ones),
+    copy at 1-3 rows (its bound pass VNNI or AVX2; its bytes counted with the untracked ones),
     through the logits past them and elsewhere. Its bytes are the model's (tensor_storage_bytes)."""
     model = models[0].model
     copy = model._head.greedy_copy
