@@ -676,15 +676,6 @@ void candidates(const float* a, const float* e, const float* lo, int64_t N, std:
   }
 }
 
-// a, e [MP, N] of the bound pass, the VNNI loop over all groups
-template <int MP>
-void greedy_bounds_vnni(const QuantX& xq, int64_t K, const uint8_t* groups, const float* cmax,
-                                       int64_t N, float* a, float* e) {
-  at::parallel_for(0, (N + GROUP_ROWS - 1) / GROUP_ROWS, 4, [&](int64_t g0, int64_t g1) {
-    greedy_bounds<MP>(xq, K, groups, cmax, g0, g1, a, e, N);
-  });
-}
-
 // The greedy ids of MP rows of x: the bound pass (VNNI, or the AVX2 loop where vnni is false),
 // the candidate rows, their exact y by quant_linear's loop (exact_avx512: the loop quant_linear
 // itself runs here, so y has its bits), the first maximum. Empty where it cannot answer.
@@ -697,12 +688,12 @@ torch::Tensor greedy_rows(const float* x, int64_t K, const uint8_t* blocks, cons
   for (int m = 0; m < MP; ++m)
     if (!xq.ok[m]) return none;
   std::unique_ptr<float[]> a(new float[MP * N]), e(new float[MP * N]);  // every entry written below
-  if (vnni)
-    greedy_bounds_vnni<MP>(xq, K, groups, cmax, N, a.get(), e.get());
-  else
-    at::parallel_for(0, (N + GROUP_ROWS - 1) / GROUP_ROWS, 4, [&](int64_t g0, int64_t g1) {
+  at::parallel_for(0, (N + GROUP_ROWS - 1) / GROUP_ROWS, 4, [&](int64_t g0, int64_t g1) {
+    if (vnni)
+      greedy_bounds<MP>(xq, K, groups, cmax, g0, g1, a.get(), e.get(), N);
+    else
       greedy_bounds_avx2<MP>(xq, K, groups, cmax, g0, g1, a.get(), e.get(), N);
-    });
+  });
   float lo[MP];
   for (int m = 0; m < MP; ++m)
     if (!lower_bound(a.get() + m * N, e.get() + m * N, N, lo + m)) return none;
