@@ -290,6 +290,10 @@ class LlamaForCausalLM(nn.Module):
                 copy = dataclasses.replace(copy, groups=huge_pages.into_huge_pages([copy.groups])[0])
             head.greedy_copy = copy
             self._keep_greedy_copy(copy)
+            if copy is not None:
+                log.info("greedy steps: the head's argmax from an int8 bound over its %.0f MB copy (%s loop), "
+                         "then the candidate rows exactly", copy.nbytes / 2**20,
+                         "AVX-512 VNNI" if quant_linear.uses_vnni() else "AVX2")
             self.kernel_tables[f"head {head.rows}x{self.cfg.hidden_size} {head.quant.qtype}"] = head.kernels
         elif kinds:
             if cpu_linear.PACKED in kinds:
