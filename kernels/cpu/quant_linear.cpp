@@ -467,8 +467,9 @@ SPECSPLIT_VNNI void greedy_bounds(const QuantX& xq, int64_t K, const uint8_t* gr
 // for bit.
 template <int MP>
 SPECSPLIT_VNNI inline void int8_group(const QuantX& xq, int64_t m0, int64_t K, const uint8_t* gp, int64_t n,
-                                      __mmask16 keep, float* y, int64_t N) {
+                                      int64_t rows, float* y, int64_t N) {
   const int64_t nb = K / QK;
+  const __mmask16 keep = static_cast<__mmask16>((1u << rows) - 1u);
   __m512 acc[MP];
   for (int m = 0; m < MP; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -584,41 +585,44 @@ void greedy_bounds_avx2(const QuantX& xq, int64_t K, const uint8_t* groups, cons
   }
 }
 
-// the VNNI loop over groups g0..g1, x rows in passes of up to 4
-SPECSPLIT_VNNI void int8_groups_vnni(const QuantX& xq, int64_t M, int64_t K, const uint8_t* groups, int64_t g0, int64_t g1,
-                                     float* y, int64_t N) {
+// One pass of rows m0.. of x over a group: the VNNI loop or the AVX2 one (the same arguments)
+template <bool VNNI, int MP>
+__attribute__((always_inline)) inline void int8_pass(const QuantX& xq, int64_t m0, int64_t K, const uint8_t* gp,
+                                                     int64_t n, int64_t rows, float* y, int64_t N) {
+  if constexpr (VNNI)
+    int8_group<MP>(xq, m0, K, gp, n, rows, y, N);
+  else
+    int8_group_avx2<MP>(xq, m0, K, gp, n, rows, y, N);
+}
+
+// The groups g0..g1, x rows in passes of up to 4. Inlined into the two functions below, so the
+// VNNI one is built for AVX-512 and the AVX2 one (which an AVX2-only CPU runs) is not.
+template <bool VNNI>
+__attribute__((always_inline)) inline void int8_groups(const QuantX& xq, int64_t M, int64_t K, const uint8_t* groups,
+                                                       int64_t g0, int64_t g1, float* y, int64_t N) {
   const int64_t group_bytes = K / QK * GROUP_BLOCK_BYTES;
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* gp = groups + g * group_bytes;
     const int64_t n = g * GROUP_ROWS, rows = std::min<int64_t>(GROUP_ROWS, N - n);
-    const __mmask16 keep = static_cast<__mmask16>((1u << rows) - 1u);
     for (int64_t m0 = 0; m0 < M; m0 += 4) {
       switch (std::min<int64_t>(4, M - m0)) {
-        case 1: int8_group<1>(xq, m0, K, gp, n, keep, y, N); break;
-        case 2: int8_group<2>(xq, m0, K, gp, n, keep, y, N); break;
-        case 3: int8_group<3>(xq, m0, K, gp, n, keep, y, N); break;
-        default: int8_group<4>(xq, m0, K, gp, n, keep, y, N); break;
+        case 1: int8_pass<VNNI, 1>(xq, m0, K, gp, n, rows, y, N); break;
+        case 2: int8_pass<VNNI, 2>(xq, m0, K, gp, n, rows, y, N); break;
+        case 3: int8_pass<VNNI, 3>(xq, m0, K, gp, n, rows, y, N); break;
+        default: int8_pass<VNNI, 4>(xq, m0, K, gp, n, rows, y, N); break;
       }
     }
   }
 }
 
-// the AVX2 loop over groups g0..g1 (the same y)
+SPECSPLIT_VNNI void int8_groups_vnni(const QuantX& xq, int64_t M, int64_t K, const uint8_t* groups, int64_t g0, int64_t g1,
+                                     float* y, int64_t N) {
+  int8_groups<true>(xq, M, K, groups, g0, g1, y, N);
+}
+
 void int8_groups_avx2(const QuantX& xq, int64_t M, int64_t K, const uint8_t* groups, int64_t g0, int64_t g1, float* y,
                       int64_t N) {
-  const int64_t group_bytes = K / QK * GROUP_BLOCK_BYTES;
-  for (int64_t g = g0; g < g1; ++g) {
-    const uint8_t* gp = groups + g * group_bytes;
-    const int64_t n = g * GROUP_ROWS, rows = std::min<int64_t>(GROUP_ROWS, N - n);
-    for (int64_t m0 = 0; m0 < M; m0 += 4) {
-      switch (std::min<int64_t>(4, M - m0)) {
-        case 1: int8_group_avx2<1>(xq, m0, K, gp, n, rows, y, N); break;
-        case 2: int8_group_avx2<2>(xq, m0, K, gp, n, rows, y, N); break;
-        case 3: int8_group_avx2<3>(xq, m0, K, gp, n, rows, y, N); break;
-        default: int8_group_avx2<4>(xq, m0, K, gp, n, rows, y, N); break;
-      }
-    }
-  }
+  int8_groups<false>(xq, M, K, groups, g0, g1, y, N);
 }
 
 // y [M, N] for x [M, K] (M any) and the 16-row copy of a Q8_0 W [N, K]; a row of x that is not
