@@ -10,10 +10,9 @@ import torch
 from specsplit.kernels import quant_linear
 from specsplit.kernels.quant_linear import QuantWeight
 from tests.kernels.test_kernel_quant_linear import random_blocks
+from tests.kernels.test_kernel_quant_linear_int8 import LOOPS  # avx512: the AVX2 loops, then VNNI where it runs
 
 pytestmark = pytest.mark.skipif(quant_linear.load() is None, reason="no quantized kernel here (AVX2, FMA, F16C)")
-
-LOOPS = [False] + ([True] if quant_linear.uses_vnni() else [])  # avx512: the AVX2 bound loop, then VNNI
 
 
 def argmax_of_linear(x: torch.Tensor, w: QuantWeight, avx512: bool) -> torch.Tensor:
