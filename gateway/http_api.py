@@ -71,6 +71,9 @@ from specsplit.sampling.params import MAX_LOGIT_BIAS_ENTRIES
 log = logging.getLogger(__name__)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# /v1/completions with a batch of prompts: prompts x n at most (each choice is a request; lm-eval's
+# local-completions sends its batch_size prompts in one request)
+MAX_BATCH_CHOICES = 64
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default (the gRPC API's is 0, greedy)
 SHUTDOWN_GRACE_S = 5.0
 
@@ -163,6 +166,22 @@ class ChatBody(_Body):
     top_logprobs: int | None = None
     tools: list | None = None  # function tools (gateway/tools.py)
     tool_choice: str | dict | None = None  # "none" | "auto" | "required" | {"type": "function", "function": {"name"}}
+
+
+def _completion_prompts(p) -> list[str | list[int]]:
+    """/v1/completions' prompt -> its prompts: one string, one list of token ids, or a batch of
+    either (OpenAI's four forms); each is its own n choices."""
+    if isinstance(p, str) or (p and all(isinstance(t, int) for t in p)):
+        prompts = [p]
+    elif p and all(isinstance(x, str) for x in p) or p and all(isinstance(x, list) for x in p):
+        prompts = list(p)
+    else:
+        raise _invalid("the prompt is empty" if not p else "prompt must be a string, a list of token ids, or a "
+                       "list of either", "prompt")
+    for i, x in enumerate(prompts):
+        if not x:
+            raise _invalid("the prompt is empty" if len(prompts) == 1 else f"prompt {i} of the batch is empty", "prompt")
+    return prompts
 
 
 def _check_unsupported(body: _Body) -> None:
@@ -449,11 +468,12 @@ def _aborting(lives: list[_Live]):
         _close(lives)
 
 
-def _usage_of(usages: list[dict | None]) -> dict | None:
-    """n choices' usage: the prompt once (as OpenAI counts it), the completions' tokens summed."""
+def _usage_of(usages: list[dict | None], n: int | None = None) -> dict | None:
+    """The choices' usage: each prompt once (as OpenAI counts it; a batch of prompts holds n
+    choices per prompt, in order; n None: one prompt), the completions' tokens summed."""
     if any(u is None for u in usages):
         return None
-    return {"prompt_tokens": usages[0].get("prompt_tokens", 0),
+    return {"prompt_tokens": sum(int(u.get("prompt_tokens", 0)) for u in usages[::n or len(usages) or 1]),
             "completion_tokens": sum(int(u.get("completion_tokens", 0)) for u in usages)}
 
 
@@ -681,8 +701,9 @@ def create_app(backend: HttpBackend) -> FastAPI:
             ev = await live.next(watch_disconnect=False)  # streamed: Starlette listens, and cancels us
 
     def stream(lives: list[_Live], firsts: list[Event], chunks, include_usage: bool,
-               usage_chunk: Callable[[dict], dict]):
-        """SSE of the choices' events as they come (chunks(i, ev): choice i's chunks for ev)."""
+               usage_chunk: Callable[[dict], dict], n: int | None = None):
+        """SSE of the choices' events as they come (chunks(i, ev): choice i's chunks for ev; n: a
+        batch of prompts' choices per prompt, for the usage)."""
         for live in lives:
             live.stop_watching()
 
@@ -719,7 +740,7 @@ def create_app(backend: HttpBackend) -> FastAPI:
                         if ev.finish_reason is not None:
                             usages[i] = ev.usage
                     if include_usage:
-                        yield _sse(usage_chunk(_usage(_usage_of(usages))))
+                        yield _sse(usage_chunk(_usage(_usage_of(usages, n))))
                     yield SSE_DONE
                 finally:
                     for t in tasks:
@@ -760,26 +781,35 @@ def create_app(backend: HttpBackend) -> FastAPI:
         if echo and (body.logprobs is not None or max_tokens == 0):
             # The prompt's logprobs come from the verifier's prefill (GenerateRequest.prompt_logprobs)
             msg.prompt_logprobs = body.logprobs or 0
-        p = body.prompt
-        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-            p = p[0]
-        if isinstance(p, str):
-            msg.prompt = _utf8(p, "prompt", "prompt")
-        elif isinstance(p, list) and all(isinstance(t, int) for t in p):
-            try:
-                msg.prompt_token_ids.extend(p)
-            except ValueError as e:
-                raise _invalid(f"prompt token ids: {e}", "prompt") from None
-        else:
-            raise _invalid("prompt must be one string or one list of token ids (batches are not supported)", "prompt")
-        if not p:
-            raise _invalid("the prompt is empty", "prompt")
-        lives = await submit(body, msg, body.logprobs, False, http_request)
+        prompts = _completion_prompts(body.prompt)
+        n = body.n or 1
+        if len(prompts) * n > MAX_BATCH_CHOICES:
+            raise _invalid(f"{len(prompts)} prompts x n {n} = {len(prompts) * n} choices; at most {MAX_BATCH_CHOICES} "
+                           f"a request (send the batch in smaller requests)", "prompt")
+        lives: list[_Live] = []  # choice i = prompt i // n, its sample i % n (OpenAI's order)
+        try:
+            for i, p in enumerate(prompts):
+                one = gateway_pb2.GenerateRequest()
+                one.CopyFrom(msg)
+                if len(prompts) > 1:
+                    one.request_id = f"{rid}-{i}"
+                if isinstance(p, str):
+                    one.prompt = _utf8(p, "prompt", "prompt")
+                else:
+                    try:
+                        one.prompt_token_ids.extend(p)
+                    except ValueError as e:
+                        raise _invalid(f"prompt token ids: {e}", "prompt") from None
+                lives += await submit(body, one, body.logprobs, False, http_request)
+        except BaseException:
+            _close(lives)  # the prompts submitted before the one refused
+            raise
         firsts = await first_events(lives)
-        prompt_ids = list(lives[0].request.prompt_token_ids)
+        prompt_ids = [list(lives[i * n].request.prompt_token_ids) for i in range(len(prompts))]
         # echo: the prompt's text first (as sent, or its ids decoded), then the completion's
-        echoed = (p if isinstance(p, str) else servicer.tokenizer.decode(prompt_ids)) if echo else ""
-        states = [{"offset": len(echoed), "echo": echo} for _ in lives]
+        echoed = [(p if isinstance(p, str) else servicer.tokenizer.decode(ids)) if echo else ""
+                  for p, ids in zip(prompts, prompt_ids)]
+        states = [{"offset": len(echoed[i // n]), "echo": echo} for i in range(len(lives))]
 
         def choice(i: int, ev: Event) -> dict:
             state = states[i]
@@ -790,9 +820,9 @@ def create_app(backend: HttpBackend) -> FastAPI:
             text = ev.text
             if state["echo"]:  # the first chunk (or the whole answer) starts with the prompt
                 state["echo"] = False
-                text = echoed + text
+                text = echoed[i // n] + text
                 if body.logprobs is not None:
-                    head = _echo_logprobs(prompt_ids, ev.prompt_logprobs or (), tok)
+                    head = _echo_logprobs(prompt_ids[i // n], ev.prompt_logprobs or (), tok)
                     lp = {k: head[k] + (lp[k] if lp else []) for k in head}
             return {"index": i, "text": text, "logprobs": lp, "finish_reason": ev.finish_reason}
 
@@ -806,7 +836,7 @@ def create_app(backend: HttpBackend) -> FastAPI:
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
             return stream(lives, firsts, lambda i, ev: [envelope([choice(i, ev)], chunk=True)], include_usage,
-                          lambda u: envelope([], u, chunk=True))
+                          lambda u: envelope([], u, chunk=True), n)
         choices, collected = [], await collect(lives, firsts)
         for i, evs in enumerate(collected):
             merged = [choice(i, ev) for ev in evs]
@@ -816,7 +846,7 @@ def create_app(backend: HttpBackend) -> FastAPI:
                       for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
             text = "".join(c["text"] for c in merged)
             choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": evs[-1].finish_reason})
-        return envelope(choices, _usage(_usage_of([evs[-1].usage for evs in collected])))
+        return envelope(choices, _usage(_usage_of([evs[-1].usage for evs in collected], n)))
 
     # ---- /v1/chat/completions ----------------------------------------------------------
     @app.post("/v1/chat/completions")

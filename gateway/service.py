@@ -152,6 +152,10 @@ def check_before_tokenizing(msg: gateway_pb2.GenerateRequest, limits: Limits) ->
     if not msg.prompt_token_ids and chars > limit:
         raise _invalid(f"the prompt is {chars} characters; max_model_len {limits.max_model_len} "
                        f"cannot hold it (refused above {limit} characters without tokenizing)")
+    if not msg.prompt_token_ids and msg.max_tokens >= limits.max_model_len:
+        # a text prompt is not tokenized yet (the exact check follows, with its count); it holds a token at least
+        raise _invalid(f"max_tokens ({msg.max_tokens}) leaves no room for the prompt in max_model_len "
+                       f"{limits.max_model_len}; lower max_tokens below {limits.max_model_len} less the prompt's tokens")
     if len(msg.prompt_token_ids) + msg.max_tokens > limits.max_model_len:
         raise _invalid(
             f"prompt ({len(msg.prompt_token_ids)} tokens) + max_tokens ({msg.max_tokens}) = "

@@ -123,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tasks", default="specsplit_mc,specsplit_gen")
     p.add_argument("--tolerance", type=float, default=1e-3)
     p.add_argument("--limit", type=int, default=None, help="documents per task (default: all)")
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="lm-eval's --batch_size: prompts per /v1/completions request (a batch of prompts)")
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--threads", type=int, default=None, help="torch threads of the server")
     p.add_argument("--out", default=None, help="write the JSON report here")
@@ -160,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             "num_concurrent=1", "max_retries=1", f"max_length={args.max_model_len}",
         ])
         cmd = [args.lm_eval_python, "-m", "lm_eval", "--model", "local-completions", "--model_args", model_args,
-               "--tasks", args.tasks, "--include_path", str(TASK_DIR), "--batch_size", "1", "--log_samples",
+               "--tasks", args.tasks, "--include_path", str(TASK_DIR), "--batch_size", str(args.batch_size), "--log_samples",
                "--output_path", str(work / "out")]
         if args.limit:
             cmd += ["--limit", str(args.limit)]

@@ -4,7 +4,12 @@ target's greedy completion; seeded n choices are reproducible, choice 0 is the s
 completion and choice i is seed + i's (chat's choices: the same code,
 tests/unit/gateway/test_http_api.py; this target has no chat template); every choice's
 request ends and frees its KV; n outside [1, 16] is a 400 / INVALID_ARGUMENT. On gRPC the choices'
-messages interleave on one stream, each naming its choice (GenerateResponse.index)."""
+messages interleave on one stream, each naming its choice (GenerateResponse.index).
+
+A batch of prompts on /v1/completions (lm-eval's local-completions with --batch_size > 1): choice i
+answers prompt i // n exactly as that prompt alone does, streamed or not, scored with echo or
+sampled; the usage counts each prompt once; a batch with a prompt refused is a 400 that leaves
+nothing running."""
 from __future__ import annotations
 
 import json
@@ -70,6 +75,76 @@ def test_n_out_of_range_is_400(split_stack, prompts, n):
                             {"model": _model(split_stack), "prompt": prompts[0], "max_tokens": 2, "n": n})
     err = json.loads(raw)["error"]
     assert status == 400 and err["param"] == "n" and "n must be in [1, 16]" in err["message"]
+
+
+# ---- a batch of prompts (/v1/completions) -------------------------------------------------------
+def test_a_batch_of_prompts_is_each_prompt_s_own_choices(split_stack, prompts):
+    """Choice i answers prompt i // n (OpenAI's order) exactly as that prompt alone with n does,
+    greedy and seeded; the usage counts each prompt once; nothing stays allocated."""
+    batch = [prompts[1], prompts[2], prompts[5]]
+    for extra in (dict(temperature=0), dict(temperature=1.0, seed=77)):
+        out = _post(split_stack, "/v1/completions", prompt=batch, max_tokens=8, n=2, ignore_eos=True, **extra)
+        texts = _texts(out)
+        assert len(texts) == 6
+        for i, ids in enumerate(batch):
+            alone = _post(split_stack, "/v1/completions", prompt=ids, max_tokens=8, n=2, ignore_eos=True, **extra)
+            assert texts[2 * i: 2 * i + 2] == _texts(alone)
+        assert out["usage"]["prompt_tokens"] == sum(len(ids) for ids in batch)
+        assert out["usage"]["completion_tokens"] == 6 * 8
+    assert wait_for(lambda: _idle(split_stack), 10.0) is not None
+
+
+def test_a_batch_scored_with_echo_is_each_prompt_s_own_scores(split_stack, prompts):
+    """lm-eval's loglikelihood requests, batched: echo, logprobs, max_tokens 0."""
+    batch = [prompts[4], prompts[9]]
+    out = _post(split_stack, "/v1/completions", prompt=batch, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    for c, ids in zip(out["choices"], batch):
+        alone = _post(split_stack, "/v1/completions", prompt=ids, max_tokens=0, echo=True, logprobs=1, temperature=0)
+        assert c["logprobs"] == alone["choices"][0]["logprobs"] and c["text"] == alone["choices"][0]["text"]
+        assert len(c["logprobs"]["token_logprobs"]) == len(ids) and c["logprobs"]["token_logprobs"][0] is None
+    assert wait_for(lambda: _idle(split_stack), 10.0) is not None
+
+
+def test_a_streamed_batch_sends_every_choice_and_the_summed_usage(split_stack, prompts):
+    batch = [prompts[6], prompts[8]]
+    status, raw = http_call(split_stack.http_port, "/v1/completions",
+                            {"model": _model(split_stack), "prompt": batch, "max_tokens": 5, "n": 2, "temperature": 0,
+                             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
+    assert status == 200
+    events = [line[len(b"data: "):] for line in raw.splitlines() if line.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    texts: dict[int, str] = {}
+    for c in chunks[:-1]:
+        for ch in c["choices"]:
+            texts[ch["index"]] = texts.get(ch["index"], "") + ch["text"]
+    whole = _post(split_stack, "/v1/completions", prompt=batch, max_tokens=5, n=2, temperature=0, ignore_eos=True)
+    assert [texts[i] for i in range(4)] == _texts(whole)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens"] == sum(len(ids) for ids in batch)
+    assert chunks[-1]["usage"]["completion_tokens"] == 4 * 5
+    assert wait_for(lambda: _idle(split_stack), 10.0) is not None
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ([[3, 4], []], "prompt 1 of the batch is empty"),
+    ([], "the prompt is empty"),
+    ([[5, 6]] * 33, "33 prompts x n 2 = 66 choices; at most 64 a request"),
+])
+def test_a_bad_batch_is_400(split_stack, prompt, message):
+    status, raw = http_call(split_stack.http_port, "/v1/completions",
+                            {"model": _model(split_stack), "prompt": prompt, "max_tokens": 2, "n": 2})
+    err = json.loads(raw)["error"]
+    assert status == 400 and err["param"] == "prompt" and message in err["message"], raw
+
+
+def test_a_batch_with_one_prompt_refused_frees_the_others(split_stack, prompts):
+    """The third prompt does not fit max_model_len (256): 400 naming it, and the two submitted
+    before it are aborted (nothing left running or allocated)."""
+    batch = [prompts[0], prompts[1], [7] * 300]
+    status, raw = http_call(split_stack.http_port, "/v1/completions",
+                            {"model": _model(split_stack), "prompt": batch, "max_tokens": 200, "ignore_eos": True})
+    assert status == 400 and "prompt (300 tokens)" in json.loads(raw)["error"]["message"], raw
+    assert wait_for(lambda: _idle(split_stack), 10.0) is not None
 
 
 # ---- gRPC ------------------------------------------------------------------------------------

@@ -157,6 +157,8 @@ class _Tok:
 @pytest.mark.parametrize("kw, message", [
     (dict(prompt="", max_tokens=4), "prompt is empty"),
     (dict(prompt_token_ids=[1] * 60, max_tokens=5, top_p=1), "exceeds max_model_len 64"),
+    (dict(prompt="w1 w2", max_tokens=64, top_p=1), "max_tokens (64) leaves no room for the prompt in max_model_len 64"),
+    (dict(prompt="w1 w2", max_tokens=63, top_p=1), "prompt (2 tokens) + max_tokens (63) = 65 exceeds max_model_len 64"),
     (dict(prompt=" ", max_tokens=5, top_p=1), "tokenizes to no tokens"),
     (dict(prompt="w1", max_tokens=4, temperature=-1, top_p=1), "temperature"),
     (dict(prompt="w1", max_tokens=4, top_p=-0.5), "top_p"),
