@@ -119,7 +119,8 @@ def _invalid(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param=param)
 
 
-# ---- request bodies (unknown fields are accepted and ignored, as OpenAI-compatible servers do) --
+# ---- request bodies (unknown fields are accepted and ignored, as OpenAI-compatible servers do,
+# except the extensions in UNSUPPORTED_EXTENSIONS) --
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -184,9 +185,34 @@ def _completion_prompts(p) -> list[str | list[int]]:
     return prompts
 
 
+# vLLM's request extensions this server does not implement: refused when set to anything but their
+# neutral value, since ignoring them as unknown fields are ignored would change the answer
+# silently. field -> (its neutral values, what to send instead or None).
+UNSUPPORTED_EXTENSIONS: dict[str, tuple[tuple, str | None]] = {
+    "min_p": ((None, 0, 0.0), "top_p or top_k"),
+    "min_tokens": ((None, 0), "ignore_eos with max_tokens"),
+    "stop_token_ids": ((None, []), "stop (strings)"),
+    "include_stop_str_in_output": ((None, False), None),
+    "use_beam_search": ((None, False), None),
+    "guided_json": ((None,), 'response_format {"type": "json_schema", "json_schema": {"name": ..., "schema": ...}}'),
+    "guided_regex": ((None,), 'response_format {"type": "regex", "regex": ...}'),
+    "guided_grammar": ((None,), 'response_format {"type": "ebnf", "ebnf": ...}'),
+    "guided_choice": ((None,), 'response_format {"type": "json_schema"} with an "enum" schema'),
+    "continue_final_message": ((None, False), None),
+    "add_generation_prompt": ((None, True), None),
+    "truncate_prompt_tokens": ((None,), None),
+    "prompt_logprobs": ((None,), "echo with logprobs (on /v1/completions)"),
+}
+
+
 def _check_unsupported(body: _Body) -> None:
     if body.n is not None and not 1 <= body.n <= MAX_CHOICES:
         raise _invalid(f"n must be in [1, {MAX_CHOICES}], got {body.n}", "n")
+    for name, value in (body.model_extra or {}).items():
+        if name in UNSUPPORTED_EXTENSIONS and value not in UNSUPPORTED_EXTENSIONS[name][0]:
+            instead = UNSUPPORTED_EXTENSIONS[name][1]
+            raise _invalid(f"{name} is not supported by this server{f'; use {instead}' if instead else ''} "
+                           f"(or leave it out)", name)
     if isinstance(body, CompletionBody):
         if body.suffix:
             raise _invalid("suffix is not supported", "suffix")

@@ -354,6 +354,37 @@ def test_bad_penalties_and_formats_are_400_with_the_rule(server, fields, needle)
     assert len(servicer.scheduler.requests) == before  # refused before the scheduler
 
 
+@pytest.mark.parametrize("fields, needle", [
+    ({"min_p": 0.1}, "min_p is not supported by this server; use top_p or top_k"),
+    ({"min_tokens": 3}, "min_tokens is not supported by this server; use ignore_eos with max_tokens"),
+    ({"stop_token_ids": [5]}, "stop_token_ids is not supported"),
+    ({"guided_json": {"type": "object"}}, 'use response_format {"type": "json_schema"'),
+    ({"continue_final_message": True}, "continue_final_message is not supported by this server (or leave it out)"),
+])
+def test_vllm_extensions_that_would_change_the_answer_are_400_not_ignored(server, fields, needle):
+    servicer, http = server
+    before = len(servicer.scheduler.requests)
+    for route in ("chat", "completions"):
+        with pytest.raises(openai.BadRequestError) as err:
+            if route == "chat":
+                _client(http).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w4"}],
+                                                      max_tokens=2, extra_body=fields)
+            else:
+                _client(http).completions.create(model=MODEL, prompt="w4", max_tokens=2, extra_body=fields)
+        body = err.value.body
+        assert err.value.status_code == 400 and needle in body["message"] and body["param"] == next(iter(fields)), body
+    assert len(servicer.scheduler.requests) == before
+
+
+def test_vllm_extensions_at_their_neutral_values_and_unknown_fields_are_accepted(server):
+    servicer, http = server
+    neutral = {"min_p": 0.0, "min_tokens": 0, "stop_token_ids": [], "use_beam_search": False,
+               "add_generation_prompt": True, "some_future_field": {"x": 1}}
+    out = _client(http).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w4"}],
+                                                max_tokens=2, temperature=0, extra_body=neutral)
+    assert out.choices[0].finish_reason in ("length", "stop")
+
+
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
