@@ -227,7 +227,7 @@ def build_split(args) -> Gateway:
 
     kv = []
     if vinfo.kv.paged and vinfo.kv.num_blocks:
-        kv.append(KvBudget("verifier", vinfo.kv.num_blocks, vinfo.kv.block_size))
+        kv.append(KvBudget("verifier", vinfo.kv.num_blocks, vinfo.kv.block_size, vinfo.kv.prefix_caching))
     drafter = None
     draft_model = ""
     unreachable: Exception | None = None

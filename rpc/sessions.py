@@ -144,5 +144,6 @@ def kv_stats(engine, pb_cls):
     bm = getattr(engine, "block_manager", None)
     if bm is None:
         return pb_cls(paged=False)
-    return pb_cls(paged=True, num_blocks=bm.num_blocks, free_blocks=bm.num_free_blocks, block_size=bm.block_size)
+    return pb_cls(paged=True, num_blocks=bm.num_blocks, free_blocks=bm.num_free_blocks, block_size=bm.block_size,
+                  prefix_caching=bool(getattr(bm, "prefix_caching", False)))
 

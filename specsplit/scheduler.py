@@ -46,6 +46,7 @@ from specsplit.request import (
     error_from_exception,
     validate,
 )
+from specsplit.kv.prefix_view import PrefixView, shared_blocks
 from specsplit.spec import SpecDecoder
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class KvBudget:
     name: str  # "verifier" | "drafter"
     num_blocks: int
     block_size: int
+    prefix_caching: bool = False  # full prompt blocks computed for one sequence are reused by others
 
     def blocks(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -78,7 +80,7 @@ def kv_budgets_of(decoder: SpecDecoder) -> list[KvBudget]:
     for name, engine in (("verifier", decoder.verifier), ("drafter", decoder.drafter)):
         bm = engine.block_manager if engine is not None else None
         if bm is not None:
-            out.append(KvBudget(name, bm.num_blocks, bm.block_size))
+            out.append(KvBudget(name, bm.num_blocks, bm.block_size, bool(getattr(bm, "prefix_caching", False))))
     return out
 
 
@@ -134,6 +136,11 @@ class Scheduler:
         self._lock = threading.Lock()  # waiting, _live
         self._live: dict[str, Request] = {}  # seq ids of unfinished requests (any thread reads)
         self._work = threading.Event()
+        self._prefix_waits: set[str] = set()  # waiting requests whose wait for another's prompt was logged
+        self._registered: set[str] = set()  # running requests whose prompt's blocks the verifier has registered
+        verifier = next((b for b in self.kv if b.name == "verifier" and b.prefix_caching), None)
+        # what the verifier's prefix cache holds, as far as this scheduler saw it fill (None: no cache)
+        self.prefix_view = PrefixView(verifier.block_size, verifier.num_blocks) if verifier is not None else None
 
     # ---- any thread ----------------------------------------------------------------------
     @property
@@ -220,12 +227,19 @@ class Scheduler:
             return []
         budgets = {sid: req.budget for sid, req in self.running.items()}
         prefill = self._plan_prefill()
+        # prompts computed before this step: its verify registers their blocks for reuse (_prefix_wait)
+        computed = [sid for sid in self.running if (t := self.decoder.tracks.get(sid)) is not None and not t.prefill_left]
         t0 = time.perf_counter()
         try:
             out = self.decoder.step(budgets, prefill)
         except Exception as e:
             self._step_failed(e)
             return []
+        if self.prefix_view is not None:
+            for sid in computed:
+                if sid not in self._registered and sid in self.running:
+                    self.prefix_view.remember(self.running[sid].request.prompt_token_ids)
+            self._registered = (self._registered | set(computed)) & set(self.running)
         self.steps += 1
         self.speculative_steps += int(out.speculated)
         self.observer.on_step(out, time.perf_counter() - t0)
@@ -267,6 +281,9 @@ class Scheduler:
                 req.emit(kept)
         if done:
             ended = [sid for sid in done if self.running[sid].finish_reason in ("stop", "length")]
+            if self.prefix_view is not None:  # a release registers what a request computed: its prompt at least
+                for sid in ended:
+                    self.prefix_view.remember(self.running[sid].request.prompt_token_ids)
             for sid in done:
                 del self.running[sid]
             if ended:
@@ -407,16 +424,21 @@ class Scheduler:
     def _admit(self) -> None:
         while len(self.running) < self.max_num_seqs:
             with self._lock:
-                if not self.waiting:
-                    return
-                req = self.waiting[0]
+                waiting = list(self.waiting)
+            if self._prefix_waits:  # forget the ones that left the queue (admitted, aborted)
+                self._prefix_waits &= {r.seq_id for r in waiting}
+            # the oldest request that need not wait for another's prompt (_prefix_wait)
+            req = next((r for r in waiting if r.closed or self._prefix_wait(r) is None), None)
+            if req is None:
+                return
             running = list(self.running.values())
             if running and self._fits(running + [req], headroom=len(running) + 1) is not None:
                 return  # waits until blocks come back
             with self._lock:
-                if not self.waiting or self.waiting[0] is not req:
+                if req not in self.waiting:
                     continue
-                self.waiting.popleft()
+                self.waiting.remove(req)
+            self._prefix_waits.discard(req.seq_id)
             if req.closed:
                 continue
             r = req.request
@@ -442,6 +464,36 @@ class Scheduler:
                          "(max_num_batched_tokens %d), beside %d running", _label(req, req.seq_id), req.num_tokens,
                          -(-req.num_tokens // self.max_num_batched_tokens), self.max_num_batched_tokens,
                          len(self.running) - 1)
+
+    def _prefix_wait(self, req: Request) -> Request | None:
+        """The running request this one waits for before it is admitted, or None.
+
+        With the verifier's prefix caching, a prompt's full KV blocks that another sequence has
+        computed are taken from the cache instead of computed again, but only once they are
+        registered: at the start of the step after the one that computed them, or at the
+        release of the sequence. Requests that start with the same blocks and arrive together
+        (the n choices of one prompt, a batch of completions, a shared system prompt) would all
+        compute them in the same step. So a request waits while a running one that is still
+        computing its prompt shares more of its blocks than the cache holds already
+        (`prefix_view`); then it takes them from the cache. A request that scores its prompt
+        computes the whole of it anyway and never waits."""
+        if self.prefix_view is None or req.wants_prompt_logprobs:
+            return None
+        tokens = tuple(req.request.prompt_token_ids) + tuple(req.output)
+        reusable = (len(tokens) - 1) // self.prefix_view.block_size  # the last prompt token is always computed
+        want, wait_for = 0, None
+        for other in self.running.values():
+            if other.seq_id not in self._registered:  # still computing its prompt (or its first step)
+                shared = shared_blocks(tokens, other.request.prompt_token_ids, self.prefix_view.block_size, reusable)
+                if shared > want:
+                    want, wait_for = shared, other
+        if want == 0 or self.prefix_view.cached_blocks(tokens, want) >= want:
+            return None
+        if req.seq_id not in self._prefix_waits:
+            self._prefix_waits.add(req.seq_id)
+            log.info("request %s waits for %s to compute the %d prompt blocks they share, then takes them from the "
+                     "prefix cache", _label(req, req.seq_id), _label(wait_for, wait_for.seq_id), want)
+        return wait_for
 
     # ---- failures ------------------------------------------------------------------------
     def _step_failed(self, e: BaseException) -> None:

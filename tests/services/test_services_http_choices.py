@@ -69,6 +69,28 @@ def test_seeded_n_choices_are_reproducible_and_each_seed_s_own(split_stack, prom
     assert wait_for(lambda: _idle(split_stack), 10.0) is not None
 
 
+def test_n_choices_share_the_prompt_s_kv(split_stack, expect_greedy):
+    """Over gRPC with the verifier's prefix caching (its ServiceInfo says so): of 3 greedy choices
+    of one 40-token prompt, the first computes it and the other two take its 2 full blocks from
+    the cache (the gateway's scheduler holds them back); every choice is the target's (up to a
+    certified near-tie: the reused KV was computed in another batch)."""
+    from tests.services.procs import scrape
+
+    def hits() -> tuple[float, float]:
+        m = scrape(split_stack["verifier"].metrics_port)
+        return tuple(m[f'specsplit_prefix_cache_tokens_total{{outcome="{o}",service="verifier"}}']
+                     for o in ("hit", "queried"))
+
+    ids = [3 + (j * 29) % 250 for j in range(40)]
+    before = hits()
+    out = _grpc_choices(split_stack, prompt_token_ids=ids, max_tokens=6, n=3, ignore_eos=True)
+    after = hits()
+    assert after[1] - before[1] == 3 * 40 and after[0] - before[0] == 2 * 32, (before, after)
+    for c in out.values():
+        expect_greedy(ids, c["tokens"], 6, ignore_eos=True)
+    assert wait_for(lambda: _idle(split_stack), 10.0) is not None
+
+
 @pytest.mark.parametrize("n", [0, 17])
 def test_n_out_of_range_is_400(split_stack, prompts, n):
     status, raw = http_call(split_stack.http_port, "/v1/completions",
