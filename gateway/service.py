@@ -180,7 +180,10 @@ def nth_choice(msg: gateway_pb2.GenerateRequest, i: int) -> gateway_pb2.Generate
         return msg
     out = gateway_pb2.GenerateRequest()
     out.CopyFrom(msg)
-    out.request_id = f"{msg.request_id}-{i}"
+    if msg.request_id:  # none given: the logs name the seq id; else within the caller's bound, suffix and all
+        suffix = f"-{i}"
+        base = msg.request_id.encode("utf-8", "surrogatepass")[:MAX_REQUEST_ID_BYTES - len(suffix)]
+        out.request_id = base.decode("utf-8", "ignore") + suffix
     if msg.HasField("seed"):
         out.seed = choice_seed(msg.seed, i)
     return out
@@ -327,6 +330,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         caller that goes away aborts the ones submitted before it. Returns their Requests."""
         n = choices_of(msg)
         assert len(sinks) == n, (len(sinks), n)
+        check_before_tokenizing(msg, self.limits)  # the caller's request, before its choices' ids are derived
         live: list = []
         try:
             for i, sink in enumerate(sinks):

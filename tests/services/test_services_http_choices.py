@@ -205,6 +205,19 @@ def test_grpc_seeded_n_choices_are_each_seed_s_own(split_stack, prompts):
     assert wait_for(lambda: _idle(split_stack), 10.0) is not None
 
 
+@pytest.mark.parametrize("rid, ok", [("é" * 64, True), ("x" * 129, False)])
+def test_grpc_choices_of_a_request_id_at_its_bound(split_stack, prompts, rid, ok):
+    """A request_id of 128 bytes (the bound) takes n choices, whose ids are cut to fit their suffix;
+    one of 129 is refused naming its own length."""
+    kw = dict(prompt_token_ids=prompts[2], max_tokens=3, n=3, ignore_eos=True, request_id=rid)
+    if ok:
+        assert sorted(_grpc_choices(split_stack, **kw)) == [0, 1, 2]
+        return
+    with pytest.raises(grpc.RpcError) as err:
+        _grpc_choices(split_stack, **kw)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id is 129 bytes" in err.value.details()
+
+
 def test_grpc_n_out_of_range_is_invalid_argument(split_stack, prompts):
     with pytest.raises(grpc.RpcError) as err:
         _grpc_choices(split_stack, prompt_token_ids=prompts[0], max_tokens=2, n=17)
