@@ -88,8 +88,8 @@ _HTTP = {
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error", "timeout"),
 }
 # Request fields a validation message may start with: the error's `param`.
-_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs", "prompt", "messages",
-           "request_id")
+_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop", "logprobs", "prompt",
+           "messages", "request_id")
 
 
 class ApiError(Exception):
@@ -131,6 +131,7 @@ class _Body(BaseModel):
     top_k: int | None = None  # extension: 0 = off
     seed: int | None = None
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # extension (vLLM's): token ids that end the output, kept in it
     stream: bool | None = False
     stream_options: dict | None = None
     n: int | None = None
@@ -191,7 +192,6 @@ def _completion_prompts(p) -> list[str | list[int]]:
 UNSUPPORTED_EXTENSIONS: dict[str, tuple[tuple, str | None]] = {
     "min_p": ((None, 0, 0.0), "top_p or top_k"),
     "min_tokens": ((None, 0), "ignore_eos with max_tokens"),
-    "stop_token_ids": ((None, []), "stop (strings)"),
     "include_stop_str_in_output": ((None, False), None),
     "use_beam_search": ((None, False), None),
     "guided_json": ((None,), 'response_format {"type": "json_schema", "json_schema": {"name": ..., "schema": ...}}'),
@@ -311,7 +311,7 @@ def _generate_request(body: _Body, request_id: str, max_tokens: int, score_only:
         msg = gateway_pb2.GenerateRequest(
             request_id=request_id, max_tokens=max_tokens,
             temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
-            top_k=body.top_k or 0, ignore_eos=bool(body.ignore_eos), stop=stop,
+            top_k=body.top_k or 0, ignore_eos=bool(body.ignore_eos), stop=stop, stop_token_ids=body.stop_token_ids or [],
             presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
         )
         if body.repetition_penalty is not None:

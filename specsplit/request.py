@@ -22,6 +22,7 @@ from specsplit.sampling.params import SamplingParams
 MAX_REQUEST_ID_BYTES = 128
 MAX_SPECULATIVE_TOKENS = 32
 MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 64
 MAX_CHOICES = 16  # n (gRPC GenerateRequest.n, the HTTP API, `specsplit generate --n`) at most: each choice is a request
 
 
@@ -83,6 +84,8 @@ class GenerationRequest:
     num_speculative_tokens: int = 0  # 0 = the server's default
     disable_speculation: bool = False
     stop: tuple[str, ...] = ()
+    # token ids that end the output when generated, as EOS does (kept; ignore_eos does not lift them)
+    stop_token_ids: tuple[int, ...] = ()
     # None: no log-probabilities. n in 0..MAX_LOGPROBS: each emitted token carries its
     # log-probability under the target and the n most likely alternatives (TokenLogprob).
     logprobs: int | None = None
@@ -117,6 +120,8 @@ def validate(req: GenerationRequest, limits: Limits | None) -> None:
         raise invalid(f"speculation.num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], got {k}")
     if len(req.stop) > MAX_STOP_STRINGS or any(not s for s in req.stop):
         raise invalid(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings")
+    if len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise invalid(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} token ids, got {len(req.stop_token_ids)}")
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
         raise invalid(f"logprobs must be in [0, {MAX_LOGPROBS}] (alternatives per token; unset = no "
                       f"log-probabilities), got {req.logprobs}")
@@ -131,6 +136,9 @@ def validate(req: GenerationRequest, limits: Limits | None) -> None:
     bias_out = [t for t, _ in req.params.logit_bias if not 0 <= t < limits.vocab_size]
     if bias_out:
         raise invalid(f"logit_bias token ids {bias_out[:5]} are outside the vocabulary [0, {limits.vocab_size})")
+    stop_out = [t for t in req.stop_token_ids if not 0 <= t < limits.vocab_size]
+    if stop_out:
+        raise invalid(f"stop_token_ids {stop_out[:5]} are outside the vocabulary [0, {limits.vocab_size})")
     bad = [i for i in req.prompt_token_ids if not 0 <= i < limits.vocab_size]
     if bad:
         raise invalid(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {limits.vocab_size})")
@@ -244,9 +252,9 @@ class Request:
     # ---- the step thread ----------------------------------------------------------------
     def take(self, tokens: Iterable[int], eos_ids: Iterable[int],
              logprobs: Sequence[TokenLogprob] | None = None) -> list[int]:
-        """Append a step's tokens up to max_tokens, EOS or a stop string; returns those kept.
-        logprobs: one per token when the request asked for them; cut where the tokens are."""
-        eos = set() if self.request.ignore_eos else set(eos_ids)
+        """Append a step's tokens up to max_tokens, EOS, a stop token or a stop string; returns those
+        kept. logprobs: one per token when the request asked for them; cut where the tokens are."""
+        eos = (set() if self.request.ignore_eos else set(eos_ids)) | set(self.request.stop_token_ids)
         kept: list[int] = []
         for j, t in enumerate(tokens):
             if self.budget <= 0 or self.finished:

@@ -67,6 +67,38 @@ def test_speculation_disabled_and_custom_k(split_stack, prompts, reference, targ
     assert 0 < k1["usage"]["proposed_draft_tokens"] <= MAX_TOKENS
 
 
+def test_stop_token_ids_end_the_stream_at_the_first_one(split_stack, colocated_stack, prompts):
+    """stop_token_ids over gRPC and HTTP, speculation on: the output is the unstopped greedy output
+    through the first stop token (kept), finish_reason "stop"; even with ignore_eos. Out of the
+    vocabulary: INVALID_ARGUMENT / 400 naming the field."""
+    import json
+
+    import grpc
+
+    from tests.services.procs import http_call
+
+    ids = prompts[10]
+    base = generate(split_stack.gateway, request(ids, max_tokens=16, ignore_eos=True))["token_ids"]
+    j = next(j for j in range(3, len(base)) if base[j] not in base[:j])  # a token's first appearance
+    want = base[: j + 1]
+    for stack in (split_stack, colocated_stack):
+        out = generate(stack.gateway, request(ids, max_tokens=16, ignore_eos=True, stop_token_ids=[base[j], 0]))
+        assert out["token_ids"] == want and out["finish_reason"] == "stop"
+    model = json.loads(http_call(split_stack.http_port, "/v1/models")[1])["data"][0]["id"]
+    status, raw = http_call(split_stack.http_port, "/v1/completions",
+                            {"model": model, "prompt": ids, "max_tokens": 16, "temperature": 0,
+                             "stop_token_ids": [base[j]], "logprobs": 0})
+    choice = json.loads(raw)["choices"][0]
+    assert status == 200 and choice["finish_reason"] == "stop" and len(choice["logprobs"]["tokens"]) == j + 1
+    with pytest.raises(grpc.RpcError) as err:
+        generate(split_stack.gateway, request(ids, max_tokens=4, stop_token_ids=[5, 10**6]))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "stop_token_ids [1000000]" in err.value.details()
+    status, raw = http_call(split_stack.http_port, "/v1/completions", {"model": model, "prompt": ids, "max_tokens": 4,
+                                                                      "stop_token_ids": [10**6]})
+    err = json.loads(raw)["error"]
+    assert status == 400 and err["param"] == "stop_token_ids" and "outside the vocabulary" in err["message"], raw
+
+
 def test_text_prompt_and_stop_string(split_stack, colocated_stack):
     """Text prompts use the target's tokenizer; a stop string ends the stream and is not sent."""
     base = generate(split_stack.gateway, request(prompt="w5 w9 w13 w5 w9", max_tokens=12, ignore_eos=True))

@@ -27,6 +27,8 @@ def _words(ids):
     (dict(params=SamplingParams(top_p=1.5)), "no nucleus filtering"),
     (dict(num_speculative_tokens=33), "num_speculative_tokens"),
     (dict(stop=("",)), "stop"),
+    (dict(stop_token_ids=(5, 100)), "stop_token_ids [100] are outside the vocabulary"),
+    (dict(stop_token_ids=tuple(range(65))), "stop_token_ids takes at most 64 token ids, got 65"),
     (dict(logprobs=21), "logprobs must be in [0, 20]"),
     (dict(logprobs=-1), "logprobs must be in [0, 20]"),
 ])
@@ -48,6 +50,14 @@ def test_stop_string_eos_and_length():
     assert eos.take([3, 9, 4], eos_ids=[9]) == [3, 9] and eos.finish_reason == "stop"
     ignore = Request(GenerationRequest("i", (1,), 3, ignore_eos=True), "r3", 3)
     assert ignore.take([9, 9, 9, 9], eos_ids=[9]) == [9, 9, 9] and ignore.finish_reason == "length"
+
+
+def test_stop_token_ids_end_the_output_as_eos_does_even_with_ignore_eos():
+    req = Request(GenerationRequest("s", (1,), 10, stop_token_ids=(7, 8)), "r1", 1)
+    assert req.take([3, 4], eos_ids=[9]) == [3, 4] and not req.finished
+    assert req.take([5, 8, 6], eos_ids=[9]) == [5, 8] and req.finish_reason == "stop"  # kept, nothing after it
+    ignore = Request(GenerationRequest("i", (1,), 10, ignore_eos=True, stop_token_ids=(7,)), "r2", 2)
+    assert ignore.take([9, 7, 4], eos_ids=[9]) == [9, 7] and ignore.finish_reason == "stop"
 
 
 def test_usage_and_per_position_acceptance_counted_once():

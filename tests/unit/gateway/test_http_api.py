@@ -357,7 +357,7 @@ def test_bad_penalties_and_formats_are_400_with_the_rule(server, fields, needle)
 @pytest.mark.parametrize("fields, needle", [
     ({"min_p": 0.1}, "min_p is not supported by this server; use top_p or top_k"),
     ({"min_tokens": 3}, "min_tokens is not supported by this server; use ignore_eos with max_tokens"),
-    ({"stop_token_ids": [5]}, "stop_token_ids is not supported"),
+    ({"include_stop_str_in_output": True}, "include_stop_str_in_output is not supported"),
     ({"guided_json": {"type": "object"}}, 'use response_format {"type": "json_schema"'),
     ({"continue_final_message": True}, "continue_final_message is not supported by this server (or leave it out)"),
 ])
@@ -378,7 +378,7 @@ def test_vllm_extensions_that_would_change_the_answer_are_400_not_ignored(server
 
 def test_vllm_extensions_at_their_neutral_values_and_unknown_fields_are_accepted(server):
     servicer, http = server
-    neutral = {"min_p": 0.0, "min_tokens": 0, "stop_token_ids": [], "use_beam_search": False,
+    neutral = {"min_p": 0.0, "min_tokens": 0, "use_beam_search": False,
                "add_generation_prompt": True, "some_future_field": {"x": 1}}
     out = _client(http).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w4"}],
                                                 max_tokens=2, temperature=0, extra_body=neutral)
