@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 from specsplit.config import drafter_reach, step_k_cap
+from specsplit.kv.prefix_view import PrefixView, shared_blocks
 from specsplit.request import (
     Event,
     GenerationRequest,
@@ -46,7 +47,6 @@ from specsplit.request import (
     error_from_exception,
     validate,
 )
-from specsplit.kv.prefix_view import PrefixView, shared_blocks
 from specsplit.spec import SpecDecoder
 
 log = logging.getLogger(__name__)
