@@ -91,6 +91,23 @@ def test_n_choices_share_the_prompt_s_kv(split_stack, expect_greedy):
     assert wait_for(lambda: _idle(split_stack), 10.0) is not None
 
 
+def test_the_choices_bench_reports_each_server_s_time_and_hits(split_stack, capsys):
+    """tools/choices_bench.py against this stack's HTTP API (one server, 2 rounds): a median time and
+    the prefix hits of the choices that took the prompt from the cache."""
+    from tests.helpers.tools import load_tool
+
+    bench = load_tool("choices_bench")
+    server = f"s=http://127.0.0.1:{split_stack.http_port},http://127.0.0.1:{split_stack['verifier'].metrics_port}/metrics"
+    assert bench.main(["--server", server, "--rounds", "2", "--repeat", "1",
+                       "--n", "3", "--max-tokens", "4"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("s: median ") and "over 2 requests (n 3," in last
+    hits, queried = (float(x) for x in last.split("prefix hits per request: ")[1].split(" prompt")[0].split(" of "))
+    # choices 1 and 2 take every full block (the tiny tokenizer reads both rounds' prompts alike, so a
+    # second round's choice 0 may hit too)
+    assert queried > 0 and hits >= 2 * 16 * ((queried / 3 - 1) // 16) > 0
+
+
 @pytest.mark.parametrize("n", [0, 17])
 def test_n_out_of_range_is_400(split_stack, prompts, n):
     status, raw = http_call(split_stack.http_port, "/v1/completions",
