@@ -428,7 +428,8 @@ class Scheduler:
             if self._prefix_waits:  # forget the ones that left the queue (admitted, aborted)
                 self._prefix_waits &= {r.seq_id for r in waiting}
             # the oldest request that need not wait for another's prompt (_prefix_wait)
-            req = next((r for r in waiting if r.closed or self._prefix_wait(r) is None), None)
+            leaders = self._computing_prompts()
+            req = next((r for r in waiting if r.closed or self._prefix_wait(r, leaders) is None), None)
             if req is None:
                 return
             running = list(self.running.values())
@@ -465,7 +466,20 @@ class Scheduler:
                          -(-req.num_tokens // self.max_num_batched_tokens), self.max_num_batched_tokens,
                          len(self.running) - 1)
 
-    def _prefix_wait(self, req: Request) -> Request | None:
+    def _computing_prompts(self) -> dict[tuple[int, ...], list[Request]]:
+        """Running requests whose prompt's blocks are not registered yet, by their prompt's first
+        full block (what _prefix_wait compares a waiting request with; empty without prefix caching)."""
+        out: dict[tuple[int, ...], list[Request]] = {}
+        if self.prefix_view is None:
+            return out
+        bs = self.prefix_view.block_size
+        for other in self.running.values():
+            prompt = other.request.prompt_token_ids
+            if other.seq_id not in self._registered and len(prompt) >= bs:
+                out.setdefault(tuple(prompt[:bs]), []).append(other)
+        return out
+
+    def _prefix_wait(self, req: Request, leaders: dict[tuple[int, ...], list[Request]]) -> Request | None:
         """The running request this one waits for before it is admitted, or None.
 
         With the verifier's prefix caching, a prompt's full KV blocks that another sequence has
@@ -479,14 +493,15 @@ class Scheduler:
         computes the whole of it anyway and never waits."""
         if self.prefix_view is None or req.wants_prompt_logprobs:
             return None
+        bs = self.prefix_view.block_size
         tokens = tuple(req.request.prompt_token_ids) + tuple(req.output)
-        reusable = (len(tokens) - 1) // self.prefix_view.block_size  # the last prompt token is always computed
+        reusable = (len(tokens) - 1) // bs  # the last prompt token is always computed
         want, wait_for = 0, None
-        for other in self.running.values():
-            if other.seq_id not in self._registered:  # still computing its prompt (or its first step)
-                shared = shared_blocks(tokens, other.request.prompt_token_ids, self.prefix_view.block_size, reusable)
-                if shared > want:
-                    want, wait_for = shared, other
+        # `leaders` (_computing_prompts): the running ones still computing their prompt, by first block
+        for other in leaders.get(tokens[:bs], ()) if reusable > 0 else ():
+            shared = shared_blocks(tokens, other.request.prompt_token_ids, bs, reusable)
+            if shared > want:
+                want, wait_for = shared, other
         if want == 0 or self.prefix_view.cached_blocks(tokens, want) >= want:
             return None
         if req.seq_id not in self._prefix_waits:
