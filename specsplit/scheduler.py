@@ -228,7 +228,8 @@ class Scheduler:
         budgets = {sid: req.budget for sid, req in self.running.items()}
         prefill = self._plan_prefill()
         # prompts computed before this step: its verify registers their blocks for reuse (_prefix_wait)
-        computed = [sid for sid in self.running if (t := self.decoder.tracks.get(sid)) is not None and not t.prefill_left]
+        computed = [] if self.prefix_view is None else [
+            sid for sid in self.running if (t := self.decoder.tracks.get(sid)) is not None and not t.prefill_left]
         t0 = time.perf_counter()
         try:
             out = self.decoder.step(budgets, prefill)
@@ -283,7 +284,8 @@ class Scheduler:
             ended = [sid for sid in done if self.running[sid].finish_reason in ("stop", "length")]
             if self.prefix_view is not None:  # a release registers what a request computed: its prompt at least
                 for sid in ended:
-                    self.prefix_view.remember(self.running[sid].request.prompt_token_ids)
+                    if sid not in self._registered:  # else its prompt is in the view already
+                        self.prefix_view.remember(self.running[sid].request.prompt_token_ids)
             for sid in done:
                 del self.running[sid]
             if ended:
@@ -424,6 +426,8 @@ class Scheduler:
     def _admit(self) -> None:
         while len(self.running) < self.max_num_seqs:
             with self._lock:
+                if not self.waiting:
+                    return
                 waiting = list(self.waiting)
             if self._prefix_waits:  # forget the ones that left the queue (admitted, aborted)
                 self._prefix_waits &= {r.seq_id for r in waiting}
