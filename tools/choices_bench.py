@@ -21,8 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from specsplit.rpc.metrics import parse_metrics  # noqa: E402
 
 SENTENCE = "You are a helpful assistant for a travel agency. Answer questions about trips, hotels and flights politely. "
 
@@ -33,12 +39,10 @@ def _get(url: str) -> bytes:
 
 
 def prefix_tokens(metrics_url: str) -> dict[str, float]:
-    """The verifier's prefix-cache counters: {"hit": ..., "queried": ...} (empty: none there)."""
-    out = {}
-    for line in _get(metrics_url).decode().splitlines():
-        if line.startswith("specsplit_prefix_cache_tokens_total") and 'service="verifier"' in line:
-            out[line.split('outcome="')[1].split('"')[0]] = float(line.split()[-1])
-    return out
+    """The verifier's prefix-cache counters: {"hit": ..., "queried": ...} (0 where none are there)."""
+    page = parse_metrics(_get(metrics_url).decode())
+    return {o: page.get(f'specsplit_prefix_cache_tokens_total{{outcome="{o}",service="verifier"}}', 0.0)
+            for o in ("hit", "queried")}
 
 
 def complete(base: str, body: dict) -> dict:
@@ -75,8 +79,8 @@ def main(argv=None) -> int:
                                   "temperature": 1.0, "seed": rnd})
             seconds = time.perf_counter() - t0
             after = prefix_tokens(metrics[name])
-            runs[name].append((seconds, after.get("hit", 0) - before.get("hit", 0),
-                               after.get("queried", 0) - before.get("queried", 0), out["usage"]["prompt_tokens"]))
+            runs[name].append((seconds, after["hit"] - before["hit"], after["queried"] - before["queried"],
+                               out["usage"]["prompt_tokens"]))
         print(f"round {rnd + 1}/{args.rounds}: " + ", ".join(f"{k} {v[-1][0]:.2f} s" for k, v in runs.items()), flush=True)
     for name, v in runs.items():
         print(f"{name}: median {statistics.median(r[0] for r in v):.3f} s over {len(v)} requests "
