@@ -331,7 +331,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         caller that goes away aborts the ones submitted before it. Returns their Requests."""
         n = choices_of(msg)
         assert len(sinks) == n, (len(sinks), n)
-        check_before_tokenizing(msg, self.limits)  # the caller's request, before its choices' ids are derived
+        if n > 1:  # the caller's request, before its choices' ids are derived (one choice is the request)
+            check_before_tokenizing(msg, self.limits)
         live: list = []
         try:
             for i, sink in enumerate(sinks):
