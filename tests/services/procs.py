@@ -35,20 +35,76 @@ SPECULATE_ALWAYS = ["--disable-by-batch-size", "0", "--k-policy", "fixed"]  # ti
 DRAFTER_JOINS = ["--drafter-connect-timeout", "240"]
 
 
-_HANDED_OUT: set[int] = set()  # ports free_port gave this test process: never twice
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out by itself (bind to port 0, and the source port of every
+    outgoing connection); 32768 where the range cannot be read."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _port_block(worker: str, count: int, ephemeral_low: int) -> range:
+    """xdist worker `worker` ('gw3') of `count`: its own block of ports, below the kernel's ephemeral
+    range and apart from the other workers' blocks; empty when the range starts too low to leave
+    room. A port the kernel picked (bind to 0) was only free when it was picked: before the service
+    bound it, another worker's bind to 0 or any process's outgoing connection could take it (a
+    colocated server once died on 'Address already in use' for its metrics port in CI). Ports below
+    the range are never handed out that way."""
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    count = max(1, count)
+    base, top = 20000, min(ephemeral_low, 32768)
+    size = min(2000, (top - base) // count)
+    if size < 200:
+        return range(0)
+    start = base + (index % count) * size
+    return range(start, start + size)
+
+
+class _PortPicker:
+    """Hands out ports free now and never twice in this process (the kernel may give a closed port
+    again at once, and two services started on one once left a gateway's address on a verifier)."""
+
+    def __init__(self, block: range, start: int):
+        self.block, self.next = block, start
+        self.handed_out: set[int] = set()
+
+    def pick(self) -> int:
+        """The next bindable port of the block; one the kernel picks when the block is empty or used up."""
+        for _ in range(len(self.block)):
+            port = self.block[self.next % len(self.block)]
+            self.next += 1
+            if port not in self.handed_out and _bindable(port):
+                self.handed_out.add(port)
+                return port
+        while True:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind((HOST, 0))
+                port = s.getsockname()[1]
+            if port not in self.handed_out:
+                self.handed_out.add(port)
+                return port
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((HOST, port))
+        except OSError:
+            return False
+    return True
+
+
+# This test process's picker. Two test runs at once on one machine (each with a worker gw0) start at
+# different places in the block, and every port is checked by binding it.
+_PORTS = _PortPicker(_port_block(os.environ.get("PYTEST_XDIST_WORKER", "gw0"),
+                                 int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), _ephemeral_low()),
+                     start=os.getpid() * 7919)
 
 
 def free_port() -> int:
-    """A port free now and not handed out before in this process: the kernel may give a closed
-    port again at once, and two services started on one (the second cannot bind; the first then
-    answers the health check meant for it) once left a gateway's address on a verifier."""
-    while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((HOST, 0))
-            port = s.getsockname()[1]
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
+    """A port free now and not handed out before in this test process (`_PortPicker`)."""
+    return _PORTS.pick()
 
 
 def health(address: str, timeout: float = 1.0, security=None) -> str:
