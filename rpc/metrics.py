@@ -164,7 +164,13 @@ def read_metrics(port: int, host: str = "127.0.0.1", timeout: float = 5.0) -> di
 
 
 def start_metrics_server(host: str, port: int | None) -> None:
+    """Prometheus's page on host:port in a daemon thread; nothing when `port` is None. RuntimeError,
+    saying which flag to change, when the port cannot be bound."""
     if port is None:
         return
-    start_http_server(port, addr=host)
+    try:
+        start_http_server(port, addr=host)
+    except OSError as e:
+        raise RuntimeError(f"cannot serve metrics on {host}:{port} ({e.strerror or e}); is the port in use? "
+                           "Pick another --metrics-port") from None
     log.info("Prometheus metrics on http://%s:%d/metrics", host, port)

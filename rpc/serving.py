@@ -52,8 +52,8 @@ class Server:
         if not bound:
             raise RuntimeError(f"{self.name}: cannot listen on {address}; is the port in use?")
         self.port = bound
+        start_metrics_server(metrics_host or self.host, metrics_port)  # before start: a refused port leaves no server running
         await self.server.start()
-        start_metrics_server(metrics_host or self.host, metrics_port)
         for s in ["", *self.service_names]:
             await self.health.set(s, health_pb2.HealthCheckResponse.SERVING)
         log.info("%s listening on %s:%d (%s; health: SERVING)", self.name, self.host, bound, self.security.describe())

@@ -24,3 +24,17 @@ def test_read_metrics_reads_this_process_s_registry_over_http():
         httpd.shutdown()
         httpd.server_close()
         thread.join(timeout=5)
+
+
+def test_a_metrics_port_in_use_is_a_runtime_error_naming_the_flag():
+    """The CLI prints a RuntimeError as one line and exits 1 (a bare OSError was a traceback)."""
+    import socket
+
+    import pytest
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(RuntimeError, match=rf"127\.0\.0\.1:{port} .*--metrics-port"):
+            metrics.start_metrics_server("127.0.0.1", port)
