@@ -21,11 +21,11 @@ from specsplit.v1 import gateway_pb2, gateway_pb2_grpc
 from specsplit.rpc.wire import grammar_to_pb
 
 
-def parse_ids(text: str) -> list[int]:
+def parse_ids(text: str, flag: str = "--prompt-token-ids") -> list[int]:
     try:
         return [int(t) for t in text.replace(" ", "").split(",") if t != ""]
     except ValueError:
-        raise ValueError(f"--prompt-token-ids must be comma-separated integers, got {text!r}") from None
+        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
 
 
 def grammar_from_args(args):
@@ -66,6 +66,8 @@ def request_from_args(args) -> gateway_pb2.GenerateRequest:
         req.logprobs = args.logprobs
     for s in getattr(args, "stop", None) or []:
         req.stop.append(s)
+    req.stop_token_ids.extend(parse_ids(getattr(args, "stop_token_ids", None) or "", "--stop-token-ids"))
+    req.min_tokens = getattr(args, "min_tokens", 0) or 0
     req.presence_penalty = getattr(args, "presence_penalty", 0.0)
     req.frequency_penalty = getattr(args, "frequency_penalty", 0.0)
     if getattr(args, "repetition_penalty", 1.0) != 1.0:

@@ -80,6 +80,8 @@ def params_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
     msg.logit_bias.extend(common_pb2.LogitBias(token_id=t, bias=b) for t, b in p.logit_bias)
     if p.grammar is not None:
         msg.grammar.CopyFrom(grammar_to_pb(p.grammar))
+    msg.min_tokens = p.min_tokens
+    msg.min_tokens_stop_ids.extend(p.min_tokens_stop_ids)
     return msg
 
 
@@ -106,6 +108,7 @@ def params_from_pb(m: common_pb2.SamplingParams) -> SamplingParams:
         repetition_penalty=float(m.repetition_penalty) if m.HasField("repetition_penalty") else 1.0,
         logit_bias=tuple((int(b.token_id), float(b.bias)) for b in m.logit_bias),
         grammar=grammar_from_pb(m.grammar) if m.HasField("grammar") else None,
+        min_tokens=int(m.min_tokens), min_tokens_stop_ids=tuple(int(t) for t in m.min_tokens_stop_ids),
     )
 
 

@@ -23,12 +23,15 @@ class TextStream:
         self.stop = [s for s in stop if s]
         self._hold = max((len(s) for s in self.stop), default=1) - 1
         self.stopped = False  # a stop string was found; nothing more is taken
+        self._stops_end_after = 0  # a stop string counts only if it ends past this many characters
 
-    def add(self, token: int) -> None:
+    def add(self, token: int, stops: bool = True) -> None:
+        """stops False (min_tokens): no stop string ending in the text so far counts; one that a
+        later token completes does, wherever it starts."""
         self.ids.append(token)
-        self._advance(final=False)
+        self._advance(final=False, stops=stops)
 
-    def _advance(self, final: bool) -> None:
+    def _advance(self, final: bool, stops: bool = True) -> None:
         before = self._decode(self.ids[self._prefix:self._read])
         after = self._decode(self.ids[self._prefix:])
         if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
@@ -36,12 +39,20 @@ class TextStream:
         start = len(self.text)
         self.text += after[len(before):]
         self._prefix, self._read = self._read, len(self.ids)
-        if self.stop:
+        if not stops:
+            self._stops_end_after = len(self.text)
+        elif self.stop:
             self._find_stop(start)
 
     def _find_stop(self, start: int) -> None:
         lo = max(0, start - self._hold)
-        hits = [i for i in (self.text.find(s, lo) for s in self.stop) if i >= 0]
+        hits = []
+        for s in self.stop:
+            i = self.text.find(s, lo)
+            while 0 <= i and i + len(s) <= self._stops_end_after:
+                i = self.text.find(s, i + 1)
+            if i >= 0:
+                hits.append(i)
         if hits:
             self.text = self.text[: min(hits)]
             self.stopped = True

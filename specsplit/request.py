@@ -11,7 +11,7 @@ so the gateway maps them one to one); the engine library never imports grpc.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Sequence
 
 from specsplit.detokenizer import TextStream
@@ -95,6 +95,21 @@ class GenerationRequest:
     prompt_logprobs: int | None = None
 
 
+def stop_ids(request: GenerationRequest, eos_ids: Iterable[int]) -> frozenset[int]:
+    """The token ids that end `request`'s output: the model's EOS ids unless ignore_eos, and its
+    stop_token_ids."""
+    return frozenset(() if request.ignore_eos else eos_ids) | frozenset(request.stop_token_ids)
+
+
+def with_min_tokens_stops(request: GenerationRequest, eos_ids: Iterable[int]) -> GenerationRequest:
+    """`request` with the ids its min_tokens holds back (stop_ids) in its sampling parameters, for
+    the engines to ban (specsplit.sampling.penalties); unchanged without min_tokens."""
+    if not request.params.min_tokens:
+        return request
+    held = tuple(sorted(stop_ids(request, eos_ids)))
+    return replace(request, params=replace(request.params, min_tokens_stop_ids=held))
+
+
 @dataclass(frozen=True)
 class Limits:
     vocab_size: int
@@ -128,6 +143,11 @@ def validate(req: GenerationRequest, limits: Limits | None) -> None:
     if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= MAX_LOGPROBS:
         raise invalid(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}] (alternatives per prompt position; unset = "
                       f"none), got {req.prompt_logprobs}")
+    if req.params.min_tokens > req.max_tokens:
+        raise invalid(f"min_tokens ({req.params.min_tokens}) must be <= max_tokens ({req.max_tokens})")
+    if req.params.min_tokens and req.params.grammar is not None:
+        raise invalid("min_tokens cannot be combined with a grammar (response_format): the output ends where "
+                      "the grammar does; unset min_tokens")
     if req.params.grammar is not None and req.ignore_eos:
         raise invalid("ignore_eos cannot be combined with a grammar (response_format): the output ends where "
                       "the grammar does; unset ignore_eos")
@@ -252,9 +272,11 @@ class Request:
     # ---- the step thread ----------------------------------------------------------------
     def take(self, tokens: Iterable[int], eos_ids: Iterable[int],
              logprobs: Sequence[TokenLogprob] | None = None) -> list[int]:
-        """Append a step's tokens up to max_tokens, EOS, a stop token or a stop string; returns those
-        kept. logprobs: one per token when the request asked for them; cut where the tokens are."""
-        eos = (set() if self.request.ignore_eos else set(eos_ids)) | set(self.request.stop_token_ids)
+        """Append a step's tokens up to max_tokens, EOS, a stop token or a stop string (those from
+        the (min_tokens + 1)-th token on); returns those kept. logprobs: one per token when the
+        request asked for them; cut where the tokens are."""
+        eos = stop_ids(self.request, eos_ids)
+        min_tokens = self.request.params.min_tokens
         kept: list[int] = []
         for j, t in enumerate(tokens):
             if self.budget <= 0 or self.finished:
@@ -264,11 +286,11 @@ class Request:
             if self.logprobs is not None and logprobs is not None:
                 self.logprobs.append(logprobs[j])
             if self.text is not None:
-                self.text.add(t)
+                self.text.add(t, stops=len(self.output) > min_tokens)
                 if self.text.stopped:
                     self.finish_reason = "stop"
                     break
-            if t in eos:
+            if t in eos and len(self.output) > min_tokens:
                 self.finish_reason = "stop"
                 break
         if self.finish_reason is None and self.budget <= 0:

@@ -46,6 +46,7 @@ from specsplit.request import (
     RequestError,
     error_from_exception,
     validate,
+    with_min_tokens_stops,
 )
 from specsplit.spec import SpecDecoder
 
@@ -155,6 +156,7 @@ class Scheduler:
     def submit(self, request: GenerationRequest, sink: Callable[[Event], None] | None = None) -> Request:
         """Validate and queue; RequestError(invalid_argument | resource_exhausted) otherwise."""
         validate(request, self.limits)
+        request = with_min_tokens_stops(request, self.eos_token_ids)
         target_only = self._check_fits(request)
         with self._lock:
             if self.max_queue is not None and len(self._live) >= self.max_num_seqs + self.max_queue:

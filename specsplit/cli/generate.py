@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import sys
 import time
 
@@ -28,6 +29,12 @@ def add_arguments(p, name: str) -> None:
     p.add_argument("--top-k", type=nonneg_int, default=0, help="0 = off")
     p.add_argument("--seed", type=nonneg_int, default=None)
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="a stop string: the output text ends before it (repeat for several, at most 16)")
+    p.add_argument("--stop-token-ids", default=None, metavar="IDS",
+                   help="comma-separated token ids that end the output, as EOS does (kept in it)")
+    p.add_argument("--min-tokens", type=nonneg_int, default=0, metavar="N",
+                   help="no EOS, stop token or stop string ends the output before N tokens (0 = off)")
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to the prompt")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.add_argument("--logprobs", type=nonneg_int, default=None, metavar="N",
@@ -76,12 +83,15 @@ def validate(args) -> None:
             raise ValueError("--prompt-token-ids is empty")
         if any(t < 0 for t in ids):
             raise ValueError(f"--prompt-token-ids has negative ids: {[t for t in ids if t < 0][:5]}")
-    try:
-        params_from_args(args).validate()
+    from specsplit.request import RequestError, validate as validate_request
+
+    try:  # the request's own rules (specsplit.request.validate), before the model loads
+        validate_request(_request(args, tuple(ids) if args.prompt_token_ids is not None else (0,)), None)
     except OSError as e:
         raise ValueError(f"cannot read the grammar file: {e}") from None
-    except ValueError as e:
-        raise ValueError(f"--{e}".replace("_", "-", 1)) from None
+    except (ValueError, RequestError) as e:  # "stop_token_ids takes ..." -> "--stop-token-ids takes ..."
+        raise ValueError(re.sub(r"^\w+", lambda m: "--" + m.group(0).replace("_", "-") if hasattr(args, m.group(0))
+                                else m.group(0), str(e))) from None
     if args.server is None and args.prompt_token_ids is not None:
         n = len(parse_ids(args.prompt_token_ids))
         if n + args.max_tokens > args.max_model_len:
@@ -95,7 +105,20 @@ def params_from_args(args):
 
     return SamplingParams(args.temperature, args.top_p, args.top_k, args.seed,
                           presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                          repetition_penalty=args.repetition_penalty, grammar=grammar_from_args(args))
+                          repetition_penalty=args.repetition_penalty, grammar=grammar_from_args(args),
+                          min_tokens=args.min_tokens)
+
+
+def _request(args, ids: tuple[int, ...], i: int = 0):
+    """Choice i of the request the flags ask for, on prompt ids `ids`."""
+    from specsplit.request import GenerationRequest, choice_seed
+
+    params = params_from_args(args)
+    return GenerationRequest("cli" if args.n == 1 else f"cli-{i}", ids, args.max_tokens,
+                             dataclasses.replace(params, seed=choice_seed(params.seed, i)), args.ignore_eos,
+                             stop=tuple(args.stop or ()),
+                             stop_token_ids=tuple(parse_ids(args.stop_token_ids or "", "--stop-token-ids")),
+                             logprobs=args.logprobs)
 
 
 def _prompt_ids(args, tokenizer) -> list[int]:
@@ -117,7 +140,6 @@ def run(args) -> int:
 def run_local(args) -> int:
     from specsplit.factory import build_colocated, set_threads
     from specsplit.gateway.generate_client import choice_text, logprobs_json
-    from specsplit.request import GenerationRequest, choice_seed
     from specsplit.scheduler import Scheduler
     set_threads(args.threads)
     # --n requests at once: size the profile run and the cache for them, not --max-num-seqs.
@@ -129,17 +151,15 @@ def run_local(args) -> int:
     colo = build_colocated(target, draft, spec, show_progress=not args.json)
     load_s = time.perf_counter() - t0
     ids = tuple(_prompt_ids(args, colo.tokenizer))
-    params = params_from_args(args)
-    requests = [GenerationRequest("cli" if n == 1 else f"cli-{i}", ids, args.max_tokens,
-                                  dataclasses.replace(params, seed=choice_seed(params.seed, i)), args.ignore_eos,
-                                  logprobs=args.logprobs) for i in range(n)]
+    requests = [_request(args, ids, i) for i in range(n)]
     # The same Scheduler as the gateway's: it validates the requests (vocabulary, max_model_len,
-    # the KV cache) and runs them.
-    gen = Scheduler(colo.decoder, colo.eos_token_ids, max_num_seqs=n)
+    # the KV cache, stop rules) and runs them; with stop strings it cuts the text as the gateway does.
+    gen = Scheduler(colo.decoder, colo.eos_token_ids, max_num_seqs=n,
+                    decode=colo.tokenizer.decode if args.stop else None)
 
     def stream(state, kept):
         if not args.json and n == 1:
-            sys.stdout.write(colo.tokenizer.decode(kept))
+            sys.stdout.write(state.text.take() if state.text is not None else colo.tokenizer.decode(kept))
             sys.stdout.flush()
 
     t1 = time.perf_counter()
@@ -149,7 +169,7 @@ def run_local(args) -> int:
     for state in states:
         result = {
             "token_ids": state.output,
-            "text": colo.tokenizer.decode(state.output),
+            "text": state.text.text if state.text is not None else colo.tokenizer.decode(state.output),
             "finish_reason": state.finish_reason,
             "usage": state.usage(),  # the same dict the gateway streams as Usage
         }
@@ -166,6 +186,8 @@ def run_local(args) -> int:
         print(f"[{n} choices, {tokens} tokens in {gen_s:.2f}s = {rate:.1f} tok/s; load {load_s:.1f}s]", file=sys.stderr)
     else:
         (state,) = states
+        if state.text is not None:
+            sys.stdout.write(state.text.take(final=True))  # what stop strings held back
         rate = len(state.output) / gen_s if gen_s > 0 else float("inf")
         acc = f", acceptance {state.accepted / state.proposed:.2f}" if state.proposed else ""
         print(f"\n[{len(state.output)} tokens in {gen_s:.2f}s = {rate:.1f} tok/s{acc}; load {load_s:.1f}s; finish={state.finish_reason}]",

@@ -11,6 +11,8 @@ MAX_PENALTY = 2.0  # presence_penalty, frequency_penalty in [-2, 2]
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 10.0  # 1 = off
 MAX_LOGIT_BIAS = 100.0  # each bias in [-100, 100]
 MAX_LOGIT_BIAS_ENTRIES = 300  # token ids in one logit_bias (OpenAI's limit)
+# min_tokens: the ids it holds back (the model's EOS ids and a request's stop_token_ids, <= 64).
+MAX_MIN_TOKENS_STOP_IDS = 128
 # Structured output (specsplit.sampling.grammar): the grammar text a request may send.
 GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf")
 MAX_GRAMMAR_CHARS = 64 * 1024
@@ -68,6 +70,12 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # vLLM's min_tokens: while fewer than min_tokens tokens are generated, the ids that would end
+    # the output (min_tokens_stop_ids: the model's EOS ids unless ignore_eos, and the request's
+    # stop_token_ids; the scheduler fills them in at submit) get logit -inf at that position, on
+    # the target's rows as on the drafter's (specsplit.sampling.penalties). 0 = off.
+    min_tokens: int = 0
+    min_tokens_stop_ids: tuple[int, ...] = ()
     # Structured output: tokens the grammar does not allow next get probability 0 (None: free text).
     grammar: Grammar | None = None
 
@@ -77,10 +85,24 @@ class SamplingParams:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
                     or self.logit_bias)
 
+    def holds_stops_at(self, generated: int) -> bool:
+        """min_tokens bans the stop ids at the position after `generated` generated tokens."""
+        return generated < self.min_tokens and bool(self.min_tokens_stop_ids)
+
+    def penalized_at(self, generated: int) -> bool:
+        """specsplit.sampling.penalties changes the logits at the position after `generated`
+        generated tokens (and at the rows after it, in one verify)."""
+        return self.penalized or self.holds_stops_at(generated)
+
+    def processed_at(self, generated: int) -> bool:
+        """The logits at the position after `generated` generated tokens go through
+        specsplit.sampling.penalties / .grammar before sampling."""
+        return self.penalized_at(generated) or self.grammar is not None
+
     @property
     def processed(self) -> bool:
-        """The target's logits go through specsplit.sampling.penalties / .grammar before sampling."""
-        return self.penalized or self.grammar is not None
+        """The logits may go through specsplit.sampling.penalties / .grammar at some position."""
+        return self.processed_at(0)
 
     @property
     def greedy(self) -> bool:
@@ -140,5 +162,14 @@ class SamplingParams:
             if not math.isfinite(bias) or abs(bias) > MAX_LOGIT_BIAS:
                 raise ValueError(f"logit_bias of token {token} must be in [-{MAX_LOGIT_BIAS:g}, "
                                  f"{MAX_LOGIT_BIAS:g}], got {bias:g}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0 (0 = off), got {self.min_tokens}")
+        if len(self.min_tokens_stop_ids) > MAX_MIN_TOKENS_STOP_IDS:
+            raise ValueError(f"min_tokens holds back at most {MAX_MIN_TOKENS_STOP_IDS} stop ids, "
+                             f"got {len(self.min_tokens_stop_ids)}")
+        out = [t for t in self.min_tokens_stop_ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
+        if out:
+            raise ValueError(f"min_tokens stop ids {out[:5]} are outside the vocabulary "
+                             f"[0, {vocab_size if vocab_size is not None else 'vocab_size'})")
         if self.grammar is not None:
             self.grammar.validate()

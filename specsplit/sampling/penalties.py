@@ -12,7 +12,9 @@ Per row, in this order (what the target-only step applies too):
      prompt or generated so far: logit / r if logit > 0 else logit * r;
   2. OpenAI's penalties over the generated tokens (not the prompt):
      logit -= frequency_penalty * count + presence_penalty * (count > 0);
-  3. logit_bias: logit += bias of that token id.
+  3. logit_bias: logit += bias of that token id;
+  4. min_tokens: while fewer than min_tokens tokens are generated before the row, the ids that
+     would end the output (params.min_tokens_stop_ids) get -inf.
 Then the grammar mask (specsplit.sampling.grammar), then temperature / top-k / top-p.
 """
 from __future__ import annotations
@@ -30,7 +32,7 @@ def penalize(logits: torch.Tensor, params: SamplingParams, prompt: Sequence[int]
     float32 tensor [n, V] with the penalties and biases of `params` applied; drafts has >= n - 1."""
     out = logits.float().clone()
     n, vocab = out.shape
-    if not params.penalized or n == 0:
+    if not params.penalized_at(len(generated)) or n == 0:
         return out
     device = out.device
     if params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty:
@@ -54,4 +56,8 @@ def penalize(logits: torch.Tensor, params: SamplingParams, prompt: Sequence[int]
         ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.int64, device=device)
         bias = torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32, device=device)
         out[:, ids] += bias
+    held = min(n, params.min_tokens - len(generated))  # rows 0 .. held-1 come before min_tokens
+    if held > 0 and params.min_tokens_stop_ids:
+        ids = torch.tensor(params.min_tokens_stop_ids, dtype=torch.int64, device=device)
+        out[:held, ids] = float("-inf")
     return out

@@ -99,6 +99,48 @@ def test_stop_token_ids_end_the_stream_at_the_first_one(split_stack, colocated_s
     assert status == 400 and err["param"] == "stop_token_ids" and "outside the vocabulary" in err["message"], raw
 
 
+def test_min_tokens_holds_back_the_stop_ids_and_stays_lossless(split_stack, colocated_stack, prompts, target_logits):
+    """min_tokens over gRPC (split and colocated, speculation on) and HTTP: the stop ids are tokens
+    the free output takes early, so holding them back changes the output; it equals the stack's own
+    target-only output with the same min_tokens (or a certified near-tie of the held-back target).
+    min_tokens above max_tokens, or negative on HTTP, is INVALID_ARGUMENT / 400 naming the field."""
+    import json
+
+    import grpc
+
+    from specsplit.sampling.params import SamplingParams
+    from tests.helpers.structured import constrained_next_logits
+    from tests.services.procs import http_call, server_info
+
+    ids, n, held = prompts[11], 8, 16
+    free = generate(split_stack.gateway, request(ids, max_tokens=held, ignore_eos=True))["token_ids"]
+    stops = [free[1], free[4]]
+    eos = list(server_info(split_stack.gateway).eos_token_ids)
+    off = generate(split_stack.gateway, request(ids, max_tokens=held, stop_token_ids=stops, min_tokens=n,
+                                                speculation=gateway_pb2.Speculation(disable=True)))["token_ids"]
+    assert off[1] != free[1] and not set(off[:n]) & set(stops + eos) and len(off) > n
+    params = SamplingParams(min_tokens=n, min_tokens_stop_ids=tuple(sorted(set(stops + eos))))
+    f = constrained_next_logits(target_logits, params, len(ids), None)
+    for stack in (split_stack, colocated_stack):
+        out = generate(stack.gateway, request(ids, max_tokens=held, stop_token_ids=stops, min_tokens=n))
+        assert out["usage"]["proposed_draft_tokens"] > 0
+        assert_greedy_equal_or_tie(off, f, out["token_ids"], prompt=ids)
+    model = json.loads(http_call(split_stack.http_port, "/v1/models")[1])["data"][0]["id"]
+    status, raw = http_call(split_stack.http_port, "/v1/completions",
+                            {"model": model, "prompt": ids, "max_tokens": held, "temperature": 0, "logprobs": 0,
+                             "stop_token_ids": stops, "min_tokens": n})
+    tokens = json.loads(raw)["choices"][0]["logprobs"]["tokens"]
+    assert status == 200 and len(tokens) == len(off), raw
+    with pytest.raises(grpc.RpcError) as err:
+        generate(split_stack.gateway, request(ids, max_tokens=4, min_tokens=5))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "min_tokens (5) must be <= max_tokens (4)" in err.value.details()
+    for bad, needle in ((5, "must be <= max_tokens"), (-1, "must be >= 0")):
+        status, raw = http_call(split_stack.http_port, "/v1/completions",
+                                {"model": model, "prompt": ids, "max_tokens": 4, "min_tokens": bad})
+        err = json.loads(raw)["error"]
+        assert status == 400 and err["param"] == "min_tokens" and needle in err["message"], raw
+
+
 def test_text_prompt_and_stop_string(split_stack, colocated_stack):
     """Text prompts use the target's tokenizer; a stop string ends the stream and is not sent."""
     base = generate(split_stack.gateway, request(prompt="w5 w9 w13 w5 w9", max_tokens=12, ignore_eos=True))

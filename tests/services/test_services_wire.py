@@ -70,12 +70,13 @@ def test_messages_round_trip():
     assert rows[0].seq_id == "a" and torch.equal(rows[0].row, torch.tensor([0.0, 1.0]))
 
 
-def test_penalties_grammar_and_generated_round_trip():
+def test_penalties_grammar_min_tokens_and_generated_round_trip():
     from specsplit.sampling.params import Grammar
 
     adds = [SeqAdd("a", (1, 2, 3), SamplingParams(0.0, presence_penalty=0.5, frequency_penalty=-1.5,
                                                   repetition_penalty=1.25, logit_bias=((7, -100.0), (9, 2.5)),
                                                   grammar=Grammar("json_schema", '{"type": "object"}')), generated=2)]
+    adds += [SeqAdd("m", (5,), SamplingParams(min_tokens=3, min_tokens_stop_ids=(2, 9)))]
     adds += [SeqAdd(f"k{kind}", (4,), SamplingParams(grammar=Grammar(kind, "" if kind == "json_object" else "x+")))
              for kind in ("json_object", "regex", "ebnf")]
     assert wire.seq_adds_from_pb(wire.seq_adds_to_pb(adds)) == adds
@@ -133,6 +134,21 @@ def test_stop_string_is_never_streamed():
     assert all(" w4" not in p for p in pieces)
     s, pieces = _stream(ids, stop=["w2"])
     assert "".join(pieces) == "w1 " and len(s.ids) == 2
+
+
+def test_stops_false_ignores_stop_strings_ending_there_but_not_later():
+    ts = TextStream(_Words().decode, stop=["w4", "w4 w5"])
+    for t in [3, 4]:
+        ts.add(t, stops=False)
+    assert not ts.stopped
+    ts.add(7)  # "w4" lies wholly in the held-back tail of the ignored text: still ignored
+    assert not ts.stopped
+    ts.add(4)
+    assert ts.stopped and ts.text == "w3 w4 w7 "
+    straddling = TextStream(_Words().decode, stop=["w4 w5"])
+    straddling.add(4, stops=False)
+    straddling.add(5)  # starts in the ignored text, ends after it: counts
+    assert straddling.stopped and straddling.text == ""
 
 
 LIMITS = Limits(vocab_size=100, max_model_len=64)

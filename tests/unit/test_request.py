@@ -6,8 +6,9 @@ import threading
 
 import pytest
 
-from specsplit.request import GenerationRequest, Limits, Request, RequestError, TokenLogprob, validate
-from specsplit.sampling.params import SamplingParams
+from specsplit.request import (GenerationRequest, Limits, Request, RequestError, TokenLogprob, validate,
+                               with_min_tokens_stops)
+from specsplit.sampling.params import Grammar, SamplingParams
 
 LIMITS = Limits(vocab_size=100, max_model_len=64)
 
@@ -31,6 +32,9 @@ def _words(ids):
     (dict(stop_token_ids=tuple(range(65))), "stop_token_ids takes at most 64 token ids, got 65"),
     (dict(logprobs=21), "logprobs must be in [0, 20]"),
     (dict(logprobs=-1), "logprobs must be in [0, 20]"),
+    (dict(params=SamplingParams(min_tokens=5)), "min_tokens (5) must be <= max_tokens (4)"),
+    (dict(params=SamplingParams(min_tokens=-2)), "min_tokens must be >= 0"),
+    (dict(params=SamplingParams(min_tokens=2, grammar=Grammar("json_object"))), "min_tokens cannot be combined with a grammar"),
 ])
 def test_validation_is_one_function(kw, message):
     base = dict(request_id="r", prompt_token_ids=(1, 2, 3), max_tokens=4)
@@ -58,6 +62,30 @@ def test_stop_token_ids_end_the_output_as_eos_does_even_with_ignore_eos():
     assert req.take([5, 8, 6], eos_ids=[9]) == [5, 8] and req.finish_reason == "stop"  # kept, nothing after it
     ignore = Request(GenerationRequest("i", (1,), 10, ignore_eos=True, stop_token_ids=(7,)), "r2", 2)
     assert ignore.take([9, 7, 4], eos_ids=[9]) == [9, 7] and ignore.finish_reason == "stop"
+
+
+def test_min_tokens_holds_back_eos_stop_ids_and_stop_strings():
+    """Before the (min_tokens + 1)-th token nothing stops the output (the engines never sample EOS or
+    a stop id there; a stop string the text completes there does not count); from it on, they do."""
+    params = SamplingParams(min_tokens=3)
+    req = Request(GenerationRequest("m", (1,), 10, params, stop=("w4",), stop_token_ids=(7,)), "r1", 1, _words)
+    assert req.take([9, 7, 4], eos_ids=[9]) == [9, 7, 4] and not req.finished
+    assert req.take([5, 9, 6], eos_ids=[9]) == [5, 9] and req.finish_reason == "stop"  # EOS, token 5
+    strings = Request(GenerationRequest("s", (1,), 10, params, stop=("w4 w5", "w5 w6")), "r2", 2, _words)
+    assert strings.take([3, 4, 5], eos_ids=[9]) == [3, 4, 5] and not strings.finished  # "w4 w5" ends in token 3
+    assert strings.take([6, 8], eos_ids=[9]) == [6] and strings.finish_reason == "stop"  # "w5 w6" ends in token 4
+    assert strings.text.text == "w3 w4 "
+    early = Request(GenerationRequest("e", (1,), 10, params, stop=("w4",)), "r3", 3, _words)
+    assert early.take([4, 5, 6, 8], eos_ids=[9]) == [4, 5, 6, 8] and not early.finished  # "w4" in token 1 only
+
+
+def test_the_scheduler_s_min_tokens_stop_ids_are_eos_unless_ignored_and_the_stop_ids():
+    req = GenerationRequest("m", (1,), 10, SamplingParams(min_tokens=3), stop_token_ids=(7, 5))
+    assert with_min_tokens_stops(req, (9, 2)).params.min_tokens_stop_ids == (2, 5, 7, 9)
+    ignored = GenerationRequest("i", (1,), 10, SamplingParams(min_tokens=3), ignore_eos=True, stop_token_ids=(7,))
+    assert with_min_tokens_stops(ignored, (9,)).params.min_tokens_stop_ids == (7,)
+    plain = GenerationRequest("p", (1,), 10, stop_token_ids=(7,))
+    assert with_min_tokens_stops(plain, (9,)) is plain
 
 
 def test_usage_and_per_position_acceptance_counted_once():

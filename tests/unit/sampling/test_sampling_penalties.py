@@ -26,6 +26,8 @@ def _reference(logits, params, prompt, generated, drafts):
             c = gen.count(v)
             x -= params.frequency_penalty * c + params.presence_penalty * (c > 0)
             x += dict(params.logit_bias).get(v, 0.0)
+            if len(gen) < params.min_tokens and v in params.min_tokens_stop_ids:
+                x = float("-inf")
             out[j, v] = x
     return out.float()
 
@@ -36,6 +38,10 @@ def _reference(logits, params, prompt, generated, drafts):
     SamplingParams(repetition_penalty=1.7),
     SamplingParams(repetition_penalty=0.6, presence_penalty=-0.4, frequency_penalty=2.0, logit_bias=((3, 5.5), (9, -100.0))),
     SamplingParams(logit_bias=((0, 1.0),)),
+    # generated has 4 tokens: rows 0 and 1 (4 and 5 before them) come before min_tokens 6, rows 2 and 3 not
+    SamplingParams(min_tokens=6, min_tokens_stop_ids=(2, 7)),
+    SamplingParams(min_tokens=6, min_tokens_stop_ids=(2,), frequency_penalty=0.5, logit_bias=((2, 3.0),)),
+    SamplingParams(min_tokens=4, min_tokens_stop_ids=(2, 7)),  # reached: nothing held back
 ])
 def test_penalize_matches_the_per_token_rules(params):
     g = torch.Generator().manual_seed(3)
@@ -43,6 +49,8 @@ def test_penalize_matches_the_per_token_rules(params):
     prompt, generated, drafts = [1, 2, 2], [3, 4, 3, 11], [4, 5, 4]
     got = penalize(logits, params, prompt, generated, drafts)
     torch.testing.assert_close(got, _reference(logits, params, prompt, generated, drafts), rtol=1e-6, atol=1e-5)
+    held = max(0, min(4, params.min_tokens - len(generated)))
+    assert int(torch.isinf(got).sum()) == held * len(params.min_tokens_stop_ids)
     assert torch.equal(logits, logits.clone())  # the input is not changed
 
 
@@ -64,6 +72,9 @@ def test_no_penalties_is_the_logits():
     (dict(grammar=Grammar("regex", "")), "the regex grammar is empty"),
     (dict(grammar=Grammar("json_schema", "x" * 70000)), "at most 65536 are allowed"),
     (dict(grammar=Grammar("json_object", "{}")), "json_object grammar takes no text"),
+    (dict(min_tokens=-1), "min_tokens must be >= 0"),
+    (dict(min_tokens=3, min_tokens_stop_ids=(2, 256)), "min_tokens stop ids [256] are outside the vocabulary"),
+    (dict(min_tokens=3, min_tokens_stop_ids=tuple(range(129))), "at most 128 stop ids"),
 ])
 def test_bounds_are_refused_with_the_rule(kw, needle):
     with pytest.raises(ValueError) as err:

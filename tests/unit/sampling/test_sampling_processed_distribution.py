@@ -1,4 +1,4 @@
-"""Sampling with penalties, logit_bias and a grammar stays exact under speculation: the emitted
+"""Sampling with penalties, logit_bias, min_tokens and a grammar stays exact under speculation: the emitted
 distribution is the constrained, penalized target's (chi-square and total variation).
 
 The verifier (specsplit.engine.TargetEngine, the real one: penalties, grammar cuts and masks,
@@ -103,6 +103,8 @@ CASES = {
     "grammar": dict(grammar=Grammar("regex", "((w0|w1|w2|w3)(w4|w5|w6|w7))+")),
     "both": dict(presence_penalty=-0.5, frequency_penalty=0.9, repetition_penalty=0.7, logit_bias=((10, 2.0),),
                  grammar=Grammar("regex", "((w0|w1|w2|w3)(w4|w5|w6|w7))+")),
+    # the first token is never w0 or w3 (the stop ids min_tokens holds back); the second may be
+    "min_tokens": dict(min_tokens=1, min_tokens_stop_ids=(3, 6), presence_penalty=0.5),
 }
 
 
@@ -131,6 +133,11 @@ def test_emitted_joint_is_the_processed_targets(compiler, case):
         for r in results:
             out[r.seq_id] += resolved.get(r.seq_id, r).token_ids
     assert all(len(o) >= 2 for o in out.values())
+    if params.min_tokens:  # the case tests something: the held-back ids are likely without it
+        unheld = torch.softmax(table[PROMPT[-1]].double(), -1)
+        assert float(unheld[list(params.min_tokens_stop_ids)].sum()) > 0.05
+        assert not any(o[0] in params.min_tokens_stop_ids for o in out.values())
+        assert any(o[1] in params.min_tokens_stop_ids for o in out.values())
     pvalue, tv = joint_fit([tuple(o[:2]) for o in out.values()], _exact_joint(table, params, compiler))
     assert pvalue > 1e-3, f"chi-square p-value {pvalue:.2e} (total variation {tv:.4f})"
     assert tv < 0.05, f"total variation {tv:.4f}"
