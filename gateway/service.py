@@ -202,7 +202,7 @@ def build_request(msg: gateway_pb2.GenerateRequest, ids: list[int]) -> Generatio
         repetition_penalty=_decimal(msg.repetition_penalty) if msg.HasField("repetition_penalty") else 1.0,
         logit_bias=tuple(sorted((int(t), _decimal(b)) for t, b in msg.logit_bias.items())),
         grammar=grammar_from_pb(msg.grammar) if msg.HasField("grammar") else None,
-        min_tokens=int(msg.min_tokens),
+        min_tokens=int(msg.min_tokens), min_p=_decimal(msg.min_p),
     )
     return GenerationRequest(
         request_id=msg.request_id,

@@ -82,6 +82,7 @@ def params_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
         msg.grammar.CopyFrom(grammar_to_pb(p.grammar))
     msg.min_tokens = p.min_tokens
     msg.min_tokens_stop_ids.extend(p.min_tokens_stop_ids)
+    msg.min_p = p.min_p
     return msg
 
 
@@ -109,6 +110,7 @@ def params_from_pb(m: common_pb2.SamplingParams) -> SamplingParams:
         logit_bias=tuple((int(b.token_id), float(b.bias)) for b in m.logit_bias),
         grammar=grammar_from_pb(m.grammar) if m.HasField("grammar") else None,
         min_tokens=int(m.min_tokens), min_tokens_stop_ids=tuple(int(t) for t in m.min_tokens_stop_ids),
+        min_p=float(m.min_p),
     )
 
 

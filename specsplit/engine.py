@@ -73,8 +73,8 @@ class _Seq:
 def _probs(logits: list[torch.Tensor], params: Sequence[SamplingParams]) -> list[torch.Tensor]:
     """Per-sequence logits [n_i, V] -> probabilities [n_i, V] under each request's transform."""
     rows = [x.shape[0] for x in logits]
-    t, k, p = sampling_tensors(params, rows, device=logits[0].device)
-    return list(logits_to_probs(torch.cat(logits), t, k, p).split(rows))
+    t, k, p, m = sampling_tensors(params, rows, device=logits[0].device)
+    return list(logits_to_probs(torch.cat(logits), t, k, p, m).split(rows))
 
 
 def sample_drafts(seqs, logits: list[torch.Tensor], q_x: dict, rows: dict, live: list[int]) -> list[int]:

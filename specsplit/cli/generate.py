@@ -27,6 +27,8 @@ def add_arguments(p, name: str) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=nonneg_int, default=0, help="0 = off")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="keep tokens with probability >= MIN_P x the largest, after top-k / top-p (0 = off)")
     p.add_argument("--seed", type=nonneg_int, default=None)
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     p.add_argument("--stop", action="append", default=None, metavar="TEXT",
@@ -106,7 +108,7 @@ def params_from_args(args):
     return SamplingParams(args.temperature, args.top_p, args.top_k, args.seed,
                           presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                           repetition_penalty=args.repetition_penalty, grammar=grammar_from_args(args),
-                          min_tokens=args.min_tokens)
+                          min_tokens=args.min_tokens, min_p=args.min_p)
 
 
 def _request(args, ids: tuple[int, ...], i: int = 0):

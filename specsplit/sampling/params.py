@@ -78,6 +78,10 @@ class SamplingParams:
     min_tokens_stop_ids: tuple[int, ...] = ()
     # Structured output: tokens the grammar does not allow next get probability 0 (None: free text).
     grammar: Grammar | None = None
+    # min-p (vLLM's and transformers'): keep the tokens with probability >= min_p times the largest,
+    # after top-k / top-p (specsplit.sampling.probs), on p and q alike; 0 = off. Last, so that the
+    # fields callers pass by position keep their places.
+    min_p: float = 0.0
 
     @property
     def penalized(self) -> bool:
@@ -134,6 +138,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], got {t:g}")
         if not math.isfinite(p) or not (0.0 < p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {p:g}")
+        if not math.isfinite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p:g}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if vocab_size is not None and self.top_k > vocab_size:

@@ -1,4 +1,4 @@
-"""Logits -> the sampling distribution of one request (temperature, top-k, top-p).
+"""Logits -> the sampling distribution of one request (temperature, top-k, top-p, min-p).
 
 The same transform is applied to the target's logits (giving p) and to the draft's (giving q), so
 the rejection sampler reproduces exactly the distribution the target alone would sample from.
@@ -7,13 +7,17 @@ Semantics, row by row (one row = one position of one sequence):
   * temperature == 0: greedy; the row is the one-hot of argmax(logits) (first max index on ties,
     like torch.argmax). top-k / top-p are ignored.
   * otherwise: softmax(logits / T), then top-k (0 = off), then top-p on the renormalised top-k
-    distribution, then renormalised. This is the order of transformers' TemperatureLogitsWarper ->
-    TopKLogitsWarper -> TopPLogitsWarper.
+    distribution, then min-p (0 = off), then renormalised. This is the order of transformers'
+    TemperatureLogitsWarper -> TopKLogitsWarper -> TopPLogitsWarper -> MinPLogitsWarper.
   * top-k keeps every token whose scaled logit is >= the k-th largest (ties at the boundary are all
     kept, so the result does not depend on how a sort orders equal values).
   * top-p keeps the smallest prefix (in descending probability) whose mass reaches top_p, i.e.
     token i is kept when the mass strictly above it is < top_p; the argmax is always kept, and
     ties with the last kept value are kept too. top_p >= 1 switches it off.
+  * min-p keeps every token whose probability is >= min_p times the largest one. The ratio of two
+    probabilities does not change when a distribution is renormalised, and top-k / top-p always
+    keep the largest, so this is the scaled-logit cut-off max + log(min_p) whatever was filtered
+    before it (vLLM applies min-p before top-k / top-p; with top_p < 1 the two orders differ).
 """
 
 from __future__ import annotations
@@ -38,8 +42,8 @@ def sampling_tensors(
     params: Sequence[SamplingParams],
     rows_per_seq: int | Sequence[int] = 1,
     device: torch.device | str = "cpu",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-row (temperature [N] f32, top_k [N] i64, top_p [N] f32) for logits_to_probs.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row (temperature [N] f32, top_k [N] i64, top_p [N] f32, min_p [N] f32) for logits_to_probs.
 
     rows_per_seq: how many logits rows each sequence owns, in order (the verifier scores k+1
     positions per sequence, the drafter one); an int applies to every sequence.
@@ -52,8 +56,9 @@ def sampling_tensors(
     temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
     top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64)
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
     return tuple(  # type: ignore[return-value]
-        t.repeat_interleave(repeats).to(device) for t in (temperature, top_k, top_p)
+        t.repeat_interleave(repeats).to(device) for t in (temperature, top_k, top_p, min_p)
     )
 
 
@@ -62,6 +67,7 @@ def logits_to_probs(
     temperature: torch.Tensor,  # [N] float; 0 = greedy row
     top_k: torch.Tensor,  # [N] int; <= 0 = off
     top_p: torch.Tensor,  # [N] float in (0, 1]; >= 1 = off
+    min_p: torch.Tensor | None = None,  # [N] float in [0, 1]; 0 = off (None: off everywhere)
 ) -> torch.Tensor:  # [N, V] float32, each row sums to 1
     if logits.dim() != 2:
         raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")
@@ -80,6 +86,12 @@ def logits_to_probs(
     use_p = (top_p < 1.0) & ~greedy  # [N]
     if bool((use_k | use_p).any()):
         scaled = _filter_top_k_top_p(scaled, top_k, top_p, use_k, use_p)
+    if min_p is not None:
+        min_p = min_p.to(device=device, dtype=torch.float32).reshape(n)
+        use_min = (min_p > 0) & ~greedy  # [N]
+        if bool(use_min.any()):
+            floor = scaled.max(dim=-1, keepdim=True).values + torch.log(min_p.clamp(min=1e-30))[:, None]  # [N, 1]
+            scaled = torch.where(use_min[:, None] & (scaled < floor), torch.full_like(scaled, float("-inf")), scaled)
     probs = torch.softmax(scaled, dim=-1)  # [N, V]
 
     if bool(greedy.any()):

@@ -15,6 +15,7 @@ CASES = {
     "dense q rows": dict(temperature=0.9, top_p=1.0, top_k=0),
     "sparse q rows (top-k)": dict(temperature=0.7, top_p=1.0, top_k=12),
     "top-p": dict(temperature=1.5, top_p=0.9, top_k=0),
+    "min-p": dict(temperature=1.5, top_p=1.0, top_k=0, min_p=0.2),
 }
 
 
@@ -31,7 +32,7 @@ def test_seeded_sampling_split_equals_colocated(split_stack, colocated_stack, pr
         proposed += split["usage"]["proposed_draft_tokens"]
         rejected += split["usage"]["proposed_draft_tokens"] - split["usage"]["accepted_draft_tokens"]
     assert proposed > 0
-    if case != "top-p":  # peaked tiny models: a 0.9 nucleus is often one token, never rejected
+    if case not in ("top-p", "min-p"):  # peaked tiny models: a 0.9 nucleus is often one token, never rejected
         assert rejected > 0  # rejections happened
 
 
@@ -63,3 +64,18 @@ def test_seeded_tokens_do_not_change_with_speculation_or_load(split_stack, promp
     assert generate(split_stack.gateway, seeded(disable=True))["token_ids"] == alone
     assert generate(split_stack.gateway, seeded(num_speculative_tokens=1))["token_ids"] == alone
     assert generate(split_stack.gateway, seeded(num_speculative_tokens=4))["token_ids"] == alone
+
+
+def test_min_p_reaches_the_engines_and_keeps_the_seed_s_tokens(split_stack, prompts):
+    """A seeded min-p request: the same tokens with speculation on and off (coupled sampling gives
+    the target-only tokens of a seed), and not the tokens of the same seed without min-p."""
+    ids = prompts[9]
+
+    def seeded(min_p, **spec):
+        return request(ids, max_tokens=32, temperature=1.5, seed=77, ignore_eos=True, min_p=min_p,
+                       speculation=gateway_pb2.Speculation(**spec) if spec else None)
+
+    on = generate(split_stack.gateway, seeded(0.2))
+    assert on["usage"]["proposed_draft_tokens"] > 0
+    assert generate(split_stack.gateway, seeded(0.2, disable=True))["token_ids"] == on["token_ids"]
+    assert generate(split_stack.gateway, seeded(0.0))["token_ids"] != on["token_ids"]

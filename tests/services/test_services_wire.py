@@ -76,7 +76,7 @@ def test_penalties_grammar_min_tokens_and_generated_round_trip():
     adds = [SeqAdd("a", (1, 2, 3), SamplingParams(0.0, presence_penalty=0.5, frequency_penalty=-1.5,
                                                   repetition_penalty=1.25, logit_bias=((7, -100.0), (9, 2.5)),
                                                   grammar=Grammar("json_schema", '{"type": "object"}')), generated=2)]
-    adds += [SeqAdd("m", (5,), SamplingParams(min_tokens=3, min_tokens_stop_ids=(2, 9)))]
+    adds += [SeqAdd("m", (5,), SamplingParams(0.7, min_tokens=3, min_tokens_stop_ids=(2, 9), min_p=0.05))]
     adds += [SeqAdd(f"k{kind}", (4,), SamplingParams(grammar=Grammar(kind, "" if kind == "json_object" else "x+")))
              for kind in ("json_object", "regex", "ebnf")]
     assert wire.seq_adds_from_pb(wire.seq_adds_to_pb(adds)) == adds

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specsplit/v1/common.proto\x12\x0cspecsplit.v1\"\xf6\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x15\n\x08\x63oupling\x18\x05 \x01(\x08H\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x01H\x02\x88\x01\x01\x12+\n\nlogit_bias\x18\t \x03(\x0b\x32\x17.specsplit.v1.LogitBias\x12&\n\x07grammar\x18\n \x01(\x0b\x32\x15.specsplit.v1.Grammar\x12\x12\n\nmin_tokens\x18\x0b \x01(\r\x12\x1b\n\x13min_tokens_stop_ids\x18\x0c \x03(\x05\x42\x07\n\x05_seedB\x0b\n\t_couplingB\x15\n\x13_repetition_penalty\"+\n\tLogitBias\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0c\n\x04\x62ias\x18\x02 \x01(\x01\"`\n\x07Grammar\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x0e\n\x04\x65\x62nf\x18\x04 \x01(\tH\x00\x42\x06\n\x04kind\"\xe1\x01\n\x06SeqAdd\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x06params\x18\x03 \x01(\x0b\x32\x1c.specsplit.v1.SamplingParams\x12\x15\n\x08logprobs\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\x05 \x03(\x05\x12\x11\n\tgenerated\x18\x06 \x01(\r\x12\x1c\n\x0fprompt_logprobs\x18\x07 \x01(\rH\x01\x88\x01\x01\x42\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"D\n\x08\x46\x65\x61tures\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0c\n\x04rows\x18\x02 \x01(\r\x12\r\n\x05width\x18\x03 \x01(\r\x12\x0c\n\x04\x62\x66\x31\x36\x18\x04 \x01(\x0c\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.specsplit.v1.TopLogprob\"<\n\x0ePromptLogprobs\x12*\n\x06tokens\x18\x01 \x03(\x0b\x32\x1a.specsplit.v1.TokenLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"-\n\x07\x41\x64\x64Seqs\x12\"\n\x04seqs\x18\x01 \x03(\x0b\x32\x14.specsplit.v1.SeqAdd\",\n\x07Release\x12\x0f\n\x07seq_ids\x18\x01 \x03(\t\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\"\x05\n\x03\x41\x63k\"\'\n\x06Status\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"Z\n\tPackedRow\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\r\x12\x0e\n\x06values\x18\x03 \x01(\x0c\x12\x0f\n\x07indices\x18\x04 \x01(\x0c\x12\x0e\n\x06sparse\x18\x05 \x01(\x08\"m\n\x07KvStats\x12\r\n\x05paged\x18\x01 \x01(\x08\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x16\n\x0eprefix_caching\x18\x05 \x01(\x08\"\r\n\x0bInfoRequest\"\x95\x03\n\x0bServiceInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x07 \x01(\r\x12\x15\n\reos_token_ids\x18\x08 \x03(\x05\x12\x15\n\rtokenizer_dir\x18\t \x01(\t\x12!\n\x02kv\x18\n \x01(\x0b\x32\x15.specsplit.v1.KvStats\x12\x13\n\x0bnum_running\x18\x0b \x01(\r\x12\x14\n\x0cnum_sessions\x18\x0c \x01(\r\x12\x18\n\x10memory_plan_json\x18\r \x01(\t\x12\x0f\n\x07serving\x18\x0e \x01(\x08\x12\x1e\n\x16num_speculative_tokens\x18\x0f \x01(\r\x12*\n\nstep_costs\x18\x10 \x03(\x0b\x32\x16.specsplit.v1.StepCost\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\x11 \x03(\x05\"8\n\x08StepCost\x12\r\n\x05\x62\x61tch\x18\x01 \x01(\r\x12\x0c\n\x04rows\x18\x02 \x01(\r\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specsplit/v1/common.proto\x12\x0cspecsplit.v1\"\x85\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x15\n\x08\x63oupling\x18\x05 \x01(\x08H\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x01H\x02\x88\x01\x01\x12+\n\nlogit_bias\x18\t \x03(\x0b\x32\x17.specsplit.v1.LogitBias\x12&\n\x07grammar\x18\n \x01(\x0b\x32\x15.specsplit.v1.Grammar\x12\x12\n\nmin_tokens\x18\x0b \x01(\r\x12\x1b\n\x13min_tokens_stop_ids\x18\x0c \x03(\x05\x12\r\n\x05min_p\x18\r \x01(\x01\x42\x07\n\x05_seedB\x0b\n\t_couplingB\x15\n\x13_repetition_penalty\"+\n\tLogitBias\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0c\n\x04\x62ias\x18\x02 \x01(\x01\"`\n\x07Grammar\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x0e\n\x04\x65\x62nf\x18\x04 \x01(\tH\x00\x42\x06\n\x04kind\"\xe1\x01\n\x06SeqAdd\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x06params\x18\x03 \x01(\x0b\x32\x1c.specsplit.v1.SamplingParams\x12\x15\n\x08logprobs\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\x05 \x03(\x05\x12\x11\n\tgenerated\x18\x06 \x01(\r\x12\x1c\n\x0fprompt_logprobs\x18\x07 \x01(\rH\x01\x88\x01\x01\x42\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"D\n\x08\x46\x65\x61tures\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0c\n\x04rows\x18\x02 \x01(\r\x12\r\n\x05width\x18\x03 \x01(\r\x12\x0c\n\x04\x62\x66\x31\x36\x18\x04 \x01(\x0c\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.specsplit.v1.TopLogprob\"<\n\x0ePromptLogprobs\x12*\n\x06tokens\x18\x01 \x03(\x0b\x32\x1a.specsplit.v1.TokenLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"-\n\x07\x41\x64\x64Seqs\x12\"\n\x04seqs\x18\x01 \x03(\x0b\x32\x14.specsplit.v1.SeqAdd\",\n\x07Release\x12\x0f\n\x07seq_ids\x18\x01 \x03(\t\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\"\x05\n\x03\x41\x63k\"\'\n\x06Status\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"Z\n\tPackedRow\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\r\x12\x0e\n\x06values\x18\x03 \x01(\x0c\x12\x0f\n\x07indices\x18\x04 \x01(\x0c\x12\x0e\n\x06sparse\x18\x05 \x01(\x08\"m\n\x07KvStats\x12\r\n\x05paged\x18\x01 \x01(\x08\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x16\n\x0eprefix_caching\x18\x05 \x01(\x08\"\r\n\x0bInfoRequest\"\x95\x03\n\x0bServiceInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x07 \x01(\r\x12\x15\n\reos_token_ids\x18\x08 \x03(\x05\x12\x15\n\rtokenizer_dir\x18\t \x01(\t\x12!\n\x02kv\x18\n \x01(\x0b\x32\x15.specsplit.v1.KvStats\x12\x13\n\x0bnum_running\x18\x0b \x01(\r\x12\x14\n\x0cnum_sessions\x18\x0c \x01(\r\x12\x18\n\x10memory_plan_json\x18\r \x01(\t\x12\x0f\n\x07serving\x18\x0e \x01(\x08\x12\x1e\n\x16num_speculative_tokens\x18\x0f \x01(\r\x12*\n\nstep_costs\x18\x10 \x03(\x0b\x32\x16.specsplit.v1.StepCost\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\x11 \x03(\x05\"8\n\x08StepCost\x12\r\n\x05\x62\x61tch\x18\x01 \x01(\r\x12\x0c\n\x04rows\x18\x02 \x01(\r\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,37 +32,37 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specsplit.v1.common_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS']._serialized_start=44
-  _globals['_SAMPLINGPARAMS']._serialized_end=418
-  _globals['_LOGITBIAS']._serialized_start=420
-  _globals['_LOGITBIAS']._serialized_end=463
-  _globals['_GRAMMAR']._serialized_start=465
-  _globals['_GRAMMAR']._serialized_end=561
-  _globals['_SEQADD']._serialized_start=564
-  _globals['_SEQADD']._serialized_end=789
-  _globals['_FEATURES']._serialized_start=791
-  _globals['_FEATURES']._serialized_end=859
-  _globals['_TOKENLOGPROB']._serialized_start=861
-  _globals['_TOKENLOGPROB']._serialized_end=949
-  _globals['_PROMPTLOGPROBS']._serialized_start=951
-  _globals['_PROMPTLOGPROBS']._serialized_end=1011
-  _globals['_TOPLOGPROB']._serialized_start=1013
-  _globals['_TOPLOGPROB']._serialized_end=1060
-  _globals['_ADDSEQS']._serialized_start=1062
-  _globals['_ADDSEQS']._serialized_end=1107
-  _globals['_RELEASE']._serialized_start=1109
-  _globals['_RELEASE']._serialized_end=1153
-  _globals['_ACK']._serialized_start=1155
-  _globals['_ACK']._serialized_end=1160
-  _globals['_STATUS']._serialized_start=1162
-  _globals['_STATUS']._serialized_end=1201
-  _globals['_PACKEDROW']._serialized_start=1203
-  _globals['_PACKEDROW']._serialized_end=1293
-  _globals['_KVSTATS']._serialized_start=1295
-  _globals['_KVSTATS']._serialized_end=1404
-  _globals['_INFOREQUEST']._serialized_start=1406
-  _globals['_INFOREQUEST']._serialized_end=1419
-  _globals['_SERVICEINFO']._serialized_start=1422
-  _globals['_SERVICEINFO']._serialized_end=1827
-  _globals['_STEPCOST']._serialized_start=1829
-  _globals['_STEPCOST']._serialized_end=1885
+  _globals['_SAMPLINGPARAMS']._serialized_end=433
+  _globals['_LOGITBIAS']._serialized_start=435
+  _globals['_LOGITBIAS']._serialized_end=478
+  _globals['_GRAMMAR']._serialized_start=480
+  _globals['_GRAMMAR']._serialized_end=576
+  _globals['_SEQADD']._serialized_start=579
+  _globals['_SEQADD']._serialized_end=804
+  _globals['_FEATURES']._serialized_start=806
+  _globals['_FEATURES']._serialized_end=874
+  _globals['_TOKENLOGPROB']._serialized_start=876
+  _globals['_TOKENLOGPROB']._serialized_end=964
+  _globals['_PROMPTLOGPROBS']._serialized_start=966
+  _globals['_PROMPTLOGPROBS']._serialized_end=1026
+  _globals['_TOPLOGPROB']._serialized_start=1028
+  _globals['_TOPLOGPROB']._serialized_end=1075
+  _globals['_ADDSEQS']._serialized_start=1077
+  _globals['_ADDSEQS']._serialized_end=1122
+  _globals['_RELEASE']._serialized_start=1124
+  _globals['_RELEASE']._serialized_end=1168
+  _globals['_ACK']._serialized_start=1170
+  _globals['_ACK']._serialized_end=1175
+  _globals['_STATUS']._serialized_start=1177
+  _globals['_STATUS']._serialized_end=1216
+  _globals['_PACKEDROW']._serialized_start=1218
+  _globals['_PACKEDROW']._serialized_end=1308
+  _globals['_KVSTATS']._serialized_start=1310
+  _globals['_KVSTATS']._serialized_end=1419
+  _globals['_INFOREQUEST']._serialized_start=1421
+  _globals['_INFOREQUEST']._serialized_end=1434
+  _globals['_SERVICEINFO']._serialized_start=1437
+  _globals['_SERVICEINFO']._serialized_end=1842
+  _globals['_STEPCOST']._serialized_start=1844
+  _globals['_STEPCOST']._serialized_end=1900
 # @@protoc_insertion_point(module_scope)

@@ -24,9 +24,11 @@ def _args(*flags):
     (["--json-schema", '{"type": "array"}'], Grammar("json_schema", '{"type": "array"}')),
 ])
 def test_flags_are_the_same_params_locally_and_over_grpc(flags, grammar):
-    args = _args("--presence-penalty", "0.5", "--frequency-penalty", "-1.25", "--repetition-penalty", "1.5", *flags)
+    args = _args("--presence-penalty", "0.5", "--frequency-penalty", "-1.25", "--repetition-penalty", "1.5",
+                 "--temperature", "0.7", "--min-p", "0.1", *flags)
     local = params_from_args(args)
     assert (local.presence_penalty, local.frequency_penalty, local.repetition_penalty) == (0.5, -1.25, 1.5)
+    assert local.min_p == 0.1
     assert local.grammar == grammar
     assert build_request(request_from_args(args), [5, 6]).params == local
 

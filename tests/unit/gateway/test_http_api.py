@@ -355,7 +355,7 @@ def test_bad_penalties_and_formats_are_400_with_the_rule(server, fields, needle)
 
 
 @pytest.mark.parametrize("fields, needle", [
-    ({"min_p": 0.1}, "min_p is not supported by this server; use top_p or top_k"),
+    ({"use_beam_search": True}, "use_beam_search is not supported by this server (or leave it out)"),
     ({"include_stop_str_in_output": True}, "include_stop_str_in_output is not supported"),
     ({"guided_json": {"type": "object"}}, 'use response_format {"type": "json_schema"'),
     ({"continue_final_message": True}, "continue_final_message is not supported by this server (or leave it out)"),
@@ -375,10 +375,14 @@ def test_vllm_extensions_that_would_change_the_answer_are_400_not_ignored(server
     assert len(servicer.scheduler.requests) == before
 
 
-def test_min_tokens_reaches_the_request_and_a_negative_one_is_refused(server):
+def test_min_tokens_and_min_p_reach_the_request_and_bad_values_are_refused(server):
     servicer, http = server
-    _client(http).completions.create(model=MODEL, prompt="w4", max_tokens=4, extra_body={"min_tokens": 3})
+    _client(http).completions.create(model=MODEL, prompt="w4", max_tokens=4, extra_body={"min_tokens": 3, "min_p": 0.05})
     assert servicer.scheduler.requests[-1].params.min_tokens == 3
+    assert servicer.scheduler.requests[-1].params.min_p == 0.05
+    with pytest.raises(openai.BadRequestError) as err:
+        _client(http).completions.create(model=MODEL, prompt="w4", max_tokens=4, extra_body={"min_p": 1.5})
+    assert err.value.body["param"] == "min_p" and "min_p must be in [0, 1]" in err.value.body["message"]
     with pytest.raises(openai.BadRequestError) as err:
         _client(http).completions.create(model=MODEL, prompt="w4", max_tokens=4, extra_body={"min_tokens": -1})
     assert err.value.body["param"] == "min_tokens" and "min_tokens must be >= 0" in err.value.body["message"]

@@ -73,6 +73,8 @@ def test_no_penalties_is_the_logits():
     (dict(grammar=Grammar("json_schema", "x" * 70000)), "at most 65536 are allowed"),
     (dict(grammar=Grammar("json_object", "{}")), "json_object grammar takes no text"),
     (dict(min_tokens=-1), "min_tokens must be >= 0"),
+    (dict(min_p=1.01), "min_p must be in [0, 1]"),
+    (dict(min_p=float("nan")), "min_p must be in [0, 1]"),
     (dict(min_tokens=3, min_tokens_stop_ids=(2, 256)), "min_tokens stop ids [256] are outside the vocabulary"),
     (dict(min_tokens=3, min_tokens_stop_ids=tuple(range(129))), "at most 128 stop ids"),
 ])

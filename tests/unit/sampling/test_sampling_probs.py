@@ -7,13 +7,14 @@ from specsplit.sampling import SamplingParams, logits_to_probs, sampling_tensors
 from specsplit.sampling.probs import greedy_ids
 
 
-def _probs(logits, temperature, top_k=0, top_p=1.0):
+def _probs(logits, temperature, top_k=0, top_p=1.0, min_p=0.0):
     n = logits.shape[0]
     return logits_to_probs(
         logits,
         torch.full((n,), float(temperature)),
         torch.full((n,), int(top_k)),
         torch.full((n,), float(top_p)),
+        torch.full((n,), float(min_p)),
     )
 
 
@@ -69,22 +70,24 @@ def test_mixed_rows_and_sampling_tensors():
     params = [
         SamplingParams(),
         SamplingParams(temperature=0.8, top_k=5),
-        SamplingParams(temperature=1.3, top_p=0.9),
+        SamplingParams(temperature=1.3, top_p=0.9, min_p=0.05),
     ]
-    t, k, p = sampling_tensors(params, rows_per_seq=[1, 2, 3])
+    t, k, p, m = sampling_tensors(params, rows_per_seq=[1, 2, 3])
     assert t.tolist() == pytest.approx([0.0, 0.8, 0.8, 1.3, 1.3, 1.3])
     assert k.tolist() == [0, 5, 5, 0, 0, 0]
+    assert m.tolist() == pytest.approx([0.0, 0.0, 0.0, 0.05, 0.05, 0.05])
     logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(1))
-    probs = logits_to_probs(logits, t, k, p)
+    probs = logits_to_probs(logits, t, k, p, m)
     torch.testing.assert_close(probs.sum(-1), torch.ones(6))
     assert (probs[0] == 1).sum() == 1
     assert ((probs[1:3] > 0).sum(-1) == 5).all()
 
 
 @pytest.mark.parametrize(
-    "temperature,top_k,top_p", [(1.0, 0, 0.9), (0.6, 7, 1.0), (1.5, 12, 0.8), (0.9, 3, 0.3)]
+    "temperature,top_k,top_p,min_p", [(1.0, 0, 0.9, 0.0), (0.6, 7, 1.0, 0.0), (1.5, 12, 0.8, 0.0), (0.9, 3, 0.3, 0.0),
+                                      (1.0, 0, 1.0, 0.1), (0.7, 20, 0.95, 0.05), (1.8, 0, 0.9, 0.3), (1.0, 0, 1.0, 1.0)]
 )
-def test_matches_transformers_warpers(temperature, top_k, top_p):
+def test_matches_transformers_warpers(temperature, top_k, top_p, min_p):
     lp = pytest.importorskip("transformers.generation.logits_process")
     logits = torch.randn(16, 50, generator=torch.Generator().manual_seed(2)) * 2
     scores = lp.TemperatureLogitsWarper(temperature)(None, logits.clone())
@@ -92,8 +95,13 @@ def test_matches_transformers_warpers(temperature, top_k, top_p):
         scores = lp.TopKLogitsWarper(top_k)(None, scores)
     if top_p < 1.0:
         scores = lp.TopPLogitsWarper(top_p)(None, scores)
+    if min_p > 0.0:
+        scores = lp.MinPLogitsWarper(min_p)(None, scores)
     expected = torch.softmax(scores, dim=-1)
-    torch.testing.assert_close(_probs(logits, temperature, top_k, top_p), expected)
+    got = _probs(logits, temperature, top_k, top_p, min_p)
+    torch.testing.assert_close(got, expected)
+    if min_p > 0.0:  # the case filters something
+        assert ((got > 0).sum(-1) < (_probs(logits, temperature, top_k, top_p) > 0).sum(-1)).any()
 
 
 def test_minus_inf_logits_and_large_top_k():

@@ -1,4 +1,4 @@
-"""Sampling with penalties, logit_bias, min_tokens and a grammar stays exact under speculation: the emitted
+"""Sampling with penalties, logit_bias, min_tokens, top-p / min-p and a grammar stays exact under speculation: the emitted
 distribution is the constrained, penalized target's (chi-square and total variation).
 
 The verifier (specsplit.engine.TargetEngine, the real one: penalties, grammar cuts and masks,
@@ -20,6 +20,7 @@ from specsplit.protocols import QRow, SeqAdd, VerifyRequest
 from specsplit.sampling.grammar import GrammarCompiler, apply_masks
 from specsplit.sampling.params import Grammar, SamplingParams
 from specsplit.sampling.penalties import penalize
+from specsplit.sampling.probs import logits_to_probs, sampling_tensors
 from specsplit.sampling.rejection import RejectionSampler
 from tests.helpers.chisquare import joint_fit
 from tests.helpers.tiny_models import VOCAB_WORDS, write_tokenizer
@@ -84,7 +85,7 @@ def _exact_joint(table, params, compiler) -> dict:
             st = compiler.state(params.grammar)
             st.sync(generated)
             apply_masks(row, st.masks(())[1])
-        return torch.softmax(row[0].double() / params.temperature, -1)
+        return logits_to_probs(row, *sampling_tensors([params]))[0].double()  # temperature, top-k/p, min-p
 
     joint = {}
     p0 = dist(PROMPT[-1], [])
@@ -105,6 +106,8 @@ CASES = {
                  grammar=Grammar("regex", "((w0|w1|w2|w3)(w4|w5|w6|w7))+")),
     # the first token is never w0 or w3 (the stop ids min_tokens holds back); the second may be
     "min_tokens": dict(min_tokens=1, min_tokens_stop_ids=(3, 6), presence_penalty=0.5),
+    # top-p, then min-p: tokens below 0.25 x the largest probability are never emitted
+    "min_p": dict(min_p=0.25, top_p=0.97, frequency_penalty=0.6),
 }
 
 
@@ -138,6 +141,10 @@ def test_emitted_joint_is_the_processed_targets(compiler, case):
         assert float(unheld[list(params.min_tokens_stop_ids)].sum()) > 0.05
         assert not any(o[0] in params.min_tokens_stop_ids for o in out.values())
         assert any(o[1] in params.min_tokens_stop_ids for o in out.values())
-    pvalue, tv = joint_fit([tuple(o[:2]) for o in out.values()], _exact_joint(table, params, compiler))
+    exact = _exact_joint(table, params, compiler)
+    if params.min_p:  # the case tests something: every word may come first without it, not with it
+        assert len({a for a, _ in exact}) < len(WORDS)
+        assert {o[0] for o in out.values()} == {a for a, _ in exact}
+    pvalue, tv = joint_fit([tuple(o[:2]) for o in out.values()], exact)
     assert pvalue > 1e-3, f"chi-square p-value {pvalue:.2e} (total variation {tv:.4f})"
     assert tv < 0.05, f"total variation {tv:.4f}"
