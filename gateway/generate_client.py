@@ -69,6 +69,7 @@ def request_from_args(args) -> gateway_pb2.GenerateRequest:
     req.stop_token_ids.extend(parse_ids(getattr(args, "stop_token_ids", None) or "", "--stop-token-ids"))
     req.min_tokens = getattr(args, "min_tokens", 0) or 0
     req.min_p = getattr(args, "min_p", 0.0) or 0.0
+    req.include_stop_str_in_output = bool(getattr(args, "include_stop_str_in_output", False))
     req.presence_penalty = getattr(args, "presence_penalty", 0.0)
     req.frequency_penalty = getattr(args, "frequency_penalty", 0.0)
     if getattr(args, "repetition_penalty", 1.0) != 1.0:

@@ -134,6 +134,7 @@ class _Body(BaseModel):
     stop_token_ids: list[int] | None = None  # extension (vLLM's): token ids that end the output, kept in it
     min_tokens: int | None = None  # extension (vLLM's): no EOS / stop before this many tokens; 0 = off
     min_p: float | None = None  # extension (vLLM's): keep tokens with probability >= min_p x the largest; 0 = off
+    include_stop_str_in_output: bool | None = False  # extension (vLLM's): the text keeps the stop string
     stream: bool | None = False
     stream_options: dict | None = None
     n: int | None = None
@@ -192,7 +193,6 @@ def _completion_prompts(p) -> list[str | list[int]]:
 # neutral value, since ignoring them as unknown fields are ignored would change the answer
 # silently. field -> (its neutral values, what to send instead or None).
 UNSUPPORTED_EXTENSIONS: dict[str, tuple[tuple, str | None]] = {
-    "include_stop_str_in_output": ((None, False), None),
     "use_beam_search": ((None, False), None),
     "guided_json": ((None,), 'response_format {"type": "json_schema", "json_schema": {"name": ..., "schema": ...}}'),
     "guided_regex": ((None,), 'response_format {"type": "regex", "regex": ...}'),
@@ -313,7 +313,7 @@ def _generate_request(body: _Body, request_id: str, max_tokens: int, score_only:
             temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
             top_k=body.top_k or 0, ignore_eos=bool(body.ignore_eos), stop=stop, stop_token_ids=body.stop_token_ids or [],
             presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
-            min_p=body.min_p or 0.0,
+            min_p=body.min_p or 0.0, include_stop_str_in_output=bool(body.include_stop_str_in_output),
         )
         if body.min_tokens is not None:
             if body.min_tokens < 0:

@@ -213,6 +213,7 @@ def build_request(msg: gateway_pb2.GenerateRequest, ids: list[int]) -> Generatio
         num_speculative_tokens=int(msg.speculation.num_speculative_tokens),
         disable_speculation=msg.speculation.disable,
         stop=tuple(msg.stop),
+        include_stop_str_in_output=msg.include_stop_str_in_output,
         stop_token_ids=tuple(int(t) for t in msg.stop_token_ids),
         logprobs=int(msg.logprobs) if msg.HasField("logprobs") else None,
         prompt_logprobs=int(msg.prompt_logprobs) if msg.HasField("prompt_logprobs") else None,

@@ -5,7 +5,8 @@ is decode(ids[prefix:]) minus decode(ids[prefix:read]), so tokenizers that drop 
 at the start of a decode, or split a character over several byte tokens, stream the same text
 that decoding the whole output at once gives. An incomplete UTF-8 character waits for its next
 token. With stop strings, the last len(longest stop) - 1 characters are held back until they
-can no longer be the start of a stop string, so a stop string is never streamed.
+can no longer be the start of a stop string, so a stop string is never streamed (unless the
+request asks to keep it: include_stop).
 """
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from typing import Callable, Sequence
 
 
 class TextStream:
-    def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str] = ()):
+    def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str] = (), include_stop: bool = False):
+        """include_stop: the text keeps the stop string it ends at (vLLM's include_stop_str_in_output)."""
         self._decode = decode
         self.ids: list[int] = []
         self._prefix = 0
@@ -21,6 +23,7 @@ class TextStream:
         self.text = ""  # all text decoded so far (cut at a stop string)
         self._sent = 0  # characters of text already streamed
         self.stop = [s for s in stop if s]
+        self.include_stop = include_stop
         self._hold = max((len(s) for s in self.stop), default=1) - 1
         self.stopped = False  # a stop string was found; nothing more is taken
         self._stops_end_after = 0  # a stop string counts only if it ends past this many characters
@@ -52,9 +55,10 @@ class TextStream:
             while 0 <= i and i + len(s) <= self._stops_end_after:
                 i = self.text.find(s, i + 1)
             if i >= 0:
-                hits.append(i)
+                hits.append((i, i + len(s)))
         if hits:
-            self.text = self.text[: min(hits)]
+            start, end = min(hits)  # the first to start (the longest of those, with include_stop)
+            self.text = self.text[: max(end for i, end in hits if i == start) if self.include_stop else start]
             self.stopped = True
 
     def take(self, final: bool = False) -> str:

@@ -84,6 +84,7 @@ class GenerationRequest:
     num_speculative_tokens: int = 0  # 0 = the server's default
     disable_speculation: bool = False
     stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False  # vLLM's: the text keeps the stop string it ends at
     # token ids that end the output when generated, as EOS does (kept; ignore_eos does not lift them)
     stop_token_ids: tuple[int, ...] = ()
     # None: no log-probabilities. n in 0..MAX_LOGPROBS: each emitted token carries its
@@ -199,7 +200,7 @@ class Request:
         self.seq_id = seq_id  # the short id the engines see (a new one after each preemption)
         self.arrival = arrival
         self.sink = sink
-        self.text = TextStream(decode, request.stop) if decode is not None else None
+        self.text = TextStream(decode, request.stop, request.include_stop_str_in_output) if decode is not None else None
         self.output: list[int] = []
         self.finish_reason: str | None = None  # "length" | "stop" | "abort"
         self.error: RequestError | None = None

@@ -33,6 +33,8 @@ def add_arguments(p, name: str) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     p.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="a stop string: the output text ends before it (repeat for several, at most 16)")
+    p.add_argument("--include-stop-str-in-output", action="store_true",
+                   help="the text keeps the stop string it ends at (by default it ends just before it)")
     p.add_argument("--stop-token-ids", default=None, metavar="IDS",
                    help="comma-separated token ids that end the output, as EOS does (kept in it)")
     p.add_argument("--min-tokens", type=nonneg_int, default=0, metavar="N",
@@ -118,7 +120,7 @@ def _request(args, ids: tuple[int, ...], i: int = 0):
     params = params_from_args(args)
     return GenerationRequest("cli" if args.n == 1 else f"cli-{i}", ids, args.max_tokens,
                              dataclasses.replace(params, seed=choice_seed(params.seed, i)), args.ignore_eos,
-                             stop=tuple(args.stop or ()),
+                             stop=tuple(args.stop or ()), include_stop_str_in_output=args.include_stop_str_in_output,
                              stop_token_ids=tuple(parse_ids(args.stop_token_ids or "", "--stop-token-ids")),
                              logprobs=args.logprobs)
 

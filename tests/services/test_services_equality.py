@@ -155,3 +155,6 @@ def test_text_prompt_and_stop_string(split_stack, colocated_stack):
     assert out["token_ids"] == base["token_ids"][: len(out["token_ids"])]
     colo = generate(colocated_stack.gateway, request(prompt="w5 w9 w13 w5 w9", max_tokens=12, ignore_eos=True, stop=[stop]))
     assert colo["text"] == out["text"] and colo["token_ids"] == out["token_ids"]
+    kept = generate(split_stack.gateway, request(prompt="w5 w9 w13 w5 w9", max_tokens=12, ignore_eos=True, stop=[stop],
+                                                 include_stop_str_in_output=True))
+    assert kept["text"] == out["text"] + stop and kept["token_ids"] == out["token_ids"]

@@ -136,6 +136,17 @@ def test_stop_string_is_never_streamed():
     assert "".join(pieces) == "w1 " and len(s.ids) == 2
 
 
+def test_include_stop_keeps_the_stop_string_and_nothing_after_it():
+    s = TextStream(_Words().decode, stop=[" w4", "w3 w4 w5"], include_stop=True)
+    pieces = []
+    for t in [1, 2, 3, 4, 5]:
+        s.add(t)
+        pieces.append(s.take())
+        if s.stopped:
+            break
+    assert s.stopped and "".join(pieces) == "w1 w2 w3 w4" and len(s.ids) == 4
+
+
 def test_stops_false_ignores_stop_strings_ending_there_but_not_later():
     ts = TextStream(_Words().decode, stop=["w4", "w4 w5"])
     for t in [3, 4]:

@@ -1,4 +1,4 @@
-"""`specsplit generate` stop flags (--stop, --stop-token-ids, --min-tokens): the same request locally
+"""`specsplit generate` stop flags (--stop, --include-stop-str-in-output, --stop-token-ids, --min-tokens): the same request locally
 as the gateway builds from the --server request they become, and refused with the flag's name
 before any model loads."""
 from __future__ import annotations
@@ -10,16 +10,18 @@ from specsplit.cli.generate import _request
 from specsplit.gateway.generate_client import request_from_args
 from specsplit.gateway.service import build_request
 
-FLAGS = ["--stop", "w7", "--stop", "w8 w9", "--stop-token-ids", "11, 12", "--min-tokens", "3", "--max-tokens", "6"]
+FLAGS = ["--stop", "w7", "--stop", "w8 w9", "--include-stop-str-in-output", "--stop-token-ids", "11, 12",
+         "--min-tokens", "3", "--max-tokens", "6"]
 
 
 def test_flags_are_the_same_request_locally_and_over_grpc():
     args = build_parser().parse_args(["generate", "--prompt-token-ids", "5,6", "--server", "127.0.0.1:1", *FLAGS])
     local = _request(args, (5, 6))
     assert (local.stop, local.stop_token_ids, local.params.min_tokens) == (("w7", "w8 w9"), (11, 12), 3)
+    assert local.include_stop_str_in_output
     remote = build_request(request_from_args(args), [5, 6])
-    assert (remote.stop, remote.stop_token_ids, remote.params, remote.max_tokens) == (
-        local.stop, local.stop_token_ids, local.params, local.max_tokens)
+    assert (remote.stop, remote.stop_token_ids, remote.params, remote.max_tokens, remote.include_stop_str_in_output) == (
+        local.stop, local.stop_token_ids, local.params, local.max_tokens, True)
 
 
 @pytest.mark.parametrize("flags, message", [

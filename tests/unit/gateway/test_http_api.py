@@ -356,7 +356,7 @@ def test_bad_penalties_and_formats_are_400_with_the_rule(server, fields, needle)
 
 @pytest.mark.parametrize("fields, needle", [
     ({"use_beam_search": True}, "use_beam_search is not supported by this server (or leave it out)"),
-    ({"include_stop_str_in_output": True}, "include_stop_str_in_output is not supported"),
+    ({"truncate_prompt_tokens": 8}, "truncate_prompt_tokens is not supported"),
     ({"guided_json": {"type": "object"}}, 'use response_format {"type": "json_schema"'),
     ({"continue_final_message": True}, "continue_final_message is not supported by this server (or leave it out)"),
 ])
@@ -375,11 +375,12 @@ def test_vllm_extensions_that_would_change_the_answer_are_400_not_ignored(server
     assert len(servicer.scheduler.requests) == before
 
 
-def test_min_tokens_and_min_p_reach_the_request_and_bad_values_are_refused(server):
+def test_min_tokens_min_p_and_include_stop_reach_the_request_and_bad_values_are_refused(server):
     servicer, http = server
-    _client(http).completions.create(model=MODEL, prompt="w4", max_tokens=4, extra_body={"min_tokens": 3, "min_p": 0.05})
-    assert servicer.scheduler.requests[-1].params.min_tokens == 3
-    assert servicer.scheduler.requests[-1].params.min_p == 0.05
+    _client(http).completions.create(model=MODEL, prompt="w4", max_tokens=4, stop=["w9"],
+                                     extra_body={"min_tokens": 3, "min_p": 0.05, "include_stop_str_in_output": True})
+    req = servicer.scheduler.requests[-1]
+    assert (req.params.min_tokens, req.params.min_p, req.stop, req.include_stop_str_in_output) == (3, 0.05, ("w9",), True)
     with pytest.raises(openai.BadRequestError) as err:
         _client(http).completions.create(model=MODEL, prompt="w4", max_tokens=4, extra_body={"min_p": 1.5})
     assert err.value.body["param"] == "min_p" and "min_p must be in [0, 1]" in err.value.body["message"]
