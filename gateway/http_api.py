@@ -194,10 +194,6 @@ def _completion_prompts(p) -> list[str | list[int]]:
 # silently. field -> (its neutral values, what to send instead or None).
 UNSUPPORTED_EXTENSIONS: dict[str, tuple[tuple, str | None]] = {
     "use_beam_search": ((None, False), None),
-    "guided_json": ((None,), 'response_format {"type": "json_schema", "json_schema": {"name": ..., "schema": ...}}'),
-    "guided_regex": ((None,), 'response_format {"type": "regex", "regex": ...}'),
-    "guided_grammar": ((None,), 'response_format {"type": "ebnf", "ebnf": ...}'),
-    "guided_choice": ((None,), 'response_format {"type": "json_schema"} with an "enum" schema'),
     "continue_final_message": ((None, False), None),
     "add_generation_prompt": ((None, True), None),
     "truncate_prompt_tokens": ((None,), None),
@@ -227,7 +223,7 @@ def _tool_plan(body: ChatBody) -> ToolPlan | None:
         plan = plan_tools(body.tools, body.tool_choice)
     except ToolError as e:
         raise _invalid(str(e), e.param) from None
-    if plan is not None and plan.forced and (body.response_format or {}).get("type", "text") != "text":
+    if plan is not None and plan.forced and _output_grammar(body) is not None:
         raise _invalid(f"response_format cannot be combined with tool_choice {plan.mode!r}: the call's own schema "
                        "constrains the output (send one of them)", "response_format")
     return plan
@@ -261,6 +257,76 @@ def _grammar(fmt: dict | None) -> common_pb2.Grammar | None:
     if not isinstance(text, str) or not text:
         raise _invalid(f'response_format {kind} needs "{kind}": "<the {kind} text>"', "response_format")
     return common_pb2.Grammar(**{kind: text})
+
+
+# vLLM's ways to ask for structured output besides response_format: its older guided_* fields and
+# its newer structured_outputs object (the key each maps to).
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_grammar": "grammar", "guided_choice": "choice"}
+STRUCTURED_OUTPUTS_KEYS = ("json", "regex", "grammar", "choice", "json_object")
+MAX_CHOICES_IN_GUIDED_CHOICE = 1024
+
+
+def _ebnf_literal(text: str) -> str:
+    """text as a quoted string of xgrammar's EBNF dialect."""
+    escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
+    return f'"{escaped}"'
+
+
+def _vllm_grammar(key: str, value, param: str) -> common_pb2.Grammar | None:
+    """One of vLLM's structured-output values -> the Grammar response_format would give: json (a
+    schema object or its JSON text) -> json_schema; regex -> regex; grammar (EBNF, xgrammar's dialect,
+    as vLLM's xgrammar backend reads it) -> ebnf; choice (a list of strings) -> ebnf `root ::= "a" |
+    "b"`: the output is exactly one of them; json_object true -> json_object. None: unset."""
+    if value is None or (key == "json_object" and value is False):
+        return None
+    if key == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise _invalid(f"{param} is not valid JSON: {e}", param) from None
+        if not isinstance(value, dict):
+            raise _invalid(f"{param} must be a JSON schema object (or its JSON text)", param)
+        return common_pb2.Grammar(json_schema=json.dumps(value))
+    if key == "json_object":
+        if value is not True:
+            raise _invalid(f"{param} must be true or false", param)
+        return common_pb2.Grammar(json_object=True)
+    if key == "choice":
+        if (not isinstance(value, list) or not value or len(value) > MAX_CHOICES_IN_GUIDED_CHOICE
+                or not all(isinstance(c, str) and c for c in value)):
+            raise _invalid(f"{param} must be a list of 1 to {MAX_CHOICES_IN_GUIDED_CHOICE} non-empty strings", param)
+        return common_pb2.Grammar(ebnf="root ::= " + " | ".join(_ebnf_literal(c) for c in value))
+    if not isinstance(value, str) or not value:
+        raise _invalid(f"{param} must be a non-empty string", param)
+    return common_pb2.Grammar(**{"regex" if key == "regex" else "ebnf": value})
+
+
+def _output_grammar(body: _Body) -> common_pb2.Grammar | None:
+    """The request's structured output, from whichever one way it was asked for: response_format,
+    vLLM's guided_json / guided_regex / guided_grammar / guided_choice, or vLLM's structured_outputs
+    {"json" | "regex" | "grammar" | "choice" | "json_object": ...}; more than one is a 400."""
+    extra = body.model_extra or {}
+    found: list[tuple[str, common_pb2.Grammar]] = []
+    g = _grammar(body.response_format)
+    if g is not None:
+        found.append(("response_format", g))
+    for field, key in GUIDED_FIELDS.items():
+        g = _vllm_grammar(key, extra.get(field), field)
+        if g is not None:
+            found.append((field, g))
+    so = extra.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict) or set(so) - set(STRUCTURED_OUTPUTS_KEYS):
+            raise _invalid(f"structured_outputs takes one of {', '.join(STRUCTURED_OUTPUTS_KEYS)}", "structured_outputs")
+        for key in STRUCTURED_OUTPUTS_KEYS:
+            g = _vllm_grammar(key, so.get(key), f"structured_outputs.{key}")
+            if g is not None:
+                found.append((f"structured_outputs.{key}", g))
+    if len(found) > 1:
+        raise _invalid(f"{' and '.join(name for name, _ in found)} each ask for structured output: send one of them",
+                       found[1][0].split(".")[0])
+    return found[0][1] if found else None
 
 
 def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
@@ -324,7 +390,7 @@ def _generate_request(body: _Body, request_id: str, max_tokens: int, score_only:
         if body.logit_bias:
             for token, bias in _logit_bias(body.logit_bias).items():
                 msg.logit_bias[token] = bias
-        grammar = _grammar(body.response_format)
+        grammar = _output_grammar(body)
         if grammar is not None:
             msg.grammar.CopyFrom(grammar)
         if body.top_p is not None:

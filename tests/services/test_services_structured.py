@@ -86,3 +86,25 @@ def test_verifier_builds_its_grammar_compiler_before_serving(split_stack):
     assert "(counted in the memory plan)" in log[ready:ready + 400]
     plan = json.loads(service_info(verifier.address, "verifier").memory_plan_json)["services"]["verifier"]
     assert plan["non_torch_bytes"] > 0, plan
+
+
+def test_vllm_s_guided_choice_over_http_is_exactly_one_choice(split_stack, colocated_stack):
+    """vLLM's guided_choice and structured_outputs.choice over HTTP (split stack, speculation on): the
+    text is one of the choices, the same for both forms and for the colocated stack's gRPC with the
+    EBNF they become. (The tiny tokenizer's tokens are words its decode joins with spaces, so the
+    grammar sees "w5w6w7" where the text reads "w5 w6 w7", as in REGEX above.)"""
+    from specsplit.gateway.http_api import _ebnf_literal
+    from tests.services.procs import http_call
+
+    choices = ["w5w6w7", "w8w7", "w9"]  # no choice begins with a token that is only the start of a longer one
+    model = json.loads(http_call(split_stack.http_port, "/v1/models")[1])["data"][0]["id"]
+    texts = []
+    for extra in ({"guided_choice": choices}, {"structured_outputs": {"choice": choices}}):
+        status, raw = http_call(split_stack.http_port, "/v1/completions",
+                                {"model": model, "prompt": [4, 5, 6], "max_tokens": 8, "temperature": 0, **extra})
+        choice = json.loads(raw)["choices"][0]
+        assert status == 200 and choice["text"].replace(" ", "") in choices and choice["finish_reason"] == "stop", raw
+        texts.append(choice["text"])
+    ebnf = "root ::= " + " | ".join(_ebnf_literal(c) for c in choices)
+    colo = generate(colocated_stack.gateway, request([4, 5, 6], max_tokens=8, grammar=common_pb2.Grammar(ebnf=ebnf)))
+    assert texts[0] == texts[1] and colo["text"] == texts[0] + "</s>"  # gRPC's text keeps EOS's, HTTP's not

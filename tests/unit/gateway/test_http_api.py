@@ -330,6 +330,55 @@ def test_penalties_logit_bias_and_response_format_become_the_request(server):
     assert servicer.scheduler.requests[-1].params.grammar is None
 
 
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("fields, kind, text", [
+    ({"guided_json": SCHEMA}, "json_schema", json.dumps(SCHEMA)),
+    ({"guided_json": json.dumps(SCHEMA)}, "json_schema", json.dumps(SCHEMA)),
+    ({"guided_regex": "w5+"}, "regex", "w5+"),
+    ({"guided_grammar": 'root ::= "w5"'}, "ebnf", 'root ::= "w5"'),
+    ({"guided_choice": ["w5", 'say "w6"']}, "ebnf", 'root ::= "w5" | "say \\"w6\\""'),
+    ({"structured_outputs": {"json": SCHEMA}}, "json_schema", json.dumps(SCHEMA)),
+    ({"structured_outputs": {"choice": ["w5"]}}, "ebnf", 'root ::= "w5"'),
+    ({"structured_outputs": {"regex": "w5+"}}, "regex", "w5+"),
+    ({"structured_outputs": {"grammar": 'root ::= "w5"'}}, "ebnf", 'root ::= "w5"'),
+    ({"structured_outputs": {"json_object": True}}, "json_object", ""),
+    ({"guided_json": None, "response_format": {"type": "text"}}, None, None),
+])
+def test_vllm_s_guided_fields_and_structured_outputs_are_the_same_grammars(server, fields, kind, text):
+    servicer, http = server
+    for route in ("chat", "completions"):
+        if route == "chat":
+            _client(http).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w4"}],
+                                                  max_tokens=2, extra_body=fields)
+        else:
+            _client(http).completions.create(model=MODEL, prompt="w4", max_tokens=2, extra_body=fields)
+        g = servicer.scheduler.requests[-1].params.grammar
+        assert (g.kind, g.text) == (kind, text) if kind else g is None
+
+
+@pytest.mark.parametrize("fields, needle, param", [
+    ({"guided_json": "{not json"}, "guided_json is not valid JSON", "guided_json"),
+    ({"guided_json": [1]}, "guided_json must be a JSON schema object", "guided_json"),
+    ({"guided_choice": []}, "guided_choice must be a list of 1 to 1024 non-empty strings", "guided_choice"),
+    ({"guided_choice": ["w5", ""]}, "guided_choice must be a list of 1 to 1024 non-empty strings", "guided_choice"),
+    ({"guided_regex": ""}, "guided_regex must be a non-empty string", "guided_regex"),
+    ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs takes one of json, regex", "structured_outputs"),
+    ({"guided_regex": "w5+", "response_format": {"type": "json_object"}},
+     "response_format and guided_regex each ask for structured output: send one of them", "guided_regex"),
+    ({"structured_outputs": {"regex": "w5+", "choice": ["w5"]}},
+     "structured_outputs.regex and structured_outputs.choice each ask", "structured_outputs"),
+])
+def test_bad_or_doubled_structured_output_fields_are_400(server, fields, needle, param):
+    servicer, http = server
+    before = len(servicer.scheduler.requests)
+    with pytest.raises(openai.BadRequestError) as err:
+        _client(http).completions.create(model=MODEL, prompt="w4", max_tokens=2, extra_body=fields)
+    assert needle in err.value.body["message"] and err.value.body["param"] == param, err.value.body
+    assert len(servicer.scheduler.requests) == before
+
+
 @pytest.mark.parametrize("fields, needle", [
     ({"presence_penalty": 2.5}, "presence_penalty must be in [-2, 2]"),
     ({"frequency_penalty": -3}, "frequency_penalty must be in [-2, 2]"),
@@ -357,7 +406,7 @@ def test_bad_penalties_and_formats_are_400_with_the_rule(server, fields, needle)
 @pytest.mark.parametrize("fields, needle", [
     ({"use_beam_search": True}, "use_beam_search is not supported by this server (or leave it out)"),
     ({"truncate_prompt_tokens": 8}, "truncate_prompt_tokens is not supported"),
-    ({"guided_json": {"type": "object"}}, 'use response_format {"type": "json_schema"'),
+    ({"prompt_logprobs": 2}, "prompt_logprobs is not supported by this server; use echo with logprobs"),
     ({"continue_final_message": True}, "continue_final_message is not supported by this server (or leave it out)"),
 ])
 def test_vllm_extensions_that_would_change_the_answer_are_400_not_ignored(server, fields, needle):
