@@ -296,7 +296,8 @@ def build_split(args) -> Gateway:
 
     return Gateway(
         decoder=decoder, tokenizer=tokenizer, eos_token_ids=tuple(vinfo.eos_token_ids),
-        limits=Limits(vinfo.vocab_size, vinfo.max_model_len), max_num_seqs=max_num_seqs, max_queue=args.max_queue,
+        limits=Limits(vinfo.vocab_size, vinfo.max_model_len, frozenset(vinfo.sampling_features)),
+        max_num_seqs=max_num_seqs, max_queue=args.max_queue,
         mode="split", target_model=vinfo.model, draft_model=draft_model or (UNKNOWN if args.drafter else ""),
         services=services, timing_sources=[c for c in (verifier, drafter) if c is not None],
         kv=kv, engine_health=engine_health, fatal=fatal,
@@ -316,7 +317,8 @@ KV_SHRINK_TOLERANCE = 0.10
 def limits_shrunk(admitted_by, now, max_num_seqs: int) -> str | None:
     """Why a verifier's current ServiceInfo (`now`) cannot serve what a gateway admits by the one it
     read at start (`admitted_by`): another vocabulary or KV block size, a smaller max_model_len, fewer
-    sequences than the gateway admits, or a KV cache more than KV_SHRINK_TOLERANCE smaller. None
+    sequences than the gateway admits, a KV cache more than KV_SHRINK_TOLERANCE smaller, or sampling
+    features it admitted requests with that it no longer applies (an older version). None
     when it can (the same limits, or larger ones: those are only left unused)."""
     why = []
     if now.vocab_size != admitted_by.vocab_size:
@@ -325,6 +327,9 @@ def limits_shrunk(admitted_by, now, max_num_seqs: int) -> str | None:
         why.append(f"max_model_len {admitted_by.max_model_len} -> {now.max_model_len}")
     if now.max_num_seqs and now.max_num_seqs < max_num_seqs:
         why.append(f"max_num_seqs {now.max_num_seqs}, this gateway admits {max_num_seqs}")
+    lost = [f for f in admitted_by.sampling_features if f not in now.sampling_features]
+    if lost:
+        why.append(f"sampling features {', '.join(lost)} no longer applied (an older verifier)")
     if admitted_by.kv.paged and admitted_by.kv.num_blocks:
         if now.kv.block_size != admitted_by.kv.block_size:
             why.append(f"KV block size {admitted_by.kv.block_size} -> {now.kv.block_size}")

@@ -11,6 +11,7 @@ from specsplit.rpc.build import BuiltEngine
 from specsplit.rpc.security import ServerSecurity
 from specsplit.rpc.serving import Server, wait_until
 from specsplit.rpc.sessions import SessionHost, kv_stats
+from specsplit.sampling.params import SAMPLING_FEATURES
 from specsplit.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -27,6 +28,7 @@ def info_pb(built: BuiltEngine, role: str, host: SessionHost) -> common_pb2.Serv
         num_speculative_tokens=built.lookahead - 1,
         step_costs=step_costs_pb(built.engine),
         feature_layers=tuple(getattr(built.engine, "feature_layers", ()) or ()),
+        sampling_features=SAMPLING_FEATURES,
     )
 
 

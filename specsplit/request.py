@@ -115,6 +115,9 @@ def with_min_tokens_stops(request: GenerationRequest, eos_ids: Iterable[int]) ->
 class Limits:
     vocab_size: int
     max_model_len: int
+    # The SamplingParams features (SAMPLING_FEATURES) the verifier applies; None: all of this
+    # version's (an in-process engine).
+    sampling_features: frozenset[str] | None = None
 
 
 def validate(req: GenerationRequest, limits: Limits | None) -> None:
@@ -154,6 +157,11 @@ def validate(req: GenerationRequest, limits: Limits | None) -> None:
                       "the grammar does; unset ignore_eos")
     if limits is None:
         return
+    if limits.sampling_features is not None:
+        dropped = [f for f in req.params.features if f not in limits.sampling_features]
+        if dropped:
+            raise invalid(f"{dropped[0]} is not applied by this server's verifier (an older version, which would "
+                          f"ignore it); upgrade the verifier or leave {' and '.join(dropped)} out")
     bias_out = [t for t, _ in req.params.logit_bias if not 0 <= t < limits.vocab_size]
     if bias_out:
         raise invalid(f"logit_bias token ids {bias_out[:5]} are outside the vocabulary [0, {limits.vocab_size})")

@@ -13,6 +13,10 @@ MAX_LOGIT_BIAS = 100.0  # each bias in [-100, 100]
 MAX_LOGIT_BIAS_ENTRIES = 300  # token ids in one logit_bias (OpenAI's limit)
 # min_tokens: the ids it holds back (the model's EOS ids and a request's stop_token_ids, <= 64).
 MAX_MIN_TOKENS_STOP_IDS = 128
+# The fields an engine of this version applies that older engines ignored on the wire (proto3
+# drops unknown fields silently): a verifier lists them in ServiceInfo.sampling_features, and a
+# gateway refuses a request that uses one its verifier does not list (SamplingParams.features).
+SAMPLING_FEATURES = ("min_tokens", "min_p")
 # Structured output (specsplit.sampling.grammar): the grammar text a request may send.
 GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf")
 MAX_GRAMMAR_CHARS = 64 * 1024
@@ -88,6 +92,11 @@ class SamplingParams:
         """Any penalty or bias: the target's logits are changed before sampling."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
                     or self.logit_bias)
+
+    @property
+    def features(self) -> tuple[str, ...]:
+        """The SAMPLING_FEATURES this request uses."""
+        return tuple(f for f, on in (("min_tokens", self.min_tokens > 0), ("min_p", self.min_p > 0.0)) if on)
 
     def holds_stops_at(self, generated: int) -> bool:
         """min_tokens bans the stop ids at the position after `generated` generated tokens."""

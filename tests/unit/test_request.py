@@ -79,6 +79,15 @@ def test_min_tokens_holds_back_eos_stop_ids_and_stop_strings():
     assert early.take([4, 5, 6, 8], eos_ids=[9]) == [4, 5, 6, 8] and not early.finished  # "w4" in token 1 only
 
 
+def test_features_the_verifier_does_not_apply_are_refused_naming_them():
+    older = Limits(vocab_size=100, max_model_len=64, sampling_features=frozenset({"min_tokens"}))
+    with pytest.raises(RequestError) as err:
+        validate(GenerationRequest("p", (1,), 4, SamplingParams(1.0, min_p=0.1, min_tokens=2)), older)
+    assert err.value.message.startswith("min_p is not applied by this server's verifier") and "leave min_p out" in err.value.message
+    validate(GenerationRequest("t", (1,), 4, SamplingParams(min_tokens=2)), older)
+    validate(GenerationRequest("a", (1,), 4, SamplingParams(1.0, min_p=0.1)), LIMITS)  # None: an in-process engine
+
+
 def test_the_scheduler_s_min_tokens_stop_ids_are_eos_unless_ignored_and_the_stop_ids():
     req = GenerationRequest("m", (1,), 10, SamplingParams(min_tokens=3), stop_token_ids=(7, 5))
     assert with_min_tokens_stops(req, (9, 2)).params.min_tokens_stop_ids == (2, 5, 7, 9)

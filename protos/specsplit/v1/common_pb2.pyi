@@ -169,7 +169,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServiceInfo(_message.Message):
-    __slots__ = ("role", "model", "device", "dtype", "vocab_size", "max_model_len", "max_num_seqs", "eos_token_ids", "tokenizer_dir", "kv", "num_running", "num_sessions", "memory_plan_json", "serving", "num_speculative_tokens", "step_costs", "feature_layers")
+    __slots__ = ("role", "model", "device", "dtype", "vocab_size", "max_model_len", "max_num_seqs", "eos_token_ids", "tokenizer_dir", "kv", "num_running", "num_sessions", "memory_plan_json", "serving", "num_speculative_tokens", "step_costs", "feature_layers", "sampling_features")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +187,7 @@ class ServiceInfo(_message.Message):
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STEP_COSTS_FIELD_NUMBER: _ClassVar[int]
     FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FEATURES_FIELD_NUMBER: _ClassVar[int]
     role: str
     model: str
     device: str
@@ -204,7 +205,8 @@ class ServiceInfo(_message.Message):
     num_speculative_tokens: int
     step_costs: _containers.RepeatedCompositeFieldContainer[StepCost]
     feature_layers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_dir: _Optional[str] = ..., kv: _Optional[_Union[KvStats, _Mapping]] = ..., num_running: _Optional[int] = ..., num_sessions: _Optional[int] = ..., memory_plan_json: _Optional[str] = ..., serving: _Optional[bool] = ..., num_speculative_tokens: _Optional[int] = ..., step_costs: _Optional[_Iterable[_Union[StepCost, _Mapping]]] = ..., feature_layers: _Optional[_Iterable[int]] = ...) -> None: ...
+    sampling_features: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_dir: _Optional[str] = ..., kv: _Optional[_Union[KvStats, _Mapping]] = ..., num_running: _Optional[int] = ..., num_sessions: _Optional[int] = ..., memory_plan_json: _Optional[str] = ..., serving: _Optional[bool] = ..., num_speculative_tokens: _Optional[int] = ..., step_costs: _Optional[_Iterable[_Union[StepCost, _Mapping]]] = ..., feature_layers: _Optional[_Iterable[int]] = ..., sampling_features: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StepCost(_message.Message):
     __slots__ = ("batch", "rows", "seconds")
