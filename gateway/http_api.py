@@ -89,7 +89,7 @@ _HTTP = {
 }
 # Request fields a validation message may start with: the error's `param`.
 _PARAMS = ("max_tokens", "min_tokens", "min_p", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop", "logprobs", "prompt",
-           "messages", "request_id")
+           "messages", "request_id", "continue_final_message", "add_generation_prompt")
 
 
 class ApiError(Exception):
@@ -171,6 +171,8 @@ class ChatBody(_Body):
     top_logprobs: int | None = None
     tools: list | None = None  # function tools (gateway/tools.py)
     tool_choice: str | dict | None = None  # "none" | "auto" | "required" | {"type": "function", "function": {"name"}}
+    add_generation_prompt: bool | None = None  # extension (vLLM's): unset = true unless continue_final_message
+    continue_final_message: bool | None = None  # extension (vLLM's): the output continues the last (assistant) message
 
 
 def _completion_prompts(p) -> list[str | list[int]]:
@@ -194,8 +196,6 @@ def _completion_prompts(p) -> list[str | list[int]]:
 # silently. field -> (its neutral values, what to send instead or None).
 UNSUPPORTED_EXTENSIONS: dict[str, tuple[tuple, str | None]] = {
     "use_beam_search": ((None, False), None),
-    "continue_final_message": ((None, False), None),
-    "add_generation_prompt": ((None, True), None),
     "truncate_prompt_tokens": ((None,), None),
     "prompt_logprobs": ((None,), "echo with logprobs (on /v1/completions)"),
 }
@@ -980,6 +980,9 @@ def create_app(backend: HttpBackend) -> FastAPI:
                 tool_calls_json=_utf8(json.dumps(calls, ensure_ascii=False), f"messages[{i}].tool_calls",
                                       "messages") if calls else "",
                 tool_call_id=_utf8(m.tool_call_id or "", f"messages[{i}].tool_call_id", "messages")))
+        if body.add_generation_prompt is not None:
+            msg.add_generation_prompt = body.add_generation_prompt
+        msg.continue_final_message = bool(body.continue_final_message)
         lives = await submit(body, msg, logprobs, max_tokens is None, http_request)
         firsts = await first_events(lives)
 

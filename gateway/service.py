@@ -71,7 +71,8 @@ class Tokenizer:
         with self._encode_lock:
             return list(self._encoder(text).input_ids)
 
-    def _apply(self, messages: list[dict], tools: list | None, tokenize: bool):
+    def _apply(self, messages: list[dict], tools: list | None, tokenize: bool, add_generation_prompt: bool = True,
+               continue_final_message: bool = False):
         if not getattr(self._encoder, "chat_template", None):
             raise _invalid("the target's tokenizer has no chat template: send prompt text instead of messages")
         try:
@@ -79,22 +80,26 @@ class Tokenizer:
         except ToolError as e:
             raise _invalid(str(e)) from None
         try:
-            return self._encoder.apply_chat_template(turns, tools=template_tools, add_generation_prompt=True,
+            return self._encoder.apply_chat_template(turns, tools=template_tools, add_generation_prompt=add_generation_prompt,
+                                                     continue_final_message=continue_final_message,
                                                      tokenize=tokenize, return_dict=False)
         except (TemplateError, ValueError) as e:  # the template's own checks (roles, order, ...)
             raise _invalid(f"the model's chat template refused these messages: {e}") from None
 
-    def encode_chat(self, messages: list[dict], tools: list | None = None) -> list[int]:
-        """Chat turns rendered with the model's template, plus the assistant's generation prompt.
-        messages: OpenAI's ({"role", "content", "tool_calls"?, "tool_call_id"?}); tools: OpenAI tool
-        specs (gateway/chat_prompt.py decides how both are rendered)."""
+    def encode_chat(self, messages: list[dict], tools: list | None = None, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> list[int]:
+        """Chat turns rendered with the model's template, plus the assistant's generation prompt
+        (unless add_generation_prompt is false; continue_final_message: the last turn is left open,
+        to be continued). messages: OpenAI's ({"role", "content", "tool_calls"?, "tool_call_id"?});
+        tools: OpenAI tool specs (gateway/chat_prompt.py decides how both are rendered)."""
         with self._encode_lock:
-            return list(self._apply(messages, tools, tokenize=True))
+            return list(self._apply(messages, tools, True, add_generation_prompt, continue_final_message))
 
-    def chat_text(self, messages: list[dict], tools: list | None = None) -> str:
+    def chat_text(self, messages: list[dict], tools: list | None = None, add_generation_prompt: bool = True,
+                  continue_final_message: bool = False) -> str:
         """The prompt encode_chat tokenizes, as text."""
         with self._encode_lock:
-            return self._apply(messages, tools, tokenize=False)
+            return self._apply(messages, tools, False, add_generation_prompt, continue_final_message)
 
     def encode_request(self, msg: gateway_pb2.GenerateRequest) -> list[int]:
         """The prompt ids of a request: its ids, its text, or its chat messages (and tools)."""
@@ -102,11 +107,19 @@ class Tokenizer:
             return list(msg.prompt_token_ids)
         if msg.prompt:
             return self.encode(msg.prompt)
-        return self.encode_chat(*chat_of(msg))
+        return self.encode_chat(*chat_of(msg), **chat_options(msg))
 
     def decode(self, ids: list[int]) -> str:
         with self._decode_lock:
             return self.tokenizer.decode(ids)
+
+
+def chat_options(msg: gateway_pb2.GenerateRequest) -> dict:
+    """How the chat template renders a request's messages: add_generation_prompt (unset: true,
+    unless continue_final_message) and continue_final_message."""
+    cont = msg.continue_final_message
+    add = msg.add_generation_prompt if msg.HasField("add_generation_prompt") else not cont
+    return {"add_generation_prompt": add, "continue_final_message": cont}
 
 
 def chat_of(msg: gateway_pb2.GenerateRequest) -> tuple[list[dict], list | None]:
@@ -146,6 +159,15 @@ def check_before_tokenizing(msg: gateway_pb2.GenerateRequest, limits: Limits) ->
     for i, m in enumerate(msg.messages):
         if not m.role or len(m.role) > MAX_ROLE_CHARS:
             raise _invalid(f"messages[{i}].role must be a non-empty name of at most {MAX_ROLE_CHARS} characters")
+    if msg.continue_final_message or msg.HasField("add_generation_prompt"):
+        if msg.prompt or msg.prompt_token_ids or not msg.messages:
+            raise _invalid("add_generation_prompt and continue_final_message apply to chat messages only")
+        if msg.continue_final_message and msg.messages[-1].role != "assistant":
+            raise _invalid("continue_final_message needs the last message to be the assistant's (the answer's "
+                           f"start to continue), got {msg.messages[-1].role!r}")
+        if msg.continue_final_message and msg.HasField("add_generation_prompt") and msg.add_generation_prompt:
+            raise _invalid("continue_final_message cannot be combined with add_generation_prompt true: the output "
+                           "continues the last message instead of starting a new one")
     limit = limits.max_model_len * MAX_PROMPT_CHARS_PER_TOKEN
     chars = len(msg.prompt) if msg.prompt else len(msg.tools_json) + sum(
         len(m.content) + len(m.tool_calls_json) for m in msg.messages)

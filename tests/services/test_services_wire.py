@@ -205,6 +205,11 @@ class _Tok:
     (dict(messages=[gateway_pb2.ChatMessage(role="user", content="w5")] * 257, max_tokens=4), "at most 256"),
     (dict(messages=[gateway_pb2.ChatMessage(role="user", content="w1 " * 2000)], max_tokens=4),
      "refused above 4096 characters"),
+    (dict(messages=[gateway_pb2.ChatMessage(role="user", content="w5")], max_tokens=4, continue_final_message=True),
+     "continue_final_message needs the last message to be the assistant's"),
+    (dict(messages=[gateway_pb2.ChatMessage(role="assistant", content="w5")], max_tokens=4, continue_final_message=True,
+          add_generation_prompt=True), "continue_final_message cannot be combined with add_generation_prompt true"),
+    (dict(prompt="w5", max_tokens=4, add_generation_prompt=False), "apply to chat messages only"),
 ])
 def test_validation_messages(kw, message):
     with pytest.raises(wire.ServiceError) as err:
@@ -245,6 +250,17 @@ def test_chat_messages_render_with_the_target_template():
     expected = hf.apply_chat_template([{"role": r, "content": c} for r, c in turns], add_generation_prompt=True,
                                       tokenize=True, return_dict=False)
     assert Tokenizer(hf).encode_request(msg) == list(expected)
+    msg.add_generation_prompt = False  # vLLM's chat options: the same as transformers' with them
+    bare = hf.apply_chat_template([{"role": r, "content": c} for r, c in turns], add_generation_prompt=False,
+                                  tokenize=True, return_dict=False)
+    assert Tokenizer(hf).encode_request(msg) == list(bare) != list(expected)
+    prefilled = turns + [("assistant", "It is: the")]
+    msg = gateway_pb2.GenerateRequest(messages=[gateway_pb2.ChatMessage(role=r, content=c) for r, c in prefilled],
+                                      max_tokens=8, continue_final_message=True)
+    open_ended = hf.apply_chat_template([{"role": r, "content": c} for r, c in prefilled], continue_final_message=True,
+                                        tokenize=True, return_dict=False)
+    assert Tokenizer(hf).encode_request(msg) == list(open_ended)
+    assert hf.decode(open_ended).endswith("It is: the")  # no end of turn: the output continues it
 
 
 def test_valid_request():

@@ -407,7 +407,6 @@ def test_bad_penalties_and_formats_are_400_with_the_rule(server, fields, needle)
     ({"use_beam_search": True}, "use_beam_search is not supported by this server (or leave it out)"),
     ({"truncate_prompt_tokens": 8}, "truncate_prompt_tokens is not supported"),
     ({"prompt_logprobs": 2}, "prompt_logprobs is not supported by this server; use echo with logprobs"),
-    ({"continue_final_message": True}, "continue_final_message is not supported by this server (or leave it out)"),
 ])
 def test_vllm_extensions_that_would_change_the_answer_are_400_not_ignored(server, fields, needle):
     servicer, http = server
@@ -436,6 +435,17 @@ def test_min_tokens_min_p_and_include_stop_reach_the_request_and_bad_values_are_
     with pytest.raises(openai.BadRequestError) as err:
         _client(http).completions.create(model=MODEL, prompt="w4", max_tokens=4, extra_body={"min_tokens": -1})
     assert err.value.body["param"] == "min_tokens" and "min_tokens must be >= 0" in err.value.body["message"]
+
+
+def test_chat_template_options_reach_the_request(server):
+    servicer, http = server
+    messages = [{"role": "user", "content": "w4"}, {"role": "assistant", "content": "w5"}]
+    _client(http).chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                          extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    msg = servicer.tokenized
+    assert msg.continue_final_message and msg.HasField("add_generation_prompt") and not msg.add_generation_prompt
+    _client(http).chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    assert not servicer.tokenized.continue_final_message and not servicer.tokenized.HasField("add_generation_prompt")
 
 
 def test_vllm_extensions_at_their_neutral_values_and_unknown_fields_are_accepted(server):
