@@ -89,7 +89,7 @@ _HTTP = {
 }
 # Request fields a validation message may start with: the error's `param`.
 _PARAMS = ("max_tokens", "min_tokens", "min_p", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop", "logprobs", "prompt",
-           "messages", "request_id", "continue_final_message", "add_generation_prompt")
+           "messages", "request_id", "continue_final_message", "add_generation_prompt", "truncate_prompt_tokens")
 
 
 class ApiError(Exception):
@@ -135,6 +135,7 @@ class _Body(BaseModel):
     min_tokens: int | None = None  # extension (vLLM's): no EOS / stop before this many tokens; 0 = off
     min_p: float | None = None  # extension (vLLM's): keep tokens with probability >= min_p x the largest; 0 = off
     include_stop_str_in_output: bool | None = False  # extension (vLLM's): the text keeps the stop string
+    truncate_prompt_tokens: int | None = None  # extension (vLLM's): keep the last k prompt tokens (-1: max_model_len)
     stream: bool | None = False
     stream_options: dict | None = None
     n: int | None = None
@@ -196,7 +197,6 @@ def _completion_prompts(p) -> list[str | list[int]]:
 # silently. field -> (its neutral values, what to send instead or None).
 UNSUPPORTED_EXTENSIONS: dict[str, tuple[tuple, str | None]] = {
     "use_beam_search": ((None, False), None),
-    "truncate_prompt_tokens": ((None,), None),
     "prompt_logprobs": ((None,), "echo with logprobs (on /v1/completions)"),
 }
 
@@ -381,6 +381,11 @@ def _generate_request(body: _Body, request_id: str, max_tokens: int, score_only:
             presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
             min_p=body.min_p or 0.0, include_stop_str_in_output=bool(body.include_stop_str_in_output),
         )
+        if body.truncate_prompt_tokens is not None:
+            if score_only and body.truncate_prompt_tokens:
+                raise _invalid("truncate_prompt_tokens cannot be combined with echo: the echo would show another "
+                               "prompt than the one the model saw", "truncate_prompt_tokens")
+            msg.truncate_prompt_tokens = body.truncate_prompt_tokens
         if body.min_tokens is not None:
             if body.min_tokens < 0:
                 raise _invalid(f"min_tokens must be >= 0 (0 = off), got {body.min_tokens}", "min_tokens")

@@ -17,7 +17,7 @@ import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Sequence
 
 import grpc
 import numpy as np
@@ -178,12 +178,27 @@ def check_before_tokenizing(msg: gateway_pb2.GenerateRequest, limits: Limits) ->
         # a text prompt is not tokenized yet (the exact check follows, with its count); it holds a token at least
         raise _invalid(f"max_tokens ({msg.max_tokens}) leaves no room for the prompt in max_model_len "
                        f"{limits.max_model_len}; lower max_tokens below {limits.max_model_len} less the prompt's tokens")
-    if len(msg.prompt_token_ids) + msg.max_tokens > limits.max_model_len:
+    k = msg.truncate_prompt_tokens
+    if not -1 <= k <= limits.max_model_len:
+        raise _invalid(f"truncate_prompt_tokens must be in [-1, max_model_len {limits.max_model_len}] (the last k "
+                       f"prompt tokens; -1: the last max_model_len; 0: off), got {k}")
+    if k and msg.HasField("prompt_logprobs"):
+        raise _invalid("truncate_prompt_tokens cannot be combined with prompt_logprobs (echo): the scores would "
+                       "be of another prompt than the one sent")
+    n = len(truncated(msg.prompt_token_ids, k, limits))
+    if n + msg.max_tokens > limits.max_model_len:
         raise _invalid(
-            f"prompt ({len(msg.prompt_token_ids)} tokens) + max_tokens ({msg.max_tokens}) = "
-            f"{len(msg.prompt_token_ids) + msg.max_tokens} exceeds max_model_len {limits.max_model_len}; "
+            f"prompt ({n} tokens) + max_tokens ({msg.max_tokens}) = "
+            f"{n + msg.max_tokens} exceeds max_model_len {limits.max_model_len}; "
             f"shorten the prompt or lower max_tokens"
         )
+
+
+def truncated(ids: Sequence[int], k: int, limits: Limits) -> Sequence[int]:
+    """A request's prompt ids after its truncate_prompt_tokens k: the last k (-1: the last
+    max_model_len; 0: all of them)."""
+    keep = limits.max_model_len if k == -1 else k
+    return ids[len(ids) - keep:] if 0 < keep < len(ids) else ids
 
 
 def choices_of(msg: gateway_pb2.GenerateRequest) -> int:
@@ -252,8 +267,9 @@ def request_from_pb(msg: gateway_pb2.GenerateRequest, encode: Callable[[gateway_
 
 
 def checked_request(msg: gateway_pb2.GenerateRequest, ids: list[int], limits: Limits) -> GenerationRequest:
-    """build_request, then the request's bounds (specsplit.request.validate) as a ServiceError."""
-    req = build_request(msg, ids)
+    """build_request on the ids its truncate_prompt_tokens leaves, then the request's bounds
+    (specsplit.request.validate) as a ServiceError."""
+    req = build_request(msg, list(truncated(ids, msg.truncate_prompt_tokens, limits)))
     try:
         validate(req, limits)
     except RequestError as e:

@@ -210,6 +210,10 @@ class _Tok:
     (dict(messages=[gateway_pb2.ChatMessage(role="assistant", content="w5")], max_tokens=4, continue_final_message=True,
           add_generation_prompt=True), "continue_final_message cannot be combined with add_generation_prompt true"),
     (dict(prompt="w5", max_tokens=4, add_generation_prompt=False), "apply to chat messages only"),
+    (dict(prompt="w5", max_tokens=4, truncate_prompt_tokens=65), "truncate_prompt_tokens must be in [-1, max_model_len 64]"),
+    (dict(prompt="w5", max_tokens=4, truncate_prompt_tokens=-2), "truncate_prompt_tokens must be in [-1"),
+    (dict(prompt="w5", max_tokens=4, truncate_prompt_tokens=2, prompt_logprobs=0), "cannot be combined with prompt_logprobs"),
+    (dict(prompt_token_ids=[1] * 70, max_tokens=4, truncate_prompt_tokens=-1), "prompt (64 tokens) + max_tokens (4) = 68"),
 ])
 def test_validation_messages(kw, message):
     with pytest.raises(wire.ServiceError) as err:
@@ -221,6 +225,19 @@ def test_validation_messages(kw, message):
 def test_top_p_defaults_to_one(kw):
     req = request_from_pb(gateway_pb2.GenerateRequest(prompt="w5", max_tokens=4, **kw), _Tok().encode_request, LIMITS)
     assert req.params == SamplingParams(0.0, 1.0, 0, None)
+
+
+def test_truncate_prompt_tokens_keeps_the_last_k():
+    for kw, ids in ((dict(prompt="w1 w2 w3 w4 w5", truncate_prompt_tokens=3), (3, 4, 5)),
+                    (dict(prompt_token_ids=list(range(1, 71)), truncate_prompt_tokens=10), tuple(range(61, 71))),
+                    (dict(prompt_token_ids=[7, 8], truncate_prompt_tokens=5), (7, 8)),
+                    (dict(prompt_token_ids=list(range(1, 81)), max_tokens=1, truncate_prompt_tokens=-1), None)):
+        try:
+            req = request_from_pb(gateway_pb2.GenerateRequest(**{"max_tokens": 4, **kw}), _Tok().encode_request, LIMITS)
+        except wire.ServiceError as e:  # -1 keeps 64 of 80: with max_tokens 1, 65 > 64
+            assert ids is None and "prompt (64 tokens) + max_tokens (1) = 65" in e.message
+            continue
+        assert req.prompt_token_ids == ids
 
 
 def test_chat_messages_are_the_prompt_when_text_and_ids_are_empty():

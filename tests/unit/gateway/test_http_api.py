@@ -405,7 +405,6 @@ def test_bad_penalties_and_formats_are_400_with_the_rule(server, fields, needle)
 
 @pytest.mark.parametrize("fields, needle", [
     ({"use_beam_search": True}, "use_beam_search is not supported by this server (or leave it out)"),
-    ({"truncate_prompt_tokens": 8}, "truncate_prompt_tokens is not supported"),
     ({"prompt_logprobs": 2}, "prompt_logprobs is not supported by this server; use echo with logprobs"),
 ])
 def test_vllm_extensions_that_would_change_the_answer_are_400_not_ignored(server, fields, needle):
@@ -435,6 +434,17 @@ def test_min_tokens_min_p_and_include_stop_reach_the_request_and_bad_values_are_
     with pytest.raises(openai.BadRequestError) as err:
         _client(http).completions.create(model=MODEL, prompt="w4", max_tokens=4, extra_body={"min_tokens": -1})
     assert err.value.body["param"] == "min_tokens" and "min_tokens must be >= 0" in err.value.body["message"]
+
+
+def test_truncate_prompt_tokens_reaches_the_request_but_not_with_echo(server):
+    servicer, http = server
+    _client(http).completions.create(model=MODEL, prompt="w4 w5 w6", max_tokens=2, extra_body={"truncate_prompt_tokens": 2})
+    assert servicer.tokenized.truncate_prompt_tokens == 2
+    assert servicer.scheduler.requests[-1].prompt_token_ids == (5, 6)
+    with pytest.raises(openai.BadRequestError) as err:
+        _client(http).completions.create(model=MODEL, prompt="w4 w5 w6", max_tokens=2, echo=True,
+                                         extra_body={"truncate_prompt_tokens": 2})
+    assert err.value.body["param"] == "truncate_prompt_tokens" and "cannot be combined with echo" in err.value.body["message"]
 
 
 def test_chat_template_options_reach_the_request(server):
