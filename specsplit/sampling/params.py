@@ -95,8 +95,9 @@ class SamplingParams:
 
     @property
     def features(self) -> tuple[str, ...]:
-        """The SAMPLING_FEATURES this request uses."""
-        return tuple(f for f, on in (("min_tokens", self.min_tokens > 0), ("min_p", self.min_p > 0.0)) if on)
+        """The SAMPLING_FEATURES this request uses (min_p only when it samples: greedy ignores it)."""
+        return tuple(f for f, on in (("min_tokens", self.min_tokens > 0),
+                                     ("min_p", self.min_p > 0.0 and not self.greedy)) if on)
 
     def holds_stops_at(self, generated: int) -> bool:
         """min_tokens bans the stop ids at the position after `generated` generated tokens."""

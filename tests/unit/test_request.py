@@ -85,6 +85,7 @@ def test_features_the_verifier_does_not_apply_are_refused_naming_them():
         validate(GenerationRequest("p", (1,), 4, SamplingParams(1.0, min_p=0.1, min_tokens=2)), older)
     assert err.value.message.startswith("min_p is not applied by this server's verifier") and "leave min_p out" in err.value.message
     validate(GenerationRequest("t", (1,), 4, SamplingParams(min_tokens=2)), older)
+    validate(GenerationRequest("g", (1,), 4, SamplingParams(0.0, min_p=0.1)), older)  # greedy: min_p changes nothing
     validate(GenerationRequest("a", (1,), 4, SamplingParams(1.0, min_p=0.1)), LIMITS)  # None: an in-process engine
 
 
