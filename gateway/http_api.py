@@ -224,8 +224,8 @@ def _tool_plan(body: ChatBody) -> ToolPlan | None:
     except ToolError as e:
         raise _invalid(str(e), e.param) from None
     if plan is not None and plan.forced and _output_grammar(body) is not None:
-        raise _invalid(f"response_format cannot be combined with tool_choice {plan.mode!r}: the call's own schema "
-                       "constrains the output (send one of them)", "response_format")
+        raise _invalid(f"response_format (or vLLM's guided_* / structured_outputs) cannot be combined with tool_choice "
+                       f"{plan.mode!r}: the call's own schema constrains the output (send one of them)", "response_format")
     return plan
 
 

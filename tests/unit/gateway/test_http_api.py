@@ -358,6 +358,16 @@ def test_vllm_s_guided_fields_and_structured_outputs_are_the_same_grammars(serve
         assert (g.kind, g.text) == (kind, text) if kind else g is None
 
 
+def test_a_forced_tool_call_takes_no_other_grammar(server):
+    servicer, http = server
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    for extra in ({"guided_choice": ["w5"]}, {"response_format": {"type": "json_object"}}):
+        with pytest.raises(openai.BadRequestError) as err:
+            _client(http).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w4"}], tools=tools,
+                                                  tool_choice="required", max_tokens=2, extra_body=extra)
+        assert "cannot be combined with tool_choice 'required'" in err.value.body["message"], err.value.body
+
+
 @pytest.mark.parametrize("fields, needle, param", [
     ({"guided_json": "{not json"}, "guided_json is not valid JSON", "guided_json"),
     ({"guided_json": [1]}, "guided_json must be a JSON schema object", "guided_json"),
