@@ -33,6 +33,7 @@ THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 HUGE_PAGE = 2 << 20
 PAGE = 4096
 MADV_HUGEPAGE = 14  # linux/mman.h
+MADV_DONTNEED = 4
 
 
 def available() -> bool:
@@ -46,14 +47,25 @@ def available() -> bool:
 
 
 def _advised_buffer(nbytes: int) -> tuple[torch.Tensor, int] | None:
-    """An untouched uint8 buffer holding `nbytes` from a 2 MB boundary, advised MADV_HUGEPAGE:
-    (buffer, offset of that boundary), or None where huge pages are not available or refused."""
+    """A uint8 buffer holding `nbytes` from a 2 MB boundary, advised MADV_HUGEPAGE with none of
+    those pages backed yet: (buffer, offset of that boundary), or None where huge pages are not
+    available or refused.
+
+    torch.empty is not always untouched memory: below glibc's mmap threshold (which rises to the
+    size of a freed mmapped chunk, up to 32 MB) it comes from heap memory an earlier tensor
+    touched, already backed by 4 KB pages that the advice does not change (a 12 MB KV cache then
+    came out in 4 KB pages, depending on what the process had freed before). So the range is also
+    advised MADV_DONTNEED: its pages are dropped (torch.empty promises no contents) and the next
+    touch faults them in as 2 MB pages. On fresh memory that drops nothing."""
     if not available():
         return None
-    buf = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)  # untouched: no page is backed yet
+    buf = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)  # a torch tensor: the memory meters see it
     start = -buf.data_ptr() % HUGE_PAGE  # the first 2 MB boundary inside it
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.madvise(ctypes.c_void_p(buf.data_ptr() + start), ctypes.c_size_t(nbytes), MADV_HUGEPAGE) != 0:
+    where = ctypes.c_void_p(buf.data_ptr() + start)
+    whole_pages = ctypes.c_size_t(nbytes // PAGE * PAGE)  # DONTNEED must not reach past the buffer
+    if (libc.madvise(where, ctypes.c_size_t(nbytes), MADV_HUGEPAGE) != 0
+            or libc.madvise(where, whole_pages, MADV_DONTNEED) != 0):
         log.info("huge pages: madvise refused (errno %d); 4 KB pages", ctypes.get_errno())
         return None
     return buf, start

@@ -60,3 +60,27 @@ def test_empty_and_the_kv_cache_are_in_huge_pages():
     assert anon_huge_kb(cache.data.data_ptr()) >= 2048
     small = huge_pages.empty((10,), torch.float32)  # under one huge page: plain torch.empty
     assert small.shape == (10,)
+
+
+def test_a_buffer_after_freed_heap_memory_is_still_in_huge_pages():
+    """glibc serves an allocation below its mmap threshold (which rises to the size of a freed
+    mmapped chunk, up to 32 MB) from heap memory an earlier tensor touched: already in 4 KB pages,
+    which the advice does not change. The buffer is its own mapping, so it is huge anyway. (A fresh
+    process: the allocator's history is process-wide.)"""
+    import subprocess
+    import sys
+
+    if not huge_pages.available():
+        pytest.skip("no transparent huge pages on this machine")
+    script = (
+        "import re, torch\n"
+        "from specsplit.kv import huge_pages\n"
+        "x = torch.ones(20 << 20, dtype=torch.uint8); del x\n"  # mmapped, freed: the threshold rises to 20 MB
+        "y = torch.ones(16 << 20, dtype=torch.uint8); del y\n"  # from the heap now: touched, freed
+        "t = huge_pages.empty((12 << 20,), torch.uint8); t.fill_(1)\n"
+        "from tests.unit.kv.test_huge_pages import anon_huge_kb\n"
+        "print(anon_huge_kb(t.data_ptr()))\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         cwd=str(__import__("pathlib").Path(__file__).resolve().parents[3]))
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.split()[-1]) >= 2048
