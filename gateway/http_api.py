@@ -387,9 +387,7 @@ def _generate_request(body: _Body, request_id: str, max_tokens: int, score_only:
                                "prompt than the one the model saw", "truncate_prompt_tokens")
             msg.truncate_prompt_tokens = body.truncate_prompt_tokens
         if body.min_tokens is not None:
-            if body.min_tokens < 0:
-                raise _invalid(f"min_tokens must be >= 0 (0 = off), got {body.min_tokens}", "min_tokens")
-            msg.min_tokens = body.min_tokens
+            msg.min_tokens = body.min_tokens  # a negative one is refused by SamplingParams.validate
         if body.repetition_penalty is not None:
             msg.repetition_penalty = body.repetition_penalty
         if body.logit_bias:

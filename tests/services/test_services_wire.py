@@ -210,6 +210,7 @@ class _Tok:
     (dict(messages=[gateway_pb2.ChatMessage(role="assistant", content="w5")], max_tokens=4, continue_final_message=True,
           add_generation_prompt=True), "continue_final_message cannot be combined with add_generation_prompt true"),
     (dict(prompt="w5", max_tokens=4, add_generation_prompt=False), "apply to chat messages only"),
+    (dict(prompt="w5", max_tokens=4, min_tokens=-1), "min_tokens must be >= 0"),
     (dict(prompt="w5", max_tokens=4, truncate_prompt_tokens=65), "truncate_prompt_tokens must be in [-1, max_model_len 64]"),
     (dict(prompt="w5", max_tokens=4, truncate_prompt_tokens=-2), "truncate_prompt_tokens must be in [-1"),
     (dict(prompt="w5", max_tokens=4, truncate_prompt_tokens=2, prompt_logprobs=0), "cannot be combined with prompt_logprobs"),
