@@ -69,6 +69,12 @@ class _Seq:
     grammar: GrammarState | DraftGrammar | None = None  # verifier: the sequence's matcher; drafter: DraftGrammar
     prompt_logprobs: int | None = None  # verifier: alternatives per prompt position, until its first verify
 
+    @property
+    def num_generated(self) -> int:
+        """Generated tokens before the next position scored: past the prompt, plus (drafter) the
+        chain's drafts. What min_tokens is counted against (SamplingParams.processed_at)."""
+        return len(self.tokens) - self.prompt_len + len(self.drafted)
+
 
 def _probs(logits: list[torch.Tensor], params: Sequence[SamplingParams]) -> list[torch.Tensor]:
     """Per-sequence logits [n_i, V] -> probabilities [n_i, V] under each request's transform."""
@@ -454,11 +460,10 @@ class TargetEngine(_EngineBase, VerifierTraits):
         (Log-probabilities are of the raw logits.)"""
         out = list(logits)
         for i, (r, s) in enumerate(zip(reqs, seqs)):
-            generated = len(s.tokens) - s.prompt_len
-            if not s.params.processed_at(generated):
+            if not s.params.processed_at(s.num_generated):
                 continue
             rows = penalize(logits[i], s.params, s.tokens[:s.prompt_len], s.tokens[s.prompt_len:],
-                            r.draft_token_ids) if s.params.penalized_at(generated) else logits[i].float().clone()
+                            r.draft_token_ids) if s.params.penalized_at(s.num_generated) else logits[i].float().clone()
             if i in masks:
                 apply_masks(rows, masks[i])
             out[i] = rows
@@ -512,8 +517,7 @@ class TargetEngine(_EngineBase, VerifierTraits):
         feats: list = []
         # Only greedy ids asked of every row (plain greedy chains, no logprobs): the forward gives
         # the ids (the head's greedy copy skips most logits), else the logits
-        ids_only = all(i in chunks or (s.params.greedy and not s.params.processed_at(len(s.tokens) - s.prompt_len)
-                                       and s.logprobs is None
+        ids_only = all(i in chunks or (s.params.greedy and not s.params.processed_at(s.num_generated) and s.logprobs is None
                                        and i not in trees and i not in prompt_lps) for i, s in enumerate(seqs))
         logits = self._forward(items, layers, feats, greedy=ids_only)  # per seq [k+1, V] or [k+1] ids ([1, ...] for a chunk); feats per seq [rows, F]
         for i, s in enumerate(seqs):
@@ -819,9 +823,8 @@ class DraftEngine(_EngineBase, DrafterTraits):
                 items.append(ForwardItem(reqs[i].seq_id, s.num_computed, context[s.num_computed :], 1))
                 s.num_computed = len(context)
             logits = self._forward(items)  # per seq [1, V]
-            logits = [self._process(seqs[i], x) if seqs[i].grammar is not None or seqs[i].params.penalized_at(
-                          len(seqs[i].tokens) - seqs[i].prompt_len + len(seqs[i].drafted)) else x
-                      for i, x in zip(live, logits)]
+            logits = [self._process(seqs[i], x) if seqs[i].grammar is not None
+                      or seqs[i].params.penalized_at(seqs[i].num_generated) else x for i, x in zip(live, logits)]
             tokens = self._sample([seqs[i] for i in live], logits, q_x, rows, live)
             for i, x in zip(live, logits):
                 if i in alternatives:
