@@ -57,8 +57,8 @@ class TextStream:
             if i >= 0:
                 hits.append((i, i + len(s)))
         if hits:
-            start, end = min(hits)  # the first to start (the longest of those, with include_stop)
-            self.text = self.text[: max(end for i, end in hits if i == start) if self.include_stop else start]
+            first = min(i for i, _ in hits)  # the first to start (the longest of those, with include_stop)
+            self.text = self.text[: max(e for i, e in hits if i == first) if self.include_stop else first]
             self.stopped = True
 
     def take(self, final: bool = False) -> str:

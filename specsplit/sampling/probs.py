@@ -91,7 +91,7 @@ def logits_to_probs(
         use_min = (min_p > 0) & ~greedy  # [N]
         if bool(use_min.any()):
             floor = scaled.max(dim=-1, keepdim=True).values + torch.log(min_p.clamp(min=1e-30))[:, None]  # [N, 1]
-            scaled = torch.where(use_min[:, None] & (scaled < floor), torch.full_like(scaled, float("-inf")), scaled)
+            scaled = scaled.masked_fill(use_min[:, None] & (scaled < floor), float("-inf"))
     probs = torch.softmax(scaled, dim=-1)  # [N, V]
 
     if bool(greedy.any()):
