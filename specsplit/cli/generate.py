@@ -75,12 +75,10 @@ def validate(args) -> None:
     ClientSecurity.from_args(args).validate()
     if args.prompt is None and args.prompt_token_ids is None:
         raise ValueError("give a PROMPT or --prompt-token-ids")
-    from specsplit.request import MAX_CHOICES, MAX_LOGPROBS
+    from specsplit.request import MAX_CHOICES
 
     if not 1 <= args.n <= MAX_CHOICES:
         raise ValueError(f"--n must be in [1, {MAX_CHOICES}], got {args.n}")
-    if args.logprobs is not None and args.logprobs > MAX_LOGPROBS:
-        raise ValueError(f"--logprobs must be in [0, {MAX_LOGPROBS}], got {args.logprobs}")
     if args.prompt_token_ids is not None:
         ids = parse_ids(args.prompt_token_ids)
         if not ids:
