@@ -141,7 +141,7 @@ async def run(gw: Gateway, args) -> int:
         http = build_http_server(servicer, gw.target_model, args,
                                  lambda: "draining" if server.draining else unhealthy[0])
         await http.start()
-    await server.start(metrics_port=args.metrics_port)
+    await server.start(metrics_port=args.metrics_port, port_file=getattr(args, "port_file", None))
     log.info("gateway (%s): target %s, draft %s, K=%d, disable_by_batch_size=%d, max_num_seqs %d, max_queue %d, "
              "max_model_len %d, pre-drafting %s, max_num_batched_tokens %s", gw.mode, gw.target_model,
              gw.draft_model or "none", spec.num_speculative_tokens if gw.decoder.drafter is not None else 0,

@@ -34,12 +34,11 @@ def main(argv=None) -> int:
     p.add_argument("--max-model-len", type=int, default=1024)
     args = p.parse_args(argv)
     from specsplit.gateway.launch import specsplit_up
-    from specsplit.rpc.health import free_port
 
-    port = args.port or free_port()
-    print(f"$ specsplit up --target {args.target} --draft {args.draft} --port {port}", flush=True)
+    print(f"$ specsplit up --target {args.target} --draft {args.draft} --port {args.port}", flush=True)
     try:
-        with specsplit_up(args.target, args.draft, port=port, max_model_len=args.max_model_len, max_num_seqs=4) as up:
+        with specsplit_up(args.target, args.draft, port=args.port, max_model_len=args.max_model_len, max_num_seqs=4) as up:
+            print(f"[the gateway serves on {up.address}]")
             return _generate(up.address, args)
     except RuntimeError as e:
         print(f"demo: {e}", file=sys.stderr)

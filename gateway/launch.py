@@ -32,22 +32,26 @@ class RunningUp:
         return {"gateway": self.address, "drafter": self.drafter, "verifier": self.verifier}
 
     def log_tail(self, chars: int = 3000) -> str:
-        if self.log_path is None:
-            return ""
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
+        return _log_tail(self.log_path, chars)
 
 
-def up_command(target: str, draft: str, *, port: int, drafter_port: int, verifier_port: int, host: str = "127.0.0.1",
+def _log_tail(path: Path | None, chars: int = 3000) -> str:
+    if path is None:
+        return ""
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return ""
+
+
+def up_command(target: str, draft: str, *, port: int, addresses_file: str | Path, host: str = "127.0.0.1",
                dtype: str | None = None, max_model_len: int | None = None, max_num_seqs: int | None = None,
                num_speculative_tokens: int | None = None, threads: int | None = None, extra: Sequence[str] = (),
                log_level: str = "WARNING") -> list[str]:
-    """The `python -m specsplit.cli up ...` command line; a None option keeps `up`'s default."""
+    """The `python -m specsplit.cli up ...` command line (the engines on free ports, their
+    addresses written to `addresses_file` once all three serve); a None option keeps `up`'s default."""
     cmd = [sys.executable, "-m", "specsplit.cli", "--log-level", log_level, "up", "--target", str(target),
-           "--draft", str(draft), "--host", host, "--port", str(port), "--drafter-port", str(drafter_port),
-           "--verifier-port", str(verifier_port)]
+           "--draft", str(draft), "--host", host, "--port", str(port), "--addresses-file", str(addresses_file)]
     for flag, value in (("--dtype", dtype), ("--max-model-len", max_model_len), ("--max-num-seqs", max_num_seqs),
                         ("--num-speculative-tokens", num_speculative_tokens), ("--threads", threads)):
         if value is not None:
@@ -72,38 +76,43 @@ def specsplit_up(target: str, draft: str, *, dtype: str | None = None, max_model
     are all SERVING (the gateway alone may serve target-only while the drafter still loads).
 
     Options left None are not passed (`up`'s defaults apply); `extra` is appended as given.
-    `port` 0 picks free ports. `log`: a file for the children's output (None: this process's
+    `port`: the gateway's (0: a free one; the engines always take free ones). `log`: a file for the children's output (None: this process's
     stdout/stderr). `env`: variables added to this process's environment.
     Raises RuntimeError when `up` exits, or is not ready within `startup_timeout` seconds."""
-    from specsplit.rpc.health import free_ports, wait_serving
+    import json
+    import tempfile
 
-    engine_host = "127.0.0.1"  # `up` binds the engines on loopback (--engine-host), whatever --host is
-    port = port or free_ports(1, host)[0]
-    dport, vport = free_ports(2, engine_host, avoid=[port])
-    cmd = up_command(target, draft, port=port, drafter_port=dport, verifier_port=vport, host=host, dtype=dtype,
-                     max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                     num_speculative_tokens=num_speculative_tokens, threads=threads, extra=extra, log_level=log_level)
-    log_file = open(log, "ab") if log is not None else None
-    try:
-        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT if log_file else None,
-                                stdin=subprocess.DEVNULL, cwd=cwd, env={**os.environ, **(env or {})})
-    except BaseException:
-        if log_file is not None:
-            log_file.close()
-        raise
-    up = RunningUp(f"{host}:{port}", f"{engine_host}:{dport}", f"{engine_host}:{vport}", proc, Path(log) if log is not None else None)
-    try:
-        def tail() -> str:
-            return f"; its log ({up.log_path}) ends:\n{up.log_tail()}" if up.log_path else ""
+    from specsplit.rpc.health import wait_written
 
-        # All three are children of `up`'s process: it is the one this process sees exit.
+    log_path = Path(log) if log is not None else None
+    with tempfile.TemporaryDirectory(prefix="specsplit-launch-") as tmp:
+        # `up` writes the three addresses once all three serve. The engines (and, with port 0, the
+        # gateway) bind free ports of their own choosing: no port is picked here that something
+        # else could take before the service binds it.
+        addresses_file = os.path.join(tmp, "addresses.json")
+        cmd = up_command(target, draft, port=port, addresses_file=addresses_file, host=host, dtype=dtype,
+                         max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                         num_speculative_tokens=num_speculative_tokens, threads=threads, extra=extra, log_level=log_level)
+        log_file = open(log_path, "ab") if log_path is not None else None
         try:
-            wait_serving({name: (proc, address) for name, address in up.addresses.items()}, startup_timeout,
-                         describe=tail)
-        except RuntimeError as e:
-            raise RuntimeError(f"specsplit up: {e}") from None
-        yield up
-    finally:
-        stop(proc, stop_timeout)
-        if log_file is not None:
-            log_file.close()
+            proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT if log_file else None,
+                                    stdin=subprocess.DEVNULL, cwd=cwd, env={**os.environ, **(env or {})})
+        except BaseException:
+            if log_file is not None:
+                log_file.close()
+            raise
+        try:
+            def tail() -> str:
+                return f"; its log ({log_path}) ends:\n{_log_tail(log_path)}" if log_path else ""
+
+            # All three are children of `up`'s process: it is the one this process sees exit.
+            try:
+                written = wait_written("specsplit up", proc, addresses_file, startup_timeout, describe=tail)
+            except RuntimeError as e:
+                raise RuntimeError(f"specsplit up: {e}") from None
+            a = json.loads(written)
+            yield RunningUp(a["gateway"], a["drafter"], a["verifier"], proc, log_path)
+        finally:
+            stop(proc, stop_timeout)
+            if log_file is not None:
+                log_file.close()

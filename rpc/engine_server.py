@@ -57,7 +57,7 @@ async def serve(role: str, servicer, add_to_server, service_name: str, args) -> 
     server = Server(role, args.host, args.port, [service_name], ServerSecurity.from_args(args))
     add_to_server(servicer, server.server)
     metrics.watch_kv(role, servicer.built.engine)
-    await server.start(metrics_port=args.metrics_port)
+    await server.start(metrics_port=args.metrics_port, port_file=getattr(args, "port_file", None))
     host = servicer.host
     # e.g. the verifier's tensor-parallel workers: returns a reason once the engine can never serve
     # again; the process then exits non-zero (a dead TP group is permanent: only a restart helps)

@@ -1,5 +1,6 @@
-"""Asking a specsplit server whether it serves (gRPC health), picking a free local port, waiting
-for service processes to serve and stopping them: what `specsplit health`, `specsplit up`, the
+"""Asking a specsplit server whether it serves (gRPC health), picking a free local port, learning
+the port a service bound (--port 0 --port-file), waiting for service processes to serve and
+stopping them: what `specsplit health`, `specsplit up`, the
 gateway's launcher (gateway/launch.py) and the tests (tests/services/procs.py) share."""
 from __future__ import annotations
 
@@ -49,6 +50,32 @@ def free_ports(n: int, host: str = "127.0.0.1", avoid: Iterable[int] = ()) -> li
     finally:
         for s in held:
             s.close()
+
+
+def wait_written(name: str, proc: subprocess.Popen, path: str, timeout: float,
+                 stop_requested: Callable[[], bool] = lambda: False, describe: Callable[[], str] = lambda: "") -> str | None:
+    """What `proc` writes to `path` once it serves: the port of a service started with --port 0
+    --port-file `path` (specsplit.rpc.serving.Server.start), or `up`'s --addresses-file; both are
+    written whole (beside, then renamed). RuntimeError when the process exits first or `timeout`
+    seconds pass (with `describe()` appended); None when `stop_requested()` first.
+    Nothing picks a port for a child and hopes it is still free when the child binds it: a port
+    picked that way can be taken meanwhile (by any outgoing connection: the kernel draws those
+    from the same range), the longer the more so, and an engine binds only once its model loads."""
+    deadline = time.monotonic() + timeout
+    while not stop_requested():
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except FileNotFoundError:
+            text = ""
+        if text:
+            return text
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with code {proc.returncode} during start-up{describe()}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{name} not SERVING after {timeout:.0f}s{describe()}")
+        time.sleep(0.1)
+    return None
 
 
 def wait_serving(procs: Mapping[str, tuple[subprocess.Popen, str]], timeout: float, security=None,

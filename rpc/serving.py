@@ -8,7 +8,6 @@ import logging
 import signal
 from typing import Awaitable, Callable, Iterable
 
-import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -43,7 +42,10 @@ class Server:
             )
         self.draining = False
 
-    async def start(self, metrics_host: str | None = None, metrics_port: int | None = None) -> int:
+    async def start(self, metrics_host: str | None = None, metrics_port: int | None = None,
+                    port_file: str | None = None) -> int:
+        """Bind, serve, report SERVING; then, with `port_file`, write the bound port there (how a
+        supervisor that started this process with --port 0 learns its port, and that it serves)."""
         address = f"{self.host}:{self.port}"
         try:
             bound = sec.add_port(self.server, address, self.security)
@@ -57,6 +59,8 @@ class Server:
         for s in ["", *self.service_names]:
             await self.health.set(s, health_pb2.HealthCheckResponse.SERVING)
         log.info("%s listening on %s:%d (%s; health: SERVING)", self.name, self.host, bound, self.security.describe())
+        if port_file:
+            write_port_file(port_file, bound)
         return bound
 
     async def run_until_signal(self, drain: Callable[[], Awaitable[None]],
@@ -106,6 +110,20 @@ class Server:
             loop.remove_signal_handler(sig)
         log.info("%s stopped", self.name)
         return 0
+
+
+def write_port_file(path: str, port: int) -> None:
+    """`port` and a newline into `path`, whole or not at all: written beside it, then renamed over
+    it, so a reader polling for the file never sees it half written."""
+    import os
+
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            f.write(f"{port}\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        raise RuntimeError(f"cannot write the bound port to --port-file {path} ({e.strerror or e})") from None
 
 
 async def wait_until(predicate: Callable[[], bool], timeout: float, poll: float = 0.05) -> bool:

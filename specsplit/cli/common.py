@@ -132,6 +132,9 @@ def add_server_flags(p: argparse.ArgumentParser, default_port: int) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address to bind")
     g.add_argument("--port", type=port, default=default_port, help="port to bind (0 = any free port)")
     g.add_argument("--metrics-port", type=port, default=None, help="serve Prometheus metrics on this port")
+    g.add_argument("--port-file", default=None, metavar="PATH",
+                   help="once serving, write the bound port (one line) to PATH: with --port 0, how a supervisor "
+                        "learns the port the kernel gave (written whole: beside PATH, then renamed)")
     from specsplit.rpc.security import add_server_security_flags
 
     add_server_security_flags(p)

@@ -11,14 +11,16 @@ their environment, never written to disk).
 """
 from __future__ import annotations
 
+import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
-from specsplit.rpc.health import free_ports
 from specsplit.cli.common import (add_deterministic_flag, add_engine_flags, add_http_flags, add_keepalive_flags,
                                   add_request_size_flag, add_gateway_limit_flags, add_server_flags, add_spec_flags, add_tensor_parallel_flag, port,
                                   spec_config, validate_engine, validate_http, validate_security)
@@ -33,8 +35,13 @@ def add_arguments(p, name: str) -> None:
     p.add_argument("--draft", default=None, help="draft model, 'ngram' or MODEL+ngram; omitted: the target's best "
                    "shipped draft (smollm2-135m: smollm2-135m-eagle3+ngram)")
     p.add_argument("--draft-device", default=None)
-    p.add_argument("--drafter-port", type=port, default=0, help="drafter port (0 = a free one)")
-    p.add_argument("--verifier-port", type=port, default=0, help="verifier port (0 = a free one)")
+    p.add_argument("--drafter-port", type=port, default=0,
+                   help="drafter port (0 = a free one: the drafter binds it and tells `up`)")
+    p.add_argument("--verifier-port", type=port, default=0,
+                   help="verifier port (0 = a free one: the verifier binds it and tells `up`)")
+    p.add_argument("--addresses-file", default=None, metavar="PATH",
+                   help='once all three serve, write {"gateway": HOST:PORT, "drafter": ..., "verifier": ...} '
+                        "(JSON) to PATH: where a supervisor finds the engines started on free ports")
     p.add_argument("--engine-host", default=DEFAULT_ENGINE_HOST,
                    help="address the drafter and the verifier bind (default %(default)s: only this host reaches "
                         "them, whatever --host the gateway binds; they trust whoever holds the internal token)")
@@ -156,7 +163,14 @@ def engine_address(args, port_: int) -> str:
     return f"[{host}]:{port_}" if ":" in host else f"{host}:{port_}"
 
 
-def commands(args, drafter_port: int, verifier_port: int) -> dict[str, list[str]]:
+def commands(args, drafter_port: int, verifier_port: int, port_files: dict[str, str] | None = None) -> dict[str, list[str]]:
+    """Each child's command line. A port of 0 lets that child bind a free one; `port_files` (name
+    -> path) tells the children with port 0 where to write it (`up` reads it there)."""
+    port_files = port_files or {}
+
+    def port_file(name: str, port_: int) -> list[str]:
+        return ["--port-file", port_files[name]] if not port_ and name in port_files else []
+
     base = [sys.executable, "-m", "specsplit.cli", "--log-level", args.log_level]
     tls = _flag_values(args, ["tls_cert", "tls_key", "tls_ca"])
     common = ["--drain-timeout", str(args.drain_timeout), *tls]
@@ -183,16 +197,19 @@ def commands(args, drafter_port: int, verifier_port: int) -> dict[str, list[str]
         return [] if args.metrics_port is None else ["--metrics-port", str(args.metrics_port + offset)]
 
     return {
-        "verifier": base + ["verifier", "--model", args.target, "--port", str(verifier_port), *engine,
+        "verifier": base + ["verifier", "--model", args.target, "--port", str(verifier_port),
+                            *port_file("verifier", verifier_port), *engine,
                             *_engine_flags(args, args.device), *_spec_flags(args), *metrics(1),
                             *(["--tensor-parallel-size", str(args.tensor_parallel_size)]
                               if getattr(args, "tensor_parallel_size", 1) > 1 else []),
                             *(["--deterministic"] if getattr(args, "deterministic", False) else [])],
-        "drafter": base + ["drafter", "--model", args.draft, "--port", str(drafter_port), *engine,
+        "drafter": base + ["drafter", "--model", args.draft, "--port", str(drafter_port),
+                           *port_file("drafter", drafter_port), *engine,
                            *_engine_flags(args, args.draft_device or args.device), *_spec_flags(args), *metrics(2)],
         "gateway": base + ["gateway", "--verifier", engine_address(args, verifier_port),
                            "--drafter", engine_address(args, drafter_port),
-                           "--port", str(args.port), "--max-num-seqs", str(args.max_num_seqs),
+                           "--port", str(args.port), *port_file("gateway", args.port),
+                           "--max-num-seqs", str(args.max_num_seqs),
                            "--max-queue", str(args.max_queue), *public, *gateway_only, *_spec_flags(args), *metrics(0)],
     }
 
@@ -226,19 +243,19 @@ def stop_all(procs: dict[str, subprocess.Popen], timeout: float) -> None:
 
 
 def run(args) -> int:
-    from specsplit.rpc.health import wait_serving
+    from specsplit.rpc.health import wait_serving, wait_written
     from specsplit.rpc.security import ClientSecurity
+    from specsplit.rpc.serving import write_port_file
 
-    engine_host = engine_address(args, 0).rpartition(":")[0].strip("[]")
-    # two distinct free ports, neither the gateway's nor one given
-    picked = iter(free_ports(2, engine_host, avoid=[args.port, args.drafter_port or 0, args.verifier_port or 0]))
-    drafter_port = args.drafter_port or next(picked)
-    verifier_port = args.verifier_port or next(picked)
-    cmds = commands(args, drafter_port, verifier_port)
+    # A child given port 0 binds a free one and writes it to its port file once it serves; `up`
+    # reads it there. Ports picked here and handed down could be taken before the child binds
+    # them: the engines bind only after their models load (a minute or more).
+    ports = {"verifier": args.verifier_port, "drafter": args.drafter_port, "gateway": args.port}
+    port_dir = tempfile.mkdtemp(prefix="specsplit-up-")
+    port_files = {name: os.path.join(port_dir, f"{name}.port") for name in ports}
     _, token_env = internal_token(args)
     env = {**os.environ, **token_env}
-    addresses = {"verifier": engine_address(args, verifier_port), "drafter": engine_address(args, drafter_port),
-                 "gateway": f"{args.host}:{args.port}"}
+    addresses: dict[str, str] = {}
     stop_requested = []
     # up's own checks are health checks (open without a token): the TLS part of the internal flags only
     i = internal_security(args)
@@ -254,21 +271,35 @@ def run(args) -> int:
         # One at a time: each engine times its own steps at start-up (the K policy's costs), which
         # another process loading a model on the same cores would inflate (measured: the drafter's
         # cost per token 36 ms instead of 4 when it calibrated beside the verifier's start-up).
+        # The gateway comes last, told the engines' ports.
         deadline = time.monotonic() + args.startup_timeout
         for name in ("verifier", "drafter", "gateway"):
             if stop_requested:
                 break
+            cmd = commands(args, ports["drafter"], ports["verifier"], port_files)[name]
             # Children ignore the terminal's Ctrl-C (own process group): this process forwards it.
             cpus = cpu_list(getattr(args, f"{name}_cpus", None))
-            procs[name] = subprocess.Popen(pinned(cmds[name], cpus), start_new_session=True, env=env)
-            print(f"specsplit up: started {name} (pid {procs[name].pid}) on {addresses[name]}"
+            procs[name] = subprocess.Popen(pinned(cmd, cpus), start_new_session=True, env=env)
+            where = f"port {ports[name]}" if ports[name] else "a free port"
+            print(f"specsplit up: started {name} (pid {procs[name].pid}) on {where}"
                   + ("" if cpus is None else f", CPUs {sorted(cpus)}"), file=sys.stderr)
+            if not ports[name]:
+                written = wait_written(name, procs[name], port_files[name], max(1.0, deadline - time.monotonic()),
+                                       stop_requested=lambda: bool(stop_requested), describe=lambda: "; see its log above")
+                if written is None:
+                    break
+                ports[name] = int(written)
+            addresses[name] = engine_address(args, ports[name]) if name != "gateway" else f"{args.host}:{ports[name]}"
             wait_serving({name: (procs[name], addresses[name])}, max(1.0, deadline - time.monotonic()), security=isec,
                          stop_requested=lambda: bool(stop_requested),
                          on_serving=lambda name: print(f"specsplit up: {name} is SERVING on {addresses[name]}",
                                                        file=sys.stderr),
                          describe=lambda: "; see its log above")
         if not stop_requested:
+            if args.port_file:
+                write_port_file(args.port_file, ports["gateway"])
+            if args.addresses_file:
+                write_addresses_file(args.addresses_file, addresses)
             print(f"specsplit up: ready; Generate on {addresses['gateway']} (Ctrl-C stops all three)", file=sys.stderr, flush=True)
         while not stop_requested:
             dead = [n for n, p in procs.items() if p.poll() is not None]
@@ -283,8 +314,21 @@ def run(args) -> int:
         rc = 1
     finally:
         stop_all(procs, args.drain_timeout + 10)
+        shutil.rmtree(port_dir, ignore_errors=True)
         for s, h in old.items():
             signal.signal(s, h)
     if stop_requested:
         print("specsplit up: stopped", file=sys.stderr)
     return rc
+
+
+def write_addresses_file(path: str, addresses: dict[str, str]) -> None:
+    """{"gateway": HOST:PORT, "drafter": ..., "verifier": ...} as JSON, written whole (beside
+    `path`, then renamed): for a supervisor or a test that started `up` with free ports."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(addresses, f)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise RuntimeError(f"cannot write --addresses-file {path} ({e.strerror or e})") from None

@@ -56,12 +56,6 @@ def backend_for(device: str) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _send(conn: Connection, msg) -> None:
     conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
 
@@ -75,8 +69,9 @@ class TPWorkerFailed(RuntimeError):
 
 
 def _store(port: int, rank: int, world: int) -> dist.TCPStore:
-    """The rendezvous store (rank 0 serves it). Rank 0 does not block here: it waits for the
-    workers in TPGroup._wait_for_workers, where it can see one die."""
+    """The rendezvous store (rank 0 serves it, on `port` 0: a free port it binds itself, read back
+    as store.port and sent to the workers). Rank 0 does not block here: it waits for the workers
+    in TPGroup._wait_for_workers, where it can see one die."""
     return dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=STARTUP_TIMEOUT_S),
                          wait_for_workers=False)
 
@@ -113,8 +108,8 @@ class TPGroup:
         ref = weakref.ref(group)  # atexit must not keep a closed group (and its model) alive
         atexit.register(lambda: ref() is not None and ref().close())
         backend = backend_for(cfg.device)
-        port = _free_port()
-        store = _store(port, 0, world)
+        store = _store(0, 0, world)
+        port = store.port
         try:
             for rank in range(1, world):
                 parent, child = socket.socketpair()

@@ -40,3 +40,13 @@ def test_the_internal_token_comes_from_the_environment_or_is_made_per_run():
     assert internal_token(args, environ={INTERNAL_TOKEN_ENV: "mine"})[1] == {INTERNAL_TOKEN_ENV: "mine"}
     first, second = internal_token(args, environ={})[1], internal_token(args, environ={})[1]
     assert len(first[INTERNAL_TOKEN_ENV]) == 64 and first != second
+
+
+def test_a_child_on_port_0_is_told_where_to_write_the_port_it_binds():
+    files = {"verifier": "/run/v.port", "drafter": "/run/d.port", "gateway": "/run/g.port"}
+    cmds = commands(build_parser().parse_args([*UP, "--port", "0"]), 0, 2, files)
+    assert _value(cmds["drafter"], "--port") == "0" and _value(cmds["drafter"], "--port-file") == "/run/d.port"
+    assert _value(cmds["gateway"], "--port") == "0" and _value(cmds["gateway"], "--port-file") == "/run/g.port"
+    # a port given is bound as given: no file to wait for
+    assert _value(cmds["verifier"], "--port") == "2" and "--port-file" not in cmds["verifier"]
+    assert "--port-file" not in commands(build_parser().parse_args(UP), 0, 0, files)["gateway"]  # --port 50051
