@@ -136,6 +136,7 @@ class _Body(BaseModel):
     min_p: float | None = None  # extension (vLLM's): keep tokens with probability >= min_p x the largest; 0 = off
     include_stop_str_in_output: bool | None = False  # extension (vLLM's): the text keeps the stop string
     truncate_prompt_tokens: int | None = None  # extension (vLLM's): keep the last k prompt tokens (-1: max_model_len)
+    prompt_logprobs: int | None = None  # extension (vLLM's): each prompt token's logprob and rank, + the n most likely
     stream: bool | None = False
     stream_options: dict | None = None
     n: int | None = None
@@ -197,7 +198,6 @@ def _completion_prompts(p) -> list[str | list[int]]:
 # silently. field -> (its neutral values, what to send instead or None).
 UNSUPPORTED_EXTENSIONS: dict[str, tuple[tuple, str | None]] = {
     "use_beam_search": ((None, False), None),
-    "prompt_logprobs": ((None,), "echo with logprobs (on /v1/completions)"),
 }
 
 
@@ -436,10 +436,10 @@ def _completion_logprobs(lps: list[TokenLogprob], tok: _Tokens, offset: int) -> 
     return out
 
 
-def _echo_logprobs(prompt_ids: Sequence[int], lps: Sequence[TokenLogprob], tok: _Tokens) -> dict:
+def _echo_logprobs(prompt_ids: Sequence[int], lps: Sequence[TokenLogprob], n: int, tok: _Tokens) -> dict:
     """The prompt's part of an echoed completion's logprobs (OpenAI's legacy format, as vLLM
-    gives it): every prompt token, the first with no logprob (null: nothing comes before it),
-    text_offset from 0 by the tokens' own text."""
+    gives it): every prompt token, the first with no logprob (null: nothing comes before it), its
+    n most likely alternatives, text_offset from 0 by the tokens' own text."""
     out = {"tokens": [], "token_logprobs": [None], "top_logprobs": [None], "text_offset": []}
     offset = 0
     for t in prompt_ids:
@@ -449,7 +449,43 @@ def _echo_logprobs(prompt_ids: Sequence[int], lps: Sequence[TokenLogprob], tok: 
         offset += len(s)
     for lp in lps:
         out["token_logprobs"].append(lp.logprob)
-        out["top_logprobs"].append({tok(t): v for t, v in lp.top})
+        out["top_logprobs"].append({tok(t): v for t, v in lp.top[:n]})
+    return out
+
+
+def _prompt_logprobs_asked(body: _Body, limits) -> int | None:
+    """vLLM's `prompt_logprobs` extension, checked: the alternatives wanted per prompt position
+    (None: not asked). Scored by the verifier's prefill (GenerateRequest.prompt_logprobs) with
+    each token's rank, which a verifier older than TokenLogprob.rank leaves out."""
+    n = body.prompt_logprobs
+    if n is None:
+        return None
+    if not 0 <= n <= MAX_LOGPROBS:
+        raise _invalid(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}] (the most likely tokens listed beside each "
+                       f"prompt token), got {n}", "prompt_logprobs")
+    if body.stream:
+        raise _invalid("prompt_logprobs is not available with stream (as in vLLM): send the request without "
+                       "stream", "prompt_logprobs")
+    if body.truncate_prompt_tokens:
+        raise _invalid("prompt_logprobs cannot be combined with truncate_prompt_tokens: the scores would be of a "
+                       "prompt other than the one sent", "prompt_logprobs")
+    if limits.sampling_features is not None and "logprob_ranks" not in limits.sampling_features:
+        raise _invalid("prompt_logprobs needs each prompt token's rank, which this server's verifier does not "
+                       "compute (an older version); upgrade the verifier, or score the prompt with echo and "
+                       "logprobs on /v1/completions", "prompt_logprobs")
+    return n
+
+
+def _vllm_prompt_logprobs(lps: Sequence[TokenLogprob], n: int, tok: _Tokens) -> list[dict | None]:
+    """vLLM's prompt_logprobs: null for the first prompt token (nothing comes before it), then per
+    prompt token {token id: {logprob, rank, decoded_token}}: the prompt's token with its rank
+    (tokens at least as likely, itself included), and the n most likely with ranks 1..n."""
+    out: list[dict | None] = [None]
+    for lp in lps:
+        d = {str(lp.token_id): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": tok(lp.token_id)}}
+        for i, (t, v) in enumerate(lp.top[:n]):
+            d.setdefault(str(t), {"logprob": v, "rank": i + 1, "decoded_token": tok(t)})
+        out.append(d)
     return out
 
 
@@ -881,6 +917,9 @@ def create_app(backend: HttpBackend) -> FastAPI:
         if echo and (body.logprobs is not None or max_tokens == 0):
             # The prompt's logprobs come from the verifier's prefill (GenerateRequest.prompt_logprobs)
             msg.prompt_logprobs = body.logprobs or 0
+        prompt_n = _prompt_logprobs_asked(body, servicer.limits)
+        if prompt_n is not None:  # vLLM's field: the same scores, as many alternatives as either wants
+            msg.prompt_logprobs = max(prompt_n, msg.prompt_logprobs)
         prompts = _completion_prompts(body.prompt)
         n = body.n or 1
         if len(prompts) * n > MAX_BATCH_CHOICES:
@@ -922,7 +961,7 @@ def create_app(backend: HttpBackend) -> FastAPI:
                 state["echo"] = False
                 text = echoed[i // n] + text
                 if body.logprobs is not None:
-                    head = _echo_logprobs(prompt_ids[i // n], ev.prompt_logprobs or (), tok)
+                    head = _echo_logprobs(prompt_ids[i // n], ev.prompt_logprobs or (), body.logprobs, tok)
                     lp = {k: head[k] + (lp[k] if lp else []) for k in head}
             return {"index": i, "text": text, "logprobs": lp, "finish_reason": ev.finish_reason}
 
@@ -946,6 +985,8 @@ def create_app(backend: HttpBackend) -> FastAPI:
                       for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
             text = "".join(c["text"] for c in merged)
             choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": evs[-1].finish_reason})
+            if prompt_n is not None:  # vLLM puts them in the choice
+                choices[-1]["prompt_logprobs"] = _vllm_prompt_logprobs(evs[0].prompt_logprobs or (), prompt_n, tok)
         return envelope(choices, _usage(_usage_of([evs[-1].usage for evs in collected], n)))
 
     # ---- /v1/chat/completions ----------------------------------------------------------
@@ -986,6 +1027,9 @@ def create_app(backend: HttpBackend) -> FastAPI:
         if body.add_generation_prompt is not None:
             msg.add_generation_prompt = body.add_generation_prompt
         msg.continue_final_message = bool(body.continue_final_message)
+        prompt_n = _prompt_logprobs_asked(body, servicer.limits)
+        if prompt_n is not None:
+            msg.prompt_logprobs = prompt_n
         lives = await submit(body, msg, logprobs, max_tokens is None, http_request)
         firsts = await first_events(lives)
 
@@ -1053,7 +1097,10 @@ def create_app(backend: HttpBackend) -> FastAPI:
             fields, finish = answer("".join(ev.text for ev in evs), evs[-1].finish_reason)
             message = {"role": "assistant", **fields, "refusal": None}
             choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish})
-        return envelope(choices, _usage(_usage_of([evs[-1].usage for evs in collected])))
+        out = envelope(choices, _usage(_usage_of([evs[-1].usage for evs in collected])))
+        if prompt_n is not None:  # vLLM puts them beside the choices: the one prompt's
+            out["prompt_logprobs"] = _vllm_prompt_logprobs(collected[0][0].prompt_logprobs or (), prompt_n, tok)
+        return out
 
     @app.exception_handler(ClientGone)
     async def _gone(request: Request, e: ClientGone):

@@ -153,12 +153,13 @@ def features_from_pb(m, has: bool) -> tuple[torch.Tensor | None, int]:
 # ---- log-probabilities (also the public API's GenerateResponse.logprobs) ------------------------
 def logprobs_to_pb(lps: Sequence[TokenLogprob]) -> list[common_pb2.TokenLogprob]:
     return [common_pb2.TokenLogprob(token_id=t.token_id, logprob=t.logprob,
-                                    top=[common_pb2.TopLogprob(token_id=i, logprob=v) for i, v in t.top])
+                                    top=[common_pb2.TopLogprob(token_id=i, logprob=v) for i, v in t.top], rank=t.rank)
             for t in lps]
 
 
 def logprobs_from_pb(msgs) -> tuple[TokenLogprob, ...]:
-    return tuple(TokenLogprob(int(m.token_id), float(m.logprob), tuple((int(a.token_id), float(a.logprob)) for a in m.top))
+    return tuple(TokenLogprob(int(m.token_id), float(m.logprob), tuple((int(a.token_id), float(a.logprob)) for a in m.top),
+                              int(m.rank))
                  for m in msgs)
 
 

@@ -10,7 +10,8 @@ rows are stacked and go through one log_softmax and one topk, whatever the batch
 
 The values are the log_softmax of the raw logits: before temperature, top-k and top-p (what the
 model thinks of the token, whatever the request sampled it with). Ties in topk are broken as
-torch breaks them.
+torch breaks them. Each token's rank is vLLM's: how many tokens are at least as likely as it
+(1 = the most likely; a tie counts against it).
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # ((token_id, logprob), ...), len n
+    rank: int = 0  # tokens at least as likely, itself included (1 = the most likely); 0: not known
 
 
 def token_logprobs(rows: torch.Tensor, ids: Sequence[int], n: Sequence[int]) -> list[TokenLogprob]:
@@ -45,7 +47,9 @@ def token_logprobs(rows: torch.Tensor, ids: Sequence[int], n: Sequence[int]) -> 
         return []
     lsm = torch.log_softmax(rows.float(), dim=-1)  # [R, V]
     index = torch.as_tensor(list(ids), dtype=torch.int64, device=lsm.device)  # [R]
-    chosen = lsm.gather(1, index[:, None])[:, 0].cpu().tolist()  # [R]
+    chosen_lp = lsm.gather(1, index[:, None])  # [R, 1]
+    rank = (lsm >= chosen_lp).sum(-1).cpu().tolist()  # [R]
+    chosen = chosen_lp[:, 0].cpu().tolist()  # [R]
     n_max = min(max(n), lsm.shape[1])
     if n_max > 0:
         top_lp, top_id = lsm.topk(n_max, dim=-1)  # [R, n_max] each, sorted most likely first
@@ -53,7 +57,7 @@ def token_logprobs(rows: torch.Tensor, ids: Sequence[int], n: Sequence[int]) -> 
     out = []
     for r, (t, lp) in enumerate(zip(ids, chosen)):
         top = tuple(zip(top_id[r][: n[r]], top_lp[r][: n[r]])) if n_max > 0 and n[r] > 0 else ()
-        out.append(TokenLogprob(int(t), float(lp), top))
+        out.append(TokenLogprob(int(t), float(lp), top, int(rank[r])))
     return out
 
 

@@ -16,7 +16,9 @@ MAX_MIN_TOKENS_STOP_IDS = 128
 # The fields an engine of this version applies that older engines ignored on the wire (proto3
 # drops unknown fields silently): a verifier lists them in ServiceInfo.sampling_features, and a
 # gateway refuses a request that uses one its verifier does not list (SamplingParams.features).
-SAMPLING_FEATURES = ("min_tokens", "min_p")
+# "logprob_ranks": the verifier fills in TokenLogprob.rank (vLLM's prompt_logprobs need it; the
+# HTTP API checks it, since it is no SamplingParams field).
+SAMPLING_FEATURES = ("min_tokens", "min_p", "logprob_ranks")
 # Structured output (specsplit.sampling.grammar): the grammar text a request may send.
 GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf")
 MAX_GRAMMAR_CHARS = 64 * 1024

@@ -168,6 +168,34 @@ def test_chat_logprobs(http_server):
         assert c.logprob <= 0.0 and len(c.top_logprobs) == 2 and c.bytes == list(c.token.encode())
 
 
+def test_chat_prompt_logprobs_are_the_rendered_prompt_s(http_server):
+    """vLLM's prompt_logprobs on chat: beside the choices, the scores of the template's tokens,
+    equal to those /v1/completions gives for the rendered text (w1 w9 w10 w2 w5 w6 w7 w8 w3)."""
+    def post(path: str, body: dict) -> dict:
+        req = urllib.request.Request(f"http://{HOST}:{http_server.http_port}{path}",
+                                     data=json.dumps({"model": http_server.model, **body}).encode(),
+                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return json.loads(r.read())
+
+    chat = post("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2, "temperature": 0, "n": 2,
+                                         "prompt_logprobs": 1})
+    text = post("/v1/completions", {"prompt": "w1 w9 w10 w2 w5 w6 w7 w8 w3", "max_tokens": 2, "temperature": 0,
+                                    "prompt_logprobs": 1})
+    scored = chat["prompt_logprobs"]
+    assert len(scored) == chat["usage"]["prompt_tokens"] == text["usage"]["prompt_tokens"] and scored[0] is None
+    assert all("prompt_logprobs" not in c for c in chat["choices"]) and len(chat["choices"]) == 2
+    want = text["choices"][0]["prompt_logprobs"]
+    assert [list(d) for d in scored[1:]] == [list(d) for d in want[1:]]  # the same tokens, the same alternatives
+    for mine, theirs in zip(scored[1:], want[1:]):
+        for k, v in mine.items():
+            assert v["rank"] == theirs[k]["rank"] and v["logprob"] == pytest.approx(theirs[k]["logprob"], abs=1e-5)
+    with pytest.raises(openai.BadRequestError) as err:
+        _client(http_server).chat.completions.create(model=http_server.model, messages=MESSAGES, max_tokens=2,
+                                                     stream=True, extra_body={"prompt_logprobs": 1})
+    assert err.value.body["param"] == "prompt_logprobs" and "not available with stream" in err.value.body["message"]
+
+
 @pytest.mark.parametrize("kw, param, message", [
     (dict(temperature=-1), "temperature", "temperature"),
     (dict(max_tokens=0), "max_tokens", "max_tokens"),

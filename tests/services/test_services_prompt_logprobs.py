@@ -123,6 +123,46 @@ def test_grpc_prompt_logprobs_on_the_first_message(stack_of, stack, prompts, hf_
             all(abs(a.logprob - b) < TOL for a, b in zip(lp.top, best.values.tolist()))
 
 
+def _rank_bounds(row: torch.Tensor, token: int) -> tuple[int, int]:
+    """The ranks a token can have given the reference row [V] to TOL: tokens surely more likely
+    + 1 .. tokens possibly at least as likely."""
+    v = float(row[token])
+    return int((row > v + TOL).sum()) + 1, int((row >= v - TOL).sum())
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_vllm_prompt_logprobs_with_ranks(stack_of, stack, prompts, hf_target):
+    """vLLM's prompt_logprobs on /v1/completions (in the choice): each prompt token's logprob and
+    rank under the target (a transformers forward of the prompt, to TOL), its n most likely with
+    ranks 1..n; the completion is the one without it (greedy, speculation on). (Chat:
+    test_services_http.py, whose server has a chat template.)"""
+    s = stack_of(stack)
+    ranks = []
+    for ids in (prompts[11], prompts[12]):
+        ref = _reference(hf_target, ids)
+        _, plain = _complete(s, prompt=ids, max_tokens=8, temperature=0, ignore_eos=True)
+        status, out = _complete(s, prompt=ids, max_tokens=8, temperature=0, ignore_eos=True, prompt_logprobs=2)
+        assert status == 200, out
+        (c,) = out["choices"]
+        assert c["text"] == plain["choices"][0]["text"]
+        scored = c["prompt_logprobs"]
+        assert len(scored) == len(ids) and scored[0] is None
+        for j in range(1, len(ids)):
+            entries = {int(k): v for k, v in scored[j].items()}
+            mine = entries[ids[j]]
+            assert abs(mine["logprob"] - float(ref[j - 1, ids[j]])) < TOL
+            lo, hi = _rank_bounds(ref[j - 1], ids[j])
+            assert lo <= mine["rank"] <= hi, (j, mine, lo, hi)
+            ranks.append(mine["rank"])
+            best = ref[j - 1].topk(2).values.tolist()
+            assert ids[j] in entries and len(entries) in (2, 3)  # the prompt's token, and the 2 most likely
+            for k, v in entries.items():
+                if k != ids[j]:
+                    assert v["rank"] in (1, 2) and abs(v["logprob"] - best[v["rank"] - 1]) < TOL, (j, entries)
+    assert max(ranks) > 2  # the prompts' tokens are not all the model's first choices: the ranks say so
+    assert wait_for(lambda: _idle(s), 10.0) is not None
+
+
 @pytest.mark.parametrize("req,needle", [
     (dict(max_tokens=1, prompt_logprobs=21), "prompt_logprobs must be in [0, 20]"),
     (dict(max_tokens=0), "max_tokens must be >= 1 (0 only with prompt_logprobs"),

@@ -49,5 +49,10 @@ def test_requests_an_older_verifier_would_ignore_are_refused(older):
                              "prompt": [5, 6, 7], "max_tokens": 4, "min_p": 0.2})
     err = json.loads(raw)["error"]
     assert status == 400 and err["param"] == "min_p" and "upgrade the verifier" in err["message"], raw
+    status, raw = http_call(older.http_port, "/v1/completions",
+                            {"model": json.loads(http_call(older.http_port, "/v1/models")[1])["data"][0]["id"],
+                             "prompt": [5, 6, 7], "max_tokens": 4, "prompt_logprobs": 1})
+    err = json.loads(raw)["error"]
+    assert status == 400 and err["param"] == "prompt_logprobs" and "upgrade the verifier" in err["message"], raw
     out = generate(older.gateway, request([5, 6, 7], max_tokens=4, ignore_eos=True))  # the rest as before
     assert len(out["token_ids"]) == 4 and out["finish_reason"] == "length"

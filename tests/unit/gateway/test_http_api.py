@@ -49,9 +49,9 @@ class _Scheduler:
 
     def _run(self, req, sink):
         out = self.OUTPUT[: req.max_tokens]
-        prompt = None  # prompt_logprobs: token t after the first scores -t / 100, with n alternatives
+        prompt = None  # prompt_logprobs: token t after the first scores -t / 100, rank t, with n alternatives
         if req.prompt_logprobs is not None:
-            prompt = [TokenLogprob(t, -t / 100, tuple((t + j, -(t + j) / 100) for j in range(req.prompt_logprobs)))
+            prompt = [TokenLogprob(t, -t / 100, tuple((t + j, -(t + j) / 100) for j in range(req.prompt_logprobs)), t)
                       for t in req.prompt_token_ids[1:]]
         if not out:  # max_tokens 0: the prompt scored, nothing generated
             sink(Event([], "", "length", {"prompt_tokens": len(req.prompt_token_ids), "completion_tokens": 0},
@@ -128,6 +128,14 @@ def _post_raw(http, path: str, body: dict) -> bytes:
     with urllib.request.urlopen(req, timeout=10) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         return r.read()
+
+
+def _post_json(http, path: str, body: dict) -> dict:
+    """The JSON answer as sent (the openai client drops fields it does not model)."""
+    req = urllib.request.Request(f"http://127.0.0.1:{http.port}{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())
 
 
 def test_defaults_follow_openai(server):
@@ -415,7 +423,10 @@ def test_bad_penalties_and_formats_are_400_with_the_rule(server, fields, needle)
 
 @pytest.mark.parametrize("fields, needle", [
     ({"use_beam_search": True}, "use_beam_search is not supported by this server (or leave it out)"),
-    ({"prompt_logprobs": 2}, "prompt_logprobs is not supported by this server; use echo with logprobs"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs must be in [0, 20]"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs must be in [0, 20]"),
+    ({"prompt_logprobs": 2, "stream": True}, "prompt_logprobs is not available with stream"),
+    ({"prompt_logprobs": 2, "truncate_prompt_tokens": 1}, "prompt_logprobs cannot be combined with truncate_prompt_tokens"),
 ])
 def test_vllm_extensions_that_would_change_the_answer_are_400_not_ignored(server, fields, needle):
     servicer, http = server
@@ -430,6 +441,49 @@ def test_vllm_extensions_that_would_change_the_answer_are_400_not_ignored(server
         body = err.value.body
         assert err.value.status_code == 400 and needle in body["message"] and body["param"] == next(iter(fields)), body
     assert len(servicer.scheduler.requests) == before
+
+
+def test_vllm_prompt_logprobs_in_vllm_s_shape(server):
+    """completions: in the choice; chat: beside the choices. null for the first prompt token, then
+    {id: {logprob, rank, decoded_token}}: the prompt's token with the verifier's rank, and the n
+    most likely with ranks 1..n (the scripted scheduler: token t scores -t / 100 with rank t, its
+    alternatives t, t+1, ...). With echo and logprobs too, each gets its own count."""
+    servicer, http = server
+    out = _post_json(http, "/v1/completions", {"model": MODEL, "prompt": "w4 w5 w7", "max_tokens": 2,
+                                                         "prompt_logprobs": 2, "echo": True, "logprobs": 1})
+    (c,) = out["choices"]
+    assert servicer.scheduler.requests[-1].prompt_logprobs == 2  # the larger of the two counts
+    assert c["prompt_logprobs"] == [None,
+                                    {"5": {"logprob": -0.05, "rank": 5, "decoded_token": "w5"},
+                                     "6": {"logprob": -0.06, "rank": 2, "decoded_token": "w6"}},
+                                    {"7": {"logprob": -0.07, "rank": 7, "decoded_token": "w7"},
+                                     "8": {"logprob": -0.08, "rank": 2, "decoded_token": "w8"}}]
+    assert [len(t) for t in c["logprobs"]["top_logprobs"][1:3]] == [1, 1]  # echo's own logprobs: 1
+    out = _post_json(http, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "w4"}],
+                                                              "max_tokens": 2, "prompt_logprobs": 0})
+    ids = servicer.scheduler.requests[-1].prompt_token_ids  # [2, 4, 3]: the scripted template
+    assert out["prompt_logprobs"] == [None, *({str(t): {"logprob": -t / 100, "rank": t, "decoded_token": f"w{t}"}}
+                                              for t in ids[1:])]
+    assert "prompt_logprobs" not in out["choices"][0]
+    plain = _post_json(http, "/v1/completions", {"model": MODEL, "prompt": "w4", "max_tokens": 2})
+    assert "prompt_logprobs" not in plain["choices"][0] and servicer.scheduler.requests[-1].prompt_logprobs is None
+
+
+def test_prompt_logprobs_from_a_verifier_without_ranks_are_refused(server):
+    """A split gateway whose verifier does not list logprob_ranks (older than TokenLogprob.rank):
+    400 naming the field, nothing submitted; echo with logprobs still scores the prompt."""
+    servicer, http = server
+    before, limits = len(servicer.scheduler.requests), servicer.limits
+    servicer.limits = Limits(limits.vocab_size, limits.max_model_len, frozenset({"min_tokens", "min_p"}))
+    try:
+        with pytest.raises(openai.BadRequestError) as err:
+            _client(http).completions.create(model=MODEL, prompt="w4 w5", max_tokens=2, extra_body={"prompt_logprobs": 1})
+        assert err.value.body["param"] == "prompt_logprobs" and "upgrade the verifier" in err.value.body["message"]
+        assert len(servicer.scheduler.requests) == before
+        out = _client(http).completions.create(model=MODEL, prompt="w4 w5", max_tokens=2, echo=True, logprobs=1)
+        assert out.choices[0].logprobs.token_logprobs[1] == -0.05
+    finally:
+        servicer.limits = limits
 
 
 def test_min_tokens_min_p_and_include_stop_reach_the_request_and_bad_values_are_refused(server):

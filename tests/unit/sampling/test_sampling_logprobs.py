@@ -29,6 +29,30 @@ def test_values_are_log_softmax_and_top_is_sorted():
             assert v == pytest.approx(float(ref[r, i]), abs=1e-6)
 
 
+def test_rank_counts_the_tokens_at_least_as_likely():
+    """vLLM's rank: 1 for the most likely, a tie counts against the token (rows with ties made on
+    purpose), computed whatever n is."""
+    rows = _rows(3, seed=4)
+    rows[1, 10] = rows[1, 11] = rows[1].max() + 1.0  # a tie at the top
+    rows[2, :] = 0.0  # every token tied
+    ids = [int(rows[0].argsort(descending=True)[6]), 11, 3]
+    out = token_logprobs(rows, ids, [0, 2, 0])
+    for r, (t, lp) in enumerate(zip(ids, out)):
+        assert lp.rank == sum(float(x) >= float(rows[r, t]) for x in rows[r])  # brute force, on the logits
+    assert [lp.rank for lp in out] == [7, 2, rows.shape[1]]
+    assert token_logprobs(rows[:1], [int(rows[0].argmax())], [0])[0].rank == 1
+
+
+def test_ranks_cross_the_wire():
+    from specsplit.rpc.wire import logprobs_from_pb, logprobs_to_pb
+
+    lps = tuple(token_logprobs(_rows(3, seed=5), [1, 2, 3], [2, 0, 1]))
+    assert logprobs_from_pb(logprobs_to_pb(lps)) == tuple(
+        TokenLogprob(x.token_id, pytest.approx(x.logprob), tuple((i, pytest.approx(v)) for i, v in x.top), x.rank)
+        for x in lps)
+    assert all(x.rank >= 1 for x in lps)
+
+
 def test_top_of_the_argmax_is_the_token_itself():
     rows = _rows(3, seed=1)
     ids = rows.argmax(-1).tolist()
