@@ -9,6 +9,8 @@ validation and admission); the scheduler's Events stream back as OpenAI objects 
   GET  /v1/models                    the served target
   POST /v1/completions               prompt: a string, a list of one string, or token ids
   POST /v1/chat/completions          messages, rendered with the target's chat template
+  POST /tokenize, /detokenize        vLLM's: a prompt's (or chat's) ids as generation would see them; ids -> text
+  GET  /version                      the server's version
   GET  /health                       200 while serving; 503 while the verifier is down or draining
   GET  /metrics                      Prometheus text, the process's registry (specsplit.rpc.metrics); token
 
@@ -58,7 +60,8 @@ from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specsplit.gateway.scheduler_thread import status_of
-from specsplit.gateway.service import MAX_CHOICES, GatewayServicer
+from specsplit import __version__
+from specsplit.gateway.service import MAX_CHOICES, GatewayServicer, check_before_tokenizing
 from specsplit.gateway.tool_stream import ToolCallStream
 from specsplit.gateway.tools import (ToolError, ToolPlan, finish_reason, message_calls, parse_calls,
                                      plan_tools)
@@ -74,6 +77,7 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # /v1/completions with a batch of prompts: prompts x n at most (each choice is a request; lm-eval's
 # local-completions sends its batch_size prompts in one request)
 MAX_BATCH_CHOICES = 64
+MAX_DETOKENIZE_PER_CONTEXT = 4  # /detokenize takes at most this many x max_model_len ids
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default (the gRPC API's is 0, greedy)
 SHUTDOWN_GRACE_S = 5.0
 
@@ -177,6 +181,28 @@ class ChatBody(_Body):
     continue_final_message: bool | None = None  # extension (vLLM's): the output continues the last (assistant) message
 
 
+class TokenizeBody(BaseModel):
+    """vLLM's /tokenize: a prompt text, or chat messages (with tools) rendered by the template."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessageBody] | None = None
+    tools: list | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    add_special_tokens: bool | None = None  # only its default: the ids a generation request would use
+    return_token_strs: bool | None = False
+
+
+class DetokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    tokens: list[int]
+
+
 def _completion_prompts(p) -> list[str | list[int]]:
     """/v1/completions' prompt -> its prompts: one string, one list of token ids, or a batch of
     either (OpenAI's four forms); each is its own n choices."""
@@ -214,6 +240,27 @@ def _check_unsupported(body: _Body) -> None:
             raise _invalid("suffix is not supported", "suffix")
         if body.best_of not in (None, 1):
             raise _invalid("best_of must be 1", "best_of")
+
+
+def _chat_into(msg: gateway_pb2.GenerateRequest, body: "ChatBody | TokenizeBody", plan: ToolPlan | None) -> None:
+    """A chat body's messages, the tools its template renders, and its template options into `msg`
+    (rendered by the servicer's Tokenizer: gateway/chat_prompt.py)."""
+    if plan is not None and plan.renders:
+        msg.tools_json = _utf8(json.dumps([f.spec() for f in plan.functions], ensure_ascii=False), "tools", "tools")
+    for i, m in enumerate(body.messages):
+        try:
+            calls = message_calls({"role": m.role, "tool_calls": m.tool_calls}, i)
+        except ToolError as e:
+            raise _invalid(str(e), e.param) from None
+        msg.messages.append(gateway_pb2.ChatMessage(
+            role=_utf8(m.role, f"messages[{i}].role", "messages"),
+            content=_utf8(_content(m, i), f"messages[{i}].content", "messages"),
+            tool_calls_json=_utf8(json.dumps(calls, ensure_ascii=False), f"messages[{i}].tool_calls",
+                                  "messages") if calls else "",
+            tool_call_id=_utf8(m.tool_call_id or "", f"messages[{i}].tool_call_id", "messages")))
+    if body.add_generation_prompt is not None:
+        msg.add_generation_prompt = body.add_generation_prompt
+    msg.continue_final_message = bool(body.continue_final_message)
 
 
 def _tool_plan(body: ChatBody) -> ToolPlan | None:
@@ -774,6 +821,59 @@ def create_app(backend: HttpBackend) -> FastAPI:
         check_model(model)
         return model_card()
 
+    # ---- vLLM's /tokenize, /detokenize and /version -----------------------------------------
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeBody):
+        """The ids a generation request with this prompt (or these messages) would start from: the
+        same tokenizer, chat template and checks, on the same worker thread."""
+        if body.model is not None:
+            check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise _invalid("send a prompt (text) or messages (chat), one of the two", "prompt")
+        chat = body.messages is not None
+        if body.add_special_tokens is not None and body.add_special_tokens != (not chat):
+            raise _invalid(f"add_special_tokens {str(body.add_special_tokens).lower()} is not supported: the ids are "
+                           "those a generation request would use (special tokens added to a text prompt, none added "
+                           "to the rendered chat template); leave it out", "add_special_tokens")
+        msg = gateway_pb2.GenerateRequest(max_tokens=1)
+        if chat:
+            if not body.messages:
+                raise _invalid("messages must hold at least one message", "messages")
+            try:
+                plan = plan_tools(body.tools, None)
+            except ToolError as e:
+                raise _invalid(str(e), e.param) from None
+            _chat_into(msg, body, plan)
+        else:
+            if not body.prompt:
+                raise _invalid("the prompt is empty", "prompt")
+            msg.prompt = _utf8(body.prompt, "prompt", "prompt")
+        try:
+            check_before_tokenizing(msg, servicer.limits)
+            ids = await servicer.prompt_ids(msg)
+        except ServiceError as e:
+            raise api_error(e) from None
+        return {"count": len(ids), "max_model_len": servicer.limits.max_model_len, "tokens": ids,
+                "token_strs": [tok(t) for t in ids] if body.return_token_strs else None}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeBody):
+        if body.model is not None:
+            check_model(body.model)
+        most = MAX_DETOKENIZE_PER_CONTEXT * servicer.limits.max_model_len
+        if len(body.tokens) > most:
+            raise _invalid(f"{len(body.tokens)} tokens; at most {most} ({MAX_DETOKENIZE_PER_CONTEXT} x max_model_len) "
+                           "a request", "tokens")
+        vocab = servicer.limits.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise _invalid(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens")
+        return {"prompt": await servicer.decode_ids(body.tokens)}
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
     async def submit(body: _Body, msg: gateway_pb2.GenerateRequest, logprobs: int | None, default_max: bool,
                      http_request: Request) -> list[_Live]:
         """The gRPC servicer's n choices (GenerateRequest.n, GatewayServicer.submit_choices: checks,
@@ -1011,22 +1111,7 @@ def create_app(backend: HttpBackend) -> FastAPI:
                 msg.grammar.CopyFrom(common_pb2.Grammar(json_schema=plan.grammar_text()))
             except ToolError as e:
                 raise _invalid(str(e), e.param) from None
-        if plan is not None and plan.renders:  # rendered by the servicer's Tokenizer (gateway/chat_prompt.py)
-            msg.tools_json = _utf8(json.dumps([f.spec() for f in plan.functions], ensure_ascii=False), "tools", "tools")
-        for i, m in enumerate(body.messages):
-            try:
-                calls = message_calls({"role": m.role, "tool_calls": m.tool_calls}, i)
-            except ToolError as e:
-                raise _invalid(str(e), e.param) from None
-            msg.messages.append(gateway_pb2.ChatMessage(
-                role=_utf8(m.role, f"messages[{i}].role", "messages"),
-                content=_utf8(_content(m, i), f"messages[{i}].content", "messages"),
-                tool_calls_json=_utf8(json.dumps(calls, ensure_ascii=False), f"messages[{i}].tool_calls",
-                                      "messages") if calls else "",
-                tool_call_id=_utf8(m.tool_call_id or "", f"messages[{i}].tool_call_id", "messages")))
-        if body.add_generation_prompt is not None:
-            msg.add_generation_prompt = body.add_generation_prompt
-        msg.continue_final_message = bool(body.continue_final_message)
+        _chat_into(msg, body, plan)
         prompt_n = _prompt_logprobs_asked(body, servicer.limits)
         if prompt_n is not None:
             msg.prompt_logprobs = prompt_n

@@ -341,6 +341,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         except Exception as e:  # e.g. a chat template that refuses these roles
             raise _invalid(f"cannot tokenize the {'messages' if msg.messages else 'prompt'}: {e}") from None
 
+    async def decode_ids(self, ids: list[int]) -> str:
+        """Token ids -> text, on the tokenizer's worker thread (the HTTP API's /detokenize)."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize, self.tokenizer.decode, ids)
+
     async def submit(self, msg: gateway_pb2.GenerateRequest, sink: Callable[[Event], None],
                      prepare: Callable[[gateway_pb2.GenerateRequest, list[int]], None] | None = None):
         """The one path from a GenerateRequest to the scheduler, for the gRPC and the HTTP API alike:

@@ -168,15 +168,45 @@ def test_chat_logprobs(http_server):
         assert c.logprob <= 0.0 and len(c.top_logprobs) == 2 and c.bytes == list(c.token.encode())
 
 
+def _post(srv, path: str, body: dict, token: str | None = TOKEN) -> tuple[int, dict]:
+    req = urllib.request.Request(f"http://{HOST}:{srv.http_port}{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json",
+                                          **({"Authorization": f"Bearer {token}"} if token else {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_tokenize_counts_what_generation_reads(http_server):
+    """vLLM's /tokenize on the real tokenizer and chat template: a text's ids and a chat's are the
+    prompts that completions and chat count in usage (and echo back); /detokenize inverts; the
+    bearer token is needed as on every route but /health."""
+    client = _client(http_server)
+    status, text = _post(http_server, "/tokenize", {"model": http_server.model, "prompt": "w5 w6 w7",
+                                                     "return_token_strs": True})
+    assert status == 200 and text["max_model_len"] == 256 and text["count"] == len(text["tokens"]), text
+    done = client.completions.create(model=http_server.model, prompt="w5 w6 w7", max_tokens=1, echo=True, logprobs=0)
+    assert done.usage.prompt_tokens == text["count"] and done.choices[0].logprobs.tokens[:text["count"]] == text["token_strs"]
+    status, chat = _post(http_server, "/tokenize", {"messages": MESSAGES})
+    assert status == 200 and chat["token_strs"] is None
+    answer = client.chat.completions.create(model=http_server.model, messages=MESSAGES, max_tokens=1)
+    assert answer.usage.prompt_tokens == chat["count"]
+    status, back = _post(http_server, "/detokenize", {"tokens": chat["tokens"]})
+    assert status == 200 and back["prompt"].split() == "w1 w9 w10 w2 w5 w6 w7 w8 w3".split(), back  # the template's words
+    assert _post(http_server, "/tokenize", {"prompt": "w5"}, token=None)[0] == 401
+    status, err = _post(http_server, "/detokenize", {"tokens": [10**6]})
+    assert status == 400 and err["error"]["param"] == "tokens"
+
+
 def test_chat_prompt_logprobs_are_the_rendered_prompt_s(http_server):
     """vLLM's prompt_logprobs on chat: beside the choices, the scores of the template's tokens,
     equal to those /v1/completions gives for the rendered text (w1 w9 w10 w2 w5 w6 w7 w8 w3)."""
     def post(path: str, body: dict) -> dict:
-        req = urllib.request.Request(f"http://{HOST}:{http_server.http_port}{path}",
-                                     data=json.dumps({"model": http_server.model, **body}).encode(),
-                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"})
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return json.loads(r.read())
+        status, out = _post(http_server, path, {"model": http_server.model, **body})
+        assert status == 200, out
+        return out
 
     chat = post("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2, "temperature": 0, "n": 2,
                                          "prompt_logprobs": 1})

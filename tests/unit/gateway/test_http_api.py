@@ -486,6 +486,50 @@ def test_prompt_logprobs_from_a_verifier_without_ranks_are_refused(server):
         servicer.limits = limits
 
 
+def test_tokenize_and_detokenize(server):
+    """vLLM's /tokenize: the ids the servicer's tokenization gives a generation request (a text,
+    or chat messages with their template options), their count and max_model_len; /detokenize
+    back; /version. Nothing reaches the scheduler."""
+    servicer, http = server
+    before = len(servicer.scheduler.requests)
+    out = _post_json(http, "/tokenize", {"model": MODEL, "prompt": "w4 w5 w6", "return_token_strs": True})
+    assert out == {"count": 3, "max_model_len": 64, "tokens": [4, 5, 6], "token_strs": ["w4", "w5", "w6"]}
+    out = _post_json(http, "/tokenize", {"messages": [{"role": "user", "content": "w4"}, {"role": "assistant", "content": "w5"}],
+                                         "continue_final_message": True, "add_generation_prompt": False})
+    assert out["tokens"] == [2, 4, 2, 5, 3] and out["token_strs"] is None
+    msg = servicer.tokenized  # what the servicer's Tokenizer was asked to render
+    assert msg.continue_final_message and not msg.add_generation_prompt and [m.role for m in msg.messages] == ["user", "assistant"]
+    assert _post_json(http, "/detokenize", {"model": MODEL, "tokens": [4, 5, 6]}) == {"prompt": "w4 w5 w6"}
+    assert _post_json(http, "/detokenize", {"tokens": []}) == {"prompt": ""}
+    from specsplit import __version__
+    with urllib.request.urlopen(f"http://127.0.0.1:{http.port}/version", timeout=10) as r:
+        assert json.loads(r.read()) == {"version": __version__}
+    assert len(servicer.scheduler.requests) == before
+
+
+@pytest.mark.parametrize("path, body, param, needle", [
+    ("/tokenize", {"prompt": "w4", "messages": [{"role": "user", "content": "w4"}]}, "prompt", "one of the two"),
+    ("/tokenize", {}, "prompt", "one of the two"),
+    ("/tokenize", {"prompt": ""}, "prompt", "the prompt is empty"),
+    ("/tokenize", {"messages": []}, "messages", "at least one message"),
+    ("/tokenize", {"prompt": "w4", "add_special_tokens": False}, "add_special_tokens", "add_special_tokens false is not supported"),
+    ("/tokenize", {"prompt": "w4", "model": "other"}, "model", "does not exist"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "w4"}], "continue_final_message": True}, "continue_final_message",
+     "continue_final_message needs the last message to be the assistant's"),
+    ("/detokenize", {"tokens": [4, 256]}, "tokens", "outside the vocabulary [0, 256)"),
+    ("/detokenize", {"tokens": [1] * 257}, "tokens", "at most 256 (4 x max_model_len)"),
+    ("/detokenize", {"tokens": "w4"}, "tokens", "tokens"),
+])
+def test_tokenize_and_detokenize_refusals_are_400_naming_the_field(server, path, body, param, needle):
+    _, http = server
+    req = urllib.request.Request(f"http://127.0.0.1:{http.port}{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=10)
+    out = json.loads(err.value.read())["error"]
+    assert err.value.code == (404 if param == "model" else 400) and needle in out["message"] and out["param"] == param, out
+
+
 def test_min_tokens_min_p_and_include_stop_reach_the_request_and_bad_values_are_refused(server):
     servicer, http = server
     _client(http).completions.create(model=MODEL, prompt="w4", max_tokens=4, stop=["w9"],
