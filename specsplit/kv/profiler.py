@@ -502,6 +502,16 @@ class MemoryProfiler:
         kv_total = sum(p.kv_cache_bytes for p in services.values())
         need = {s: k.min_blocks * k.bytes_per_block for s, k in shapes.items()}
         short = [s for s in shapes if services[s].num_blocks < shapes[s].min_blocks]
+        fixed = [s for s in short if shapes[s].num_blocks_override]
+        if fixed:  # --num-blocks set the cache, not the budget: say so
+            s = fixed[0]
+            k = shapes[s]
+            raise MemoryBudgetError(
+                f"--num-blocks {k.num_blocks_override} x --block-size {k.block_size} = "
+                f"{k.num_blocks_override * k.block_size} tokens of KV cache ({s}), but one sequence of --max-model-len "
+                f"{k.max_model_len} tokens needs {k.min_blocks} blocks. Raise --num-blocks to at least {k.min_blocks} "
+                f"(0 sizes it from the memory budget), or lower --max-model-len."
+            )
         if short:
             max_len = max(k.max_model_len for k in shapes.values())
             needs = ", ".join(f"{s} {fmt_bytes(n)}" for s, n in need.items())

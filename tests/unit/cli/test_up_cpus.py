@@ -46,3 +46,4 @@ def test_pinned_child_runs_on_its_cpus_under_its_own_pid():
     assert proc.returncode == 3
     assert out.strip() == f"{proc.pid} [{first}] ['a b', 'c']"
     assert pinned(cmd, None) == cmd
+

@@ -68,6 +68,16 @@ def test_num_blocks_override_is_used_and_checked():
         plan_of(8 * MiB, {"verifier": (MiB, MiB, 0)}, {"verifier": shape(1024, num_blocks_override=1000)})
 
 
+def test_num_blocks_below_one_sequence_names_num_blocks_not_the_budget():
+    """A budget with room to spare, but --num-blocks fixes a cache smaller than one --max-model-len
+    sequence: the error names the flags that set it (it read as a budget problem)."""
+    with pytest.raises(MemoryBudgetError) as e:
+        plan_of(1 << 30, {"verifier": (MiB, MiB, 0)}, {"verifier": shape(1024, max_model_len=512, num_blocks_override=24)})
+    msg = str(e.value)
+    assert msg.startswith("--num-blocks 24 x --block-size 16 = 384 tokens") and "at least 32" in msg, msg
+    assert "Raise --memory-budget" not in msg
+
+
 def test_refuses_a_budget_below_the_weights_naming_both_models():
     prof = MemoryProfiler("cpu", budget_bytes=50 * MiB)
     prof.record("verifier", weights=30 * MiB)
