@@ -61,7 +61,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specsplit.gateway.scheduler_thread import status_of
 from specsplit import __version__
-from specsplit.gateway.service import MAX_CHOICES, GatewayServicer, check_before_tokenizing
+from specsplit.gateway.service import MAX_CHOICES, GatewayServicer
 from specsplit.gateway.tool_stream import ToolCallStream
 from specsplit.gateway.tools import (ToolError, ToolPlan, finish_reason, message_calls, parse_calls,
                                      plan_tools)
@@ -242,9 +242,10 @@ def _check_unsupported(body: _Body) -> None:
             raise _invalid("best_of must be 1", "best_of")
 
 
-def _chat_into(msg: gateway_pb2.GenerateRequest, body: "ChatBody | TokenizeBody", plan: ToolPlan | None) -> None:
+def _chat_into(msg, body: "ChatBody | TokenizeBody", plan: ToolPlan | None) -> None:
     """A chat body's messages, the tools its template renders, and its template options into `msg`
-    (rendered by the servicer's Tokenizer: gateway/chat_prompt.py)."""
+    (a GenerateRequest or a TokenizeRequest: the same fields; rendered by the servicer's Tokenizer:
+    gateway/chat_prompt.py)."""
     if plan is not None and plan.renders:
         msg.tools_json = _utf8(json.dumps([f.spec() for f in plan.functions], ensure_ascii=False), "tools", "tools")
     for i, m in enumerate(body.messages):
@@ -835,7 +836,7 @@ def create_app(backend: HttpBackend) -> FastAPI:
             raise _invalid(f"add_special_tokens {str(body.add_special_tokens).lower()} is not supported: the ids are "
                            "those a generation request would use (special tokens added to a text prompt, none added "
                            "to the rendered chat template); leave it out", "add_special_tokens")
-        msg = gateway_pb2.GenerateRequest(max_tokens=1)
+        request = gateway_pb2.TokenizeRequest()  # a GenerateRequest's prompt fields, the same names
         if chat:
             if not body.messages:
                 raise _invalid("messages must hold at least one message", "messages")
@@ -843,14 +844,13 @@ def create_app(backend: HttpBackend) -> FastAPI:
                 plan = plan_tools(body.tools, None)
             except ToolError as e:
                 raise _invalid(str(e), e.param) from None
-            _chat_into(msg, body, plan)
+            _chat_into(request, body, plan)
         else:
             if not body.prompt:
                 raise _invalid("the prompt is empty", "prompt")
-            msg.prompt = _utf8(body.prompt, "prompt", "prompt")
+            request.prompt = _utf8(body.prompt, "prompt", "prompt")
         try:
-            check_before_tokenizing(msg, servicer.limits)
-            ids = await servicer.prompt_ids(msg)
+            ids = await servicer.tokenize(request)
         except ServiceError as e:
             raise api_error(e) from None
         return {"count": len(ids), "max_model_len": servicer.limits.max_model_len, "tokens": ids,

@@ -438,3 +438,22 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def GetServerInfo(self, request, context):
         return await self.server_info()
+
+    async def tokenize(self, msg: gateway_pb2.TokenizeRequest) -> list[int]:
+        """The ids a Generate with `msg`'s prompt would start from: its fields in a GenerateRequest,
+        the cheap checks, the tokenizer's worker thread. ServiceError(INVALID_ARGUMENT)."""
+        if bool(msg.prompt) == bool(msg.messages):
+            raise _invalid("send a prompt (text) or messages (chat), one of the two")
+        req = gateway_pb2.GenerateRequest(prompt=msg.prompt, messages=msg.messages, tools_json=msg.tools_json,
+                                          continue_final_message=msg.continue_final_message, max_tokens=1)
+        if msg.HasField("add_generation_prompt"):
+            req.add_generation_prompt = msg.add_generation_prompt
+        check_before_tokenizing(req, self.limits)
+        return await self.prompt_ids(req)
+
+    async def Tokenize(self, request, context):
+        try:
+            ids = await self.tokenize(request)
+        except ServiceError as e:
+            await context.abort(e.code, e.message)
+        return gateway_pb2.TokenizeResponse(token_ids=ids, max_model_len=self.limits.max_model_len)

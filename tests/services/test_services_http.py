@@ -200,6 +200,32 @@ def test_tokenize_counts_what_generation_reads(http_server):
     assert status == 400 and err["error"]["param"] == "tokens"
 
 
+def test_grpc_tokenize_equals_the_http_route(http_server):
+    """Gateway.Tokenize: the same ids as /tokenize for a text and a chat (the HTTP route calls it);
+    both or neither of prompt and messages is INVALID_ARGUMENT; the token is needed."""
+    import grpc
+
+    from specsplit.rpc.security import ClientSecurity, channel
+    from specsplit.v1 import gateway_pb2, gateway_pb2_grpc
+
+    turns = [gateway_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in MESSAGES]
+    with channel(http_server.address, ClientSecurity(auth_token_file=str(http_server.token_file))) as ch:
+        stub = gateway_pb2_grpc.GatewayStub(ch)
+        text = stub.Tokenize(gateway_pb2.TokenizeRequest(prompt="w5 w6 w7"), timeout=30)
+        chat = stub.Tokenize(gateway_pb2.TokenizeRequest(messages=turns), timeout=30)
+        bare = stub.Tokenize(gateway_pb2.TokenizeRequest(messages=turns, add_generation_prompt=False), timeout=30)
+        for bad in (gateway_pb2.TokenizeRequest(), gateway_pb2.TokenizeRequest(prompt="w5", messages=turns)):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Tokenize(bad, timeout=30)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "one of the two" in err.value.details()
+    assert list(text.token_ids) == _post(http_server, "/tokenize", {"prompt": "w5 w6 w7"})[1]["tokens"]
+    assert list(chat.token_ids) == _post(http_server, "/tokenize", {"messages": MESSAGES})[1]["tokens"]
+    assert len(bare.token_ids) < len(chat.token_ids) and chat.max_model_len == 256  # no generation prompt (w3)
+    with channel(http_server.address) as ch, pytest.raises(grpc.RpcError) as err:
+        gateway_pb2_grpc.GatewayStub(ch).Tokenize(gateway_pb2.TokenizeRequest(prompt="w5"), timeout=30)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
 def test_chat_prompt_logprobs_are_the_rendered_prompt_s(http_server):
     """vLLM's prompt_logprobs on chat: beside the choices, the scores of the template's tokens,
     equal to those /v1/completions gives for the rendered text (w1 w9 w10 w2 w5 w6 w7 w8 w3)."""

@@ -44,6 +44,11 @@ class GatewayStub:
                 request_serializer=specsplit_dot_v1_dot_gateway__pb2.GetServerInfoRequest.SerializeToString,
                 response_deserializer=specsplit_dot_v1_dot_gateway__pb2.ServerInfo.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/specsplit.v1.Gateway/Tokenize',
+                request_serializer=specsplit_dot_v1_dot_gateway__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=specsplit_dot_v1_dot_gateway__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class GatewayServicer:
@@ -63,6 +68,14 @@ class GatewayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """The token ids a Generate with this prompt (or these messages) would start from: the same
+        tokenizer, chat template and checks. Nothing is generated or allocated.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GatewayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +88,11 @@ def add_GatewayServicer_to_server(servicer, server):
                     servicer.GetServerInfo,
                     request_deserializer=specsplit_dot_v1_dot_gateway__pb2.GetServerInfoRequest.FromString,
                     response_serializer=specsplit_dot_v1_dot_gateway__pb2.ServerInfo.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=specsplit_dot_v1_dot_gateway__pb2.TokenizeRequest.FromString,
+                    response_serializer=specsplit_dot_v1_dot_gateway__pb2.TokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +149,33 @@ class Gateway:
             '/specsplit.v1.Gateway/GetServerInfo',
             specsplit_dot_v1_dot_gateway__pb2.GetServerInfoRequest.SerializeToString,
             specsplit_dot_v1_dot_gateway__pb2.ServerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specsplit.v1.Gateway/Tokenize',
+            specsplit_dot_v1_dot_gateway__pb2.TokenizeRequest.SerializeToString,
+            specsplit_dot_v1_dot_gateway__pb2.TokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
