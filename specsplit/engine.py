@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import Container, Sequence
+from typing import Mapping, Sequence
 
 import torch
 
@@ -68,6 +68,7 @@ class _Seq:
     prompt_len: int = 0  # tokens[:prompt_len] is the prompt, the rest generated (penalties, grammar)
     grammar: GrammarState | DraftGrammar | None = None  # verifier: the sequence's matcher; drafter: DraftGrammar
     prompt_logprobs: int | None = None  # verifier: alternatives per prompt position, until its first verify
+    prompt_scored: list = field(default_factory=list)  # verifier: TokenLogprobs of prompt pieces computed so far
 
     @property
     def num_generated(self) -> int:
@@ -506,9 +507,10 @@ class TargetEngine(_EngineBase, VerifierTraits):
                 reqs[i] = replace(reqs[i], draft_token_ids=t.tokens[:m], draft_parents=None,
                                   draft_probs=None if probs is None else probs[:m])
             trees = {}
-        prompt_lps, at, prompt_feats = self._score_prompts(reqs, seqs, skip=chunks)  # at the last piece
+        prompt_lps, at, prompt_feats = self._score_prompts(reqs, seqs, chunks)
         items = [
-            ForwardItem(r.seq_id, s.num_computed, s.tokens[s.num_computed : s.num_computed + chunks[i]], 1) if i in chunks
+            ForwardItem(r.seq_id, at.get(i, s.num_computed), s.tokens[at.get(i, s.num_computed) : s.num_computed + chunks[i]], 1)
+            if i in chunks
             else ForwardItem(r.seq_id, at.get(i, s.num_computed), s.tokens[at.get(i, s.num_computed):] + list(r.draft_token_ids),
                              len(r.draft_token_ids) + 1, tree=trees[i].parents if i in trees else None)
             for i, (r, s) in enumerate(zip(reqs, seqs))
@@ -517,8 +519,9 @@ class TargetEngine(_EngineBase, VerifierTraits):
         feats: list = []
         # Only greedy ids asked of every row (plain greedy chains, no logprobs): the forward gives
         # the ids (the head's greedy copy skips most logits), else the logits
-        ids_only = all(i in chunks or (s.params.greedy and not s.params.processed_at(s.num_generated) and s.logprobs is None
-                                       and i not in trees and i not in prompt_lps) for i, s in enumerate(seqs))
+        ids_only = all((i in chunks and i not in prompt_lps) or (
+            i not in chunks and s.params.greedy and not s.params.processed_at(s.num_generated) and s.logprobs is None
+            and i not in trees and i not in prompt_lps) for i, s in enumerate(seqs))
         logits = self._forward(items, layers, feats, greedy=ids_only)  # per seq [k+1, V] or [k+1] ids ([1, ...] for a chunk); feats per seq [rows, F]
         for i, s in enumerate(seqs):
             s.undo = (len(s.tokens), s.num_computed)
@@ -528,6 +531,8 @@ class TargetEngine(_EngineBase, VerifierTraits):
 
         results: list[VerifyResult | None] = [None] * len(reqs)
         for i, n in chunks.items():
+            if i in prompt_lps:
+                self._score_piece_end(seqs[i], logits[i])
             results[i] = self._prefilled(reqs[i].seq_id, seqs[i], n)
         # Greedy and coupled (seeded, specsplit.sampling.coupled) sequences accept while the draft
         # equals the target's own choice; the others run the rejection sampler.
@@ -547,38 +552,54 @@ class TargetEngine(_EngineBase, VerifierTraits):
         if asked:
             self._add_logprobs(asked, seqs, raw, results)
         for i, lps in prompt_lps.items():
-            seqs[i].prompt_logprobs = None  # scored once: this verify's result carries them
+            if i in chunks:
+                continue  # the rest of the prompt comes with a later piece
+            seqs[i].prompt_logprobs, seqs[i].prompt_scored = None, []  # scored once: this verify's result carries them
             results[i] = replace(results[i], prompt_logprobs=lps)
         return results  # type: ignore[return-value]
 
-    def _score_prompts(self, reqs: Sequence[VerifyRequest], seqs: Sequence[_Seq], skip: Container[int] = ()):
-        """The prompt log-probabilities of the sequences that asked (SeqAdd.prompt_logprobs), at
-        their first verify: their prefill of prompt[:-1] runs here with every logit row kept,
-        PROMPT_LOGITS_ROWS positions per forward; row j's log_softmax scores prompt[j + 1] (the
-        raw logits, as `logprobs`). The verify's own forward then starts at the last prompt token.
-        num_computed is not moved (the verify commits as usual; a failed one scores again).
+    def _score_prompts(self, reqs: Sequence[VerifyRequest], seqs: Sequence[_Seq], chunks: Mapping[int, int]):
+        """The prompt log-probabilities of the sequences that asked (SeqAdd.prompt_logprobs), scored
+        as their prompt is computed: this step's positions from num_computed up to the one before
+        the step's own forward run here with every logit row kept, PROMPT_LOGITS_ROWS positions per
+        forward; row j's log_softmax scores prompt[j + 1] (the raw logits, as `logprobs`). The step's
+        forward then computes the rest: the last position of a prompt piece (chunked prefill: its
+        row scores the next prompt token, in _score_piece_end), or, at the last piece, the last
+        prompt token and the drafts. Positions an earlier piece computed are never recomputed: they
+        may be in the prefix cache by now. num_computed is not moved (the verify commits as usual; a
+        failed one scores the same positions again, over what it scored before).
 
-        Returns, by index in seqs: the TokenLogprobs (len(prompt) - 1), where the verify's forward
-        starts, and the scored positions' features [P - 1, F] (a feature drafter needs them all)."""
+        Returns, by index in seqs: the TokenLogprobs (at the last piece: all len(prompt) - 1), where
+        the step's forward starts, and the scored positions' features [rows, F] (a feature drafter
+        needs them all)."""
         lps: dict[int, tuple[TokenLogprob, ...]] = {}
         at: dict[int, int] = {}
         feats: dict[int, torch.Tensor] = {}
         for i, (r, s) in enumerate(zip(reqs, seqs)):
             n = s.prompt_logprobs
-            if n is None or i in skip:  # a prompt piece (chunked prefill): scored with the last one
+            if n is None:
                 continue
-            end = max(0, s.prompt_len - 1)  # positions 0 .. end-1 score prompt tokens 1 .. end
-            out: list[TokenLogprob] = []
+            start = s.num_computed
+            end = start + chunks[i] - 1 if i in chunks else max(start, s.prompt_len - 1)
+            out: list[TokenLogprob] = list(s.prompt_scored[:start])  # the earlier pieces'
             parts: list[torch.Tensor] = []
-            for a in range(0, end, PROMPT_LOGITS_ROWS):
+            for a in range(start, end, PROMPT_LOGITS_ROWS):
                 b = min(end, a + PROMPT_LOGITS_ROWS)
                 rows = self._forward([ForwardItem(r.seq_id, a, s.tokens[a:b], b - a)], s.feature_layers, parts)[0]  # [b - a, V]
                 out.extend(token_logprobs(rows, s.tokens[a + 1:b + 1], [n] * (b - a)))
                 del rows
+            s.prompt_scored = out
             lps[i], at[i] = tuple(out), end
             if parts:
                 feats[i] = torch.cat(parts)
         return lps, at, feats
+
+    @staticmethod
+    def _score_piece_end(s: _Seq, row: torch.Tensor) -> None:
+        """A prompt piece's last row [1, V] (the step's forward computed it) scores the prompt token
+        after the piece: prompt_scored[j] scores token j + 1, and _score_prompts scored every
+        position before this row's."""
+        s.prompt_scored.extend(token_logprobs(row, [s.tokens[len(s.prompt_scored) + 1]], [s.prompt_logprobs]))
 
     def _prefilled(self, seq_id: str, s: _Seq, n: int) -> VerifyResult:
         """A prompt piece of n tokens is in the KV now; nothing is emitted. Its features (if asked)

@@ -64,3 +64,28 @@ def test_drafter_pieces_never_compute_the_last_token(colo):
     finally:
         drafter.release(["whole", "pieces"])
     assert drafter.block_manager.num_free_blocks == drafter.block_manager.num_blocks
+
+
+def test_a_scored_prompt_in_pieces_scores_each_piece_once(colo):
+    """prompt_logprobs with chunked prefill: each piece's positions are scored as the piece is
+    computed (the pieces before were registered in the prefix cache, so the last piece may not go
+    back and recompute them: that raised 'cannot truncate to 0 tokens'), and the prompt's logprobs
+    and first token equal the unpieced sequence's (logits of another reduction order: 1e-4)."""
+    target = colo.target
+    target.add([SeqAdd("whole", PROMPT, prompt_logprobs=2), SeqAdd("pieces", PROMPT, prompt_logprobs=2)])
+    try:
+        for n in (40, 1, 39):
+            (res,) = target.verify([VerifyRequest("pieces", prefill_tokens=n)])
+            assert res.token_ids == () and res.prompt_logprobs is None
+        (a,) = target.verify([VerifyRequest("whole")])
+        (b,) = target.verify([VerifyRequest("pieces", prefill_tokens=40)])  # the rest: an ordinary step
+        assert a.token_ids == b.token_ids and len(b.prompt_logprobs) == len(a.prompt_logprobs) == len(PROMPT) - 1
+        for x, y in zip(a.prompt_logprobs, b.prompt_logprobs):
+            assert x.token_id == y.token_id and abs(x.logprob - y.logprob) < 1e-4 and x.rank >= 1 and y.rank >= 1
+            assert all(abs(u - v) < 1e-4 for (_, u), (_, v) in zip(x.top, y.top)) and len(x.top) == len(y.top) == 2
+        assert target.seqs["pieces"].num_computed == target.seqs["whole"].num_computed == 100
+        (a,) = target.verify([VerifyRequest("whole")])
+        (b,) = target.verify([VerifyRequest("pieces")])
+        assert a.token_ids == b.token_ids and b.prompt_logprobs is None
+    finally:
+        target.release(["whole", "pieces"])
