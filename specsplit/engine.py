@@ -10,6 +10,7 @@ pending rejection until resolve. Nothing else survives a step.
 from __future__ import annotations
 
 import logging
+import re
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
@@ -45,7 +46,19 @@ log = logging.getLogger(__name__)
 
 
 class EngineError(ValueError):
-    """A request the engine refuses (unknown sequence, bad ids, too long); nothing was changed."""
+    """A request the engine refuses (unknown sequence, bad ids, too long); nothing was changed.
+    One about a single sequence names it first: "sequence '<seq_id>': ..." or "unknown sequence
+    '<seq_id>' ..." (culprit() reads it back, over the wire too)."""
+
+
+_CULPRIT = re.compile(r"^(?:unknown )?sequence '([^']+)'[: ]")
+
+
+def culprit(message: str) -> str | None:
+    """The sequence an engine's refusal names first ("sequence 'r7': ...", "unknown sequence 'r7'
+    on the verifier ..."), or None."""
+    m = _CULPRIT.match(message)
+    return m.group(1) if m else None
 
 
 @dataclass

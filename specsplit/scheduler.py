@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 from specsplit.config import drafter_reach, step_k_cap
+from specsplit.engine import culprit
 from specsplit.kv.prefix_view import PrefixView, shared_blocks
 from specsplit.request import (
     Event,
@@ -525,6 +526,22 @@ class Scheduler:
             log.warning("step over %d sequences ran out of KV blocks (%s); preempting %s", len(self.running), err,
                         _label(newest, newest.seq_id))
             self._preempt(newest, self.kv[0] if self.kv else KvBudget("engine", 0, 1))
+            return
+        name = None if err.broken else culprit(err.message)
+        if err.kind == RequestError.INVALID:
+            # Every request was validated at submit: an engine refusing the step's own message is
+            # this server's fault, not the request's (a 400 would tell the client to change it)
+            err = RequestError(RequestError.INTERNAL, f"the server could not run this step: {err.message}", err.cause,
+                               err.broken)
+        req = self.running.get(name) if name else None
+        if req is not None:
+            # The failure names one sequence: that request ends alone; the others step again (as
+            # after a step that ran out of blocks, nothing of the failed step is kept)
+            log.error("step over %d sequences failed on %s: %s; that request ends, the others go on",
+                      len(self.running), _label(req, name), err)
+            del self.running[name]
+            self._finish(req, error=err)
+            self._release([name])
             return
         log.error("step over %d sequences failed: %s", len(self.running), err)
         self._fail_all(err)

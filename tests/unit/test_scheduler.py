@@ -216,3 +216,25 @@ def test_a_request_asking_more_than_the_servers_k_gets_the_servers_k(tight, solo
     assert state.output == solo(prompt, 24)
     assert 0 < len(state.accepted_per_position) <= 3 and state.proposed <= 3 * state.speculative_steps
     assert tight.decoder.request_k(8) == 3 and tight.decoder.request_k(2) == 2 and tight.decoder.request_k(0) == 3
+
+
+def test_a_step_failure_naming_one_sequence_ends_that_request_alone(tight, solo):
+    """The verifier loses one running sequence (released behind the scheduler's back: the next
+    verify refuses "unknown sequence 'rN' on the verifier"). That request ends with INTERNAL (it
+    was valid: the server failed it, so not INVALID_ARGUMENT, which tells a client to change its
+    request); the others go on to the tokens they have alone; every block comes back."""
+    free = _free(tight)
+    sched = Scheduler(tight.decoder, tight.eos_token_ids, decode=None)
+    reqs = [GenerationRequest(f"q{i}", _prompt(i, 20), 24, ignore_eos=True) for i in range(3)]
+    live = [sched.submit(r) for r in reqs]
+    while not all(len(r.output) >= 2 for r in live):
+        sched.step()
+    victim = live[1]
+    tight.target.release([victim.seq_id])
+    while sched.has_work:
+        sched.step()
+    assert victim.error is not None and victim.error.kind == RequestError.INTERNAL
+    assert f"unknown sequence '{victim.seq_id}'" in victim.error.message and "could not run" in victim.error.message
+    for r in (live[0], live[2]):
+        assert r.error is None and r.output == solo(r.request.prompt_token_ids, 24)
+    assert _free(tight) == free
