@@ -76,8 +76,9 @@ def specsplit_up(target: str, draft: str, *, dtype: str | None = None, max_model
     are all SERVING (the gateway alone may serve target-only while the drafter still loads).
 
     Options left None are not passed (`up`'s defaults apply); `extra` is appended as given.
-    `port`: the gateway's (0: a free one; the engines always take free ones). `log`: a file for the children's output (None: this process's
-    stdout/stderr). `env`: variables added to this process's environment.
+    `port`: the gateway's (0: a free one; the engines always take free ones). `log`: a file for
+    the children's output (None: this process's stdout/stderr). `env`: variables added to this
+    process's environment.
     Raises RuntimeError when `up` exits, or is not ready within `startup_timeout` seconds."""
     import json
     import tempfile

@@ -112,18 +112,23 @@ class Server:
         return 0
 
 
-def write_port_file(path: str, port: int) -> None:
-    """`port` and a newline into `path`, whole or not at all: written beside it, then renamed over
-    it, so a reader polling for the file never sees it half written."""
+def write_whole(path: str, text: str, flag: str) -> None:
+    """`text` into `path`, whole or not at all: written beside it, then renamed over it, so a
+    reader polling for the file never sees it half written. RuntimeError naming `flag`."""
     import os
 
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
         with open(tmp, "w") as f:
-            f.write(f"{port}\n")
+            f.write(text)
         os.replace(tmp, path)
     except OSError as e:
-        raise RuntimeError(f"cannot write the bound port to --port-file {path} ({e.strerror or e})") from None
+        raise RuntimeError(f"cannot write {flag} {path} ({e.strerror or e})") from None
+
+
+def write_port_file(path: str, port: int) -> None:
+    """The bound port and a newline, whole (--port-file)."""
+    write_whole(path, f"{port}\n", "the bound port to --port-file")
 
 
 async def wait_until(predicate: Callable[[], bool], timeout: float, poll: float = 0.05) -> bool:

@@ -134,7 +134,8 @@ def add_server_flags(p: argparse.ArgumentParser, default_port: int) -> None:
     g.add_argument("--metrics-port", type=port, default=None, help="serve Prometheus metrics on this port")
     g.add_argument("--port-file", default=None, metavar="PATH",
                    help="once serving, write the bound port (one line) to PATH: with --port 0, how a supervisor "
-                        "learns the port the kernel gave (written whole: beside PATH, then renamed)")
+                        "learns the port the kernel gave (written whole: beside PATH, then renamed; give a fresh "
+                        "path, since an old file there is replaced only once this process serves)")
     from specsplit.rpc.security import add_server_security_flags
 
     add_server_security_flags(p)

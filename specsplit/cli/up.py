@@ -323,12 +323,8 @@ def run(args) -> int:
 
 
 def write_addresses_file(path: str, addresses: dict[str, str]) -> None:
-    """{"gateway": HOST:PORT, "drafter": ..., "verifier": ...} as JSON, written whole (beside
-    `path`, then renamed): for a supervisor or a test that started `up` with free ports."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        with open(tmp, "w") as f:
-            json.dump(addresses, f)
-        os.replace(tmp, path)
-    except OSError as e:
-        raise RuntimeError(f"cannot write --addresses-file {path} ({e.strerror or e})") from None
+    """{"gateway": HOST:PORT, "drafter": ..., "verifier": ...} as JSON, written whole: for a
+    supervisor or a test that started `up` with free ports."""
+    from specsplit.rpc.serving import write_whole
+
+    write_whole(path, json.dumps(addresses), "--addresses-file")
