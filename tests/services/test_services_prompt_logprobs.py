@@ -123,6 +123,26 @@ def test_grpc_prompt_logprobs_on_the_first_message(stack_of, stack, prompts, hf_
             all(abs(a.logprob - b) < TOL for a, b in zip(lp.top, best.values.tolist()))
 
 
+@pytest.mark.parametrize("stack", STACKS)
+def test_a_long_prompt_prefilled_in_pieces_is_scored_whole(stack_of, stack, hf_target):
+    """A 200-token prompt is prefilled in pieces (--max-num-batched-tokens 128), and each piece's
+    blocks enter the prefix cache before the next: every prompt token is still scored (the
+    verifier once went back to position 0 at the last piece and refused its own cached blocks,
+    ending the request with 400), to the reference's values."""
+    from tests.helpers.prompts import spread_prompt
+
+    s = stack_of(stack)
+    ids = list(spread_prompt(41, 200))
+    ref = _reference(hf_target, ids)
+    status, out = _complete(s, prompt=ids, max_tokens=4, temperature=0, echo=True, logprobs=0)
+    assert status == 200, out
+    lp = out["choices"][0]["logprobs"]
+    assert len(lp["token_logprobs"]) == len(ids) + 4 and lp["token_logprobs"][0] is None
+    for j in range(1, len(ids)):
+        assert abs(lp["token_logprobs"][j] - float(ref[j - 1, ids[j]])) < TOL, j
+    assert wait_for(lambda: _idle(s), 10.0) is not None
+
+
 def _rank_bounds(row: torch.Tensor, token: int) -> tuple[int, int]:
     """The ranks a token can have given the reference row [V] to TOL: tokens surely more likely
     + 1 .. tokens possibly at least as likely."""
