@@ -250,11 +250,11 @@ def validate_engine(args) -> None:
     # Before any model loads (the memory plan says it again). Not for a lone drafter: one without a
     # paged cache (prompt lookup, an EAGLE-3 head) ignores --num-blocks.
     blocks = getattr(args, "num_blocks", 0) if getattr(args, "command", None) != "drafter" else 0
-    if blocks and blocks * args.block_size < args.max_model_len:
-        need = -(-args.max_model_len // args.block_size)
-        raise ValueError(f"--num-blocks {blocks} x --block-size {args.block_size} = {blocks * args.block_size} tokens "
-                         f"of KV cache, but one sequence of --max-model-len {args.max_model_len} tokens needs {need} "
-                         f"blocks. Raise --num-blocks to at least {need} (0 sizes it from the memory budget), or lower "
-                         "--max-model-len.")
+    if blocks:
+        from specsplit.kv.block_manager import too_few_blocks
+
+        why = too_few_blocks(blocks, args.block_size, args.max_model_len)
+        if why:
+            raise ValueError(why)
     if args.max_prefill_tokens > args.max_model_len:
         args.max_prefill_tokens = args.max_model_len

@@ -34,6 +34,18 @@ class _SeqBlocks:
     hashes: list[bytes] = field(default_factory=list)  # prefix caching: hashes of table[:len(hashes)]
 
 
+def too_few_blocks(num_blocks: int, block_size: int, max_model_len: int, owner: str = "") -> str | None:
+    """Why a cache of --num-blocks cannot hold one --max-model-len sequence (None: it can). The one
+    message for the CLI, before any model loads, and for the memory plan (`owner`: its service)."""
+    need = -(-max_model_len // block_size)
+    if num_blocks >= need:
+        return None
+    return (f"--num-blocks {num_blocks} x --block-size {block_size} = {num_blocks * block_size} tokens of KV cache"
+            f"{f' ({owner})' if owner else ''}, but one sequence of --max-model-len {max_model_len} tokens needs "
+            f"{need} blocks. Raise --num-blocks to at least {need} (0 sizes it from the memory budget), or lower "
+            "--max-model-len.")
+
+
 def block_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
     """The content hash of one full block: its token ids chained with the parent block's hash (so
     equal hashes mean equal prefixes). 128-bit BLAKE2b: a collision would serve another prompt's KV."""

@@ -55,6 +55,7 @@ from specsplit.kv.meters import (
     trim_host_memory,
     warm_up_storage_trace,
 )
+from specsplit.kv.block_manager import too_few_blocks
 from specsplit.kv.paged_cache import PagedKVCache
 
 log = logging.getLogger(__name__)
@@ -504,14 +505,8 @@ class MemoryProfiler:
         short = [s for s in shapes if services[s].num_blocks < shapes[s].min_blocks]
         fixed = [s for s in short if shapes[s].num_blocks_override]
         if fixed:  # --num-blocks set the cache, not the budget: say so
-            s = fixed[0]
-            k = shapes[s]
-            raise MemoryBudgetError(
-                f"--num-blocks {k.num_blocks_override} x --block-size {k.block_size} = "
-                f"{k.num_blocks_override * k.block_size} tokens of KV cache ({s}), but one sequence of --max-model-len "
-                f"{k.max_model_len} tokens needs {k.min_blocks} blocks. Raise --num-blocks to at least {k.min_blocks} "
-                f"(0 sizes it from the memory budget), or lower --max-model-len."
-            )
+            k = shapes[fixed[0]]
+            raise MemoryBudgetError(too_few_blocks(k.num_blocks_override, k.block_size, k.max_model_len, fixed[0]))
         if short:
             max_len = max(k.max_model_len for k in shapes.values())
             needs = ", ".join(f"{s} {fmt_bytes(n)}" for s, n in need.items())
