@@ -122,19 +122,20 @@ def _client(http):
     return openai.OpenAI(base_url=f"http://127.0.0.1:{http.port}/v1", api_key="x", max_retries=0, timeout=10)
 
 
+def _post(http, path: str, body: dict) -> urllib.request.Request:
+    return urllib.request.Request(f"http://127.0.0.1:{http.port}{path}", data=json.dumps(body).encode(),
+                                  headers={"Content-Type": "application/json"})
+
+
 def _post_raw(http, path: str, body: dict) -> bytes:
-    req = urllib.request.Request(f"http://127.0.0.1:{http.port}{path}", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=10) as r:
+    with urllib.request.urlopen(_post(http, path, body), timeout=10) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         return r.read()
 
 
 def _post_json(http, path: str, body: dict) -> dict:
     """The JSON answer as sent (the openai client drops fields it does not model)."""
-    req = urllib.request.Request(f"http://127.0.0.1:{http.port}{path}", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=10) as r:
+    with urllib.request.urlopen(_post(http, path, body), timeout=10) as r:
         return json.loads(r.read())
 
 
@@ -522,10 +523,8 @@ def test_tokenize_and_detokenize(server):
 ])
 def test_tokenize_and_detokenize_refusals_are_400_naming_the_field(server, path, body, param, needle):
     _, http = server
-    req = urllib.request.Request(f"http://127.0.0.1:{http.port}{path}", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as err:
-        urllib.request.urlopen(req, timeout=10)
+        urllib.request.urlopen(_post(http, path, body), timeout=10)
     out = json.loads(err.value.read())["error"]
     assert err.value.code == (404 if param == "model" else 400) and needle in out["message"] and out["param"] == param, out
 
