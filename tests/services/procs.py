@@ -299,11 +299,12 @@ def service_info(address: str, role: str, timeout: float = 5.0) -> common_pb2.Se
 
 
 def http_call(port: int, path: str, body: dict | None = None, timeout: float = 30.0,
-              host: str = "127.0.0.1") -> tuple[int, bytes]:
-    """(status, body bytes) of a GET, or a POST of `body` as JSON, to an HTTP API on host:port; an
-    HTTP error status is returned, not raised."""
+              host: str = "127.0.0.1", token: str | None = None) -> tuple[int, bytes]:
+    """(status, body bytes) of a GET, or a POST of `body` as JSON, to an HTTP API on host:port
+    (with `token` as the bearer token); an HTTP error status is returned, not raised."""
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(f"http://{host}:{port}{path}", data=data, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+    req = urllib.request.Request(f"http://{host}:{port}{path}", data=data, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, r.read()

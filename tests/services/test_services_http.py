@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from tests.services.procs import HOST, ServiceProcess, TINY_ENGINE, SPECULATE_ALWAYS, free_port, wait_for
+from tests.services.procs import HOST, ServiceProcess, TINY_ENGINE, SPECULATE_ALWAYS, free_port, http_call, wait_for
 
 openai = pytest.importorskip("openai")
 
@@ -169,14 +169,8 @@ def test_chat_logprobs(http_server):
 
 
 def _post(srv, path: str, body: dict, token: str | None = TOKEN) -> tuple[int, dict]:
-    req = urllib.request.Request(f"http://{HOST}:{srv.http_port}{path}", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json",
-                                          **({"Authorization": f"Bearer {token}"} if token else {})})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    status, raw = http_call(srv.http_port, path, body, timeout=60, host=HOST, token=token)
+    return status, json.loads(raw)
 
 
 def test_tokenize_counts_what_generation_reads(http_server):
