@@ -104,7 +104,8 @@ class QuantWeight:
     def to_tiles(self) -> "QuantWeight":
         """The same bytes in the tiles layout (kernels/cpu/quant_linear.cpp, its AMX section): per
         group of 16 output features and block, the quants in the tile unit's pair order (4-bit: 256
-        bytes of nibbles; Q8_0: 512 bytes), then the 16 fp16 d (then the 16 fp16 m)."""
+        bytes of nibbles, four tile rows per 16-bit word; Q8_0: 512 bytes), then the 16 fp16 d (then
+        the 16 fp16 m)."""
         if self.layout == "tiles":
             return self
         if not self.tileable():
@@ -119,7 +120,10 @@ class QuantWeight:
         if self.qtype == "Q8_0":
             parts = [tile.reshape(g, nb, 512)]
         else:
-            parts = [(tile[:, :, :8] | (tile[:, :, 8:] << 4)).reshape(g, nb, 256)]  # chunk c: rows c, c + 8
+            t4 = tile.view(g, nb, 4, 4, 32)  # [G, nb, a, c, j]: tile row 4a + c
+            # chunk c = 32 little-endian words, word j = entry j of rows c, c+4, c+8, c+12 in nibbles 0..3
+            words = torch.stack([t4[:, :, 0] | (t4[:, :, 1] << 4), t4[:, :, 2] | (t4[:, :, 3] << 4)], dim=-1)
+            parts = [words.reshape(g, nb, 256)]  # [G, nb, c, j, byte] -> 256 bytes
         for half in range(sb // 2):  # d, then m: [G, nb, 16 x 2 bytes]
             parts.append(b[..., 2 * half:2 * half + 2].reshape(g, TILE_ROWS, nb, 2).permute(0, 2, 1, 3).reshape(g, nb, 32))
         tiles = torch.cat(parts, dim=-1).reshape(g, -1).contiguous()
@@ -135,8 +139,9 @@ class QuantWeight:
         if self.qtype == "Q8_0":
             tile = t[..., :512].reshape(g, nb, 16, 32)  # [G, nb, 16 (i), 32 (j)]
         else:
-            nib = t[..., :256].reshape(g, nb, 8, 32)
-            tile = torch.cat([nib & 0x0F, nib >> 4], dim=2)
+            words = t[..., :256].reshape(g, nb, 4, 32, 2)  # [G, nb, c, j, byte]
+            lo, hi = words[..., 0], words[..., 1]
+            tile = torch.stack([lo & 0x0F, lo >> 4, hi & 0x0F, hi >> 4], dim=2).reshape(g, nb, 16, 32)  # row 4a + c
         q = tile.view(g, nb, 16, TILE_ROWS, 2).permute(0, 3, 1, 2, 4).reshape(n, nb, 32)  # [N, nb, 32]
         qs = q if self.qtype == "Q8_0" else q[..., :16] | (q[..., 16:] << 4)  # [N, nb, 32 or 16]
         scales = [t[..., qb + 32 * h:qb + 32 + 32 * h].reshape(g, nb, TILE_ROWS, 2).permute(0, 2, 1, 3).reshape(n, nb, 2)
@@ -285,11 +290,16 @@ def greedy(x: torch.Tensor, w: QuantWeight, copy: GroupCopy, avx512: bool | None
     those are computed exactly (kernels/cpu/quant_linear.cpp, "The greedy token of a Q8_0 head").
     The bound pass runs the VNNI loop where uses_vnni(), else the AVX2 one (avx512=False forces it,
     and the AVX2 loop of `linear` for the exact rows). None where it cannot answer (not a Q8_0
-    weight in rows, M > 3, or the bound too loose): the caller computes the logits."""
-    if w.layout != "rows" or w.qtype != "Q8_0" or not 1 <= x.shape[0] <= GREEDY_MAX_ROWS:
+    weight, M > 3, or the bound too loose): the caller computes the logits. A head in the tiles
+    layout takes its candidates' groups through the AMX loop `linear` runs on it (avx512 is then
+    ignored: the tiles run only where AMX and AVX-512 do)."""
+    if w.qtype != "Q8_0" or not 1 <= x.shape[0] <= GREEDY_MAX_ROWS:
         return None
-    ids = load().quant_greedy(x, w.blocks, TYPES[w.qtype][0], copy.groups, copy.cmax,
-                              _avx512 if avx512 is None else avx512)
+    if w.layout == "tiles":
+        ids = load().quant_greedy_amx(x, w.blocks, TYPES[w.qtype][0], copy.groups, copy.cmax)
+    else:
+        ids = load().quant_greedy(x, w.blocks, TYPES[w.qtype][0], copy.groups, copy.cmax,
+                                  _avx512 if avx512 is None else avx512)
     return ids if ids.numel() else None
 
 

@@ -681,11 +681,12 @@ void candidates(const float* a, const float* e, const float* lo, int64_t N, std:
 }
 
 // The greedy ids of MP rows of x: the bound pass (VNNI, or the AVX2 loop where vnni is false),
-// the candidate rows, their exact y by quant_linear's loop (exact_avx512: the loop quant_linear
-// itself runs here, so y has its bits), the first maximum. Empty where it cannot answer.
-template <int MP>
-torch::Tensor greedy_rows(const float* x, int64_t K, const uint8_t* blocks, const uint8_t* groups, const float* cmax,
-                          int64_t N, bool vnni, bool exact_avx512) {
+// the candidate rows, their exact y by `exact(rows, y)` (y [MP, rows.size()]: the loop quant_linear
+// itself runs on the weights' layout here, so y has its bits), the first maximum. Empty where it
+// cannot answer.
+template <int MP, typename Exact>
+torch::Tensor greedy_rows(const float* x, int64_t K, const uint8_t* groups, const float* cmax, int64_t N, bool vnni,
+                          Exact exact) {
   const auto none = torch::empty({0}, torch::kLong);
   QuantX xq;
   quantize_x(x, MP, K, xq, false);
@@ -704,11 +705,9 @@ torch::Tensor greedy_rows(const float* x, int64_t K, const uint8_t* blocks, cons
   std::vector<int64_t> rows;  // the candidates, in row order
   candidates<MP>(a.get(), e.get(), lo, N, rows);
   if (static_cast<int64_t>(rows.size()) > GREEDY_MAX_CANDIDATES) return none;
-  const int64_t row_bytes = K / QK * block_bytes(Q8_0), C = rows.size();
-  std::vector<uint8_t> picked(C * row_bytes);
-  for (int64_t c = 0; c < C; ++c) std::memcpy(picked.data() + c * row_bytes, blocks + rows[c] * row_bytes, row_bytes);
+  const int64_t C = rows.size();
   std::vector<float> y(MP * C);
-  run<Q8_0>(x, MP, K, picked.data(), C, y.data(), exact_avx512);  // quant_linear's loop: y's very bits
+  exact(rows, y.data());
   auto ids = torch::empty({MP}, torch::kLong);
   int64_t* ip = ids.data_ptr<int64_t>();
   for (int m = 0; m < MP; ++m) {  // torch's max(dim=-1): the first maximum, a NaN counted as one
@@ -720,6 +719,20 @@ torch::Tensor greedy_rows(const float* x, int64_t K, const uint8_t* blocks, cons
     ip[m] = rows[best];
   }
   return ids;
+}
+
+// greedy_rows' exact rows from split rows: the candidates' rows gathered, quant_linear's loop over
+// them (exact_avx512: the one quant_linear runs here; for up to 3 x rows each output row's bits do
+// not depend on the other rows)
+template <int MP>
+torch::Tensor greedy_split_rows(const float* x, int64_t K, const uint8_t* blocks, const uint8_t* groups,
+                                const float* cmax, int64_t N, bool vnni, bool exact_avx512) {
+  return greedy_rows<MP>(x, K, groups, cmax, N, vnni, [&](const std::vector<int64_t>& rows, float* y) {
+    const int64_t row_bytes = K / QK * block_bytes(Q8_0), C = rows.size();
+    std::vector<uint8_t> picked(C * row_bytes);
+    for (int64_t c = 0; c < C; ++c) std::memcpy(picked.data() + c * row_bytes, blocks + rows[c] * row_bytes, row_bytes);
+    run<Q8_0>(x, MP, K, picked.data(), C, y, exact_avx512);
+  });
 }
 
 // one row of blocks -> K fp32 (scalar, the same arithmetic as the vector paths; tests compare)
@@ -767,21 +780,26 @@ void dequant_row_avx2(const uint8_t* row, int64_t K, float* out, float* sc) {
 // tile layout (kernels/quant_linear.py `to_amx`, at load) and multiplied on the tile unit:
 //   * x [T, K] fp32 is split into three bf16 pieces per value, hi + mid + lo == x exactly (each
 //     piece carries 8 of the 24 significant bits), one tile row per (token, piece).
-//   * a block's 4-bit quants q (0..15) are small integers, exact in bf16: one table lookup
-//     (vpermw) turns 32 of them into a tile row. Q4_0 looks up q - 8; Q8_0 converts its int8.
+//   * a block's 4-bit quant q (0..15) goes in as the bf16 of 16 + q, whose bits are 0x4180 | q << 3
+//     (16 + q < 32: exponent 4, q in the mantissa's top 4 bits), so a shift and one bit-select turn
+//     a 16-bit word of 4 nibbles into 4 tile entries, with no table lookup (the lookup it replaced,
+//     vpermw after a widening, was half of the loop's time at one token). Q8_0 converts its int8.
 //   * the tile unit multiplies bf16 pairs exactly and adds in fp32, so per block and output row
-//     S1 = sum_k x_k q_k comes out with fp32 rounding only.
-//   * y = sum_blocks d * S1 (+ m * sum_k x_k for Q4_1): the dequantized weight d*q (+ m) factored,
-//     the same function as the dense fp32 path within fp32 rounding (measured against a float64
-//     product: 2-6e-8 of sum |x||w|, the AVX-512 loop 1.5-3e-8).
+//     S' = sum_k x_k w'_k comes out with fp32 rounding only (w' = 16 + q, or Q8_0's q).
+//   * y = sum_blocks d * S' + c * sum_k x_k: the dequantized weight d*q + m (Q4_1) = d*(16 + q) +
+//     (m - 16 d), so c = m - 16 d (one rounding), and d*(q - 8) (Q4_0) = d*(16 + q) - 24 d, so
+//     c = -24 d (exact); Q8_0 has no c. The same function as the dense fp32 path within fp32
+//     rounding: measured against a float64 product, 2-6e-8 of sum |x||w| (the AVX-512 loop 1.5-3e-8);
+//     the offset's larger S' roughly doubles the rounding of the 4-bit types (tests: within 1e-6).
 // Cost: the conversion of the weights is the same for 1 to 5 tokens (their 15 pieces fill one
 // 16-row tile), so a verify of up to 4 drafts costs about what one decode row does.
 //
 // Tile layout per group of 16 output rows g and block b (GB bytes, the file's bytes regrouped);
 // tile row i, entry j = the quant of output row 16g + j/2 at k = 32b + 2i + j%2 (the bf16 pair
 // layout the tile unit reads for its second operand):
-//   4-bit: 256 bytes of nibbles, chunk c (0..7) of 32 bytes holding tile rows c (low nibbles) and
-//     c + 8 (high nibbles); Q8_0: 512 bytes, tile row i = bytes 32i..32i+31
+//   4-bit: 256 bytes of nibbles, chunk c (0..3) of 64 bytes = 32 16-bit words, word j holding entry
+//     j of tile rows c, c + 4, c + 8, c + 12 in its nibbles 0..3 (bits 0-3, 4-7, 8-11, 12-15);
+//     Q8_0: 512 bytes, tile row i = bytes 32i..32i+31
 //   then 32 bytes: the 16 rows' fp16 d; Q4_1 then 32 bytes: their fp16 m.
 // blocks [N/16, K/32 * GB] uint8 (GB = 16 * the file's block bytes: 288 Q4_0, 320 Q4_1, 544 Q8_0).
 // Q8_0's quants are exact in bf16 too (|q| <= 128); converting them costs about twice a nibble's.
@@ -839,10 +857,11 @@ SPECSPLIT_AMX void amx_split_x(const float* x, int64_t T, int64_t K, uint16_t* p
     }
 }
 
-// one (group, block) of quants -> the 16 x 32 bf16 tile rows. 4-bit: a table lookup per nibble;
-// Q8_0: int8 -> fp32 -> bf16 (exact: |q| <= 128 fits bf16's 8 significant bits)
+// one (group, block) of quants -> the 16 x 32 bf16 tile rows. 4-bit: bf16(16 + q) = 0x4180 | q << 3,
+// four tile rows per 64-byte chunk (a shift and a bit-select each); Q8_0: int8 -> fp32 -> bf16
+// (exact: |q| <= 128 fits bf16's 8 significant bits)
 template <int64_t T>
-SPECSPLIT_AMX inline void amx_convert(const uint8_t* nib, uint16_t* tile, __m512i table) {
+SPECSPLIT_AMX inline void amx_convert(const uint8_t* nib, uint16_t* tile) {
   if constexpr (T == Q8_0) {
     for (int i = 0; i < 16; ++i) {
       const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(nib + 32 * i))));
@@ -851,28 +870,34 @@ SPECSPLIT_AMX inline void amx_convert(const uint8_t* nib, uint16_t* tile, __m512
     }
     return;
   }
-  const __m512i mask = _mm512_set1_epi16(0x0F);
-  for (int c = 0; c < 8; ++c) {
-    const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(nib + 32 * c)));
-    _mm512_store_si512(tile + 32 * c, _mm512_permutexvar_epi16(_mm512_and_si512(w, mask), table));
-    _mm512_store_si512(tile + 32 * (c + 8), _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table));
+  const __m512i mask = _mm512_set1_epi16(0x78), exponent = _mm512_set1_epi16(0x4180);
+  constexpr int SELECT = 0xEA;  // ternary logic: (shifted & mask) | exponent
+  for (int c = 0; c < 4; ++c) {
+    const __m512i w = _mm512_loadu_si512(nib + 64 * c);
+    _mm512_store_si512(tile + 32 * c, _mm512_ternarylogic_epi32(_mm512_slli_epi16(w, 3), mask, exponent, SELECT));
+    _mm512_store_si512(tile + 32 * (c + 4), _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 1), mask, exponent, SELECT));
+    _mm512_store_si512(tile + 32 * (c + 8), _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 5), mask, exponent, SELECT));
+    _mm512_store_si512(tile + 32 * (c + 12), _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 9), mask, exponent, SELECT));
   }
 }
 
 // acc[t] (the group's 16 outputs of token t) += d * (hi + mid + lo rows of the block's product)
-// (+ m * the block's sum of x, Q4_1); scales: the block's fp16 d (then m)
+// + c * the block's sum of x (4-bit: c = m - 16 d for Q4_1, -24 d for Q4_0; see above);
+// scales: the block's fp16 d (then m)
 template <int64_t T, int TT>
-SPECSPLIT_AMX inline void amx_scale(const float* c, const uint8_t* scales, const float* sums, int64_t nb, int64_t b,
+SPECSPLIT_AMX inline void amx_scale(const float* prod, const uint8_t* scales, const float* sums, int64_t nb, int64_t b,
                                     __m512* acc) {
   const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales)));
+  __m512 c;
+  if constexpr (T == Q4_1)
+    c = _mm512_fnmadd_ps(_mm512_set1_ps(16.f), d, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + 32))));
+  else if constexpr (T == Q4_0)
+    c = _mm512_mul_ps(_mm512_set1_ps(-24.f), d);
   for (int t = 0; t < TT; ++t) {
-    const float* r = c + 3 * t * 16;
+    const float* r = prod + 3 * t * 16;
     const __m512 s = _mm512_add_ps(_mm512_add_ps(_mm512_load_ps(r), _mm512_load_ps(r + 16)), _mm512_load_ps(r + 32));
     acc[t] = _mm512_fmadd_ps(d, s, acc[t]);
-    if constexpr (T == Q4_1) {
-      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + 32)));
-      acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(sums[t * nb + b]), acc[t]);
-    }
+    if constexpr (T != Q8_0) acc[t] = _mm512_fmadd_ps(c, _mm512_set1_ps(sums[t * nb + b]), acc[t]);
   }
 }
 
@@ -894,14 +919,6 @@ SPECSPLIT_AMX void amx_groups(const uint16_t* pieces, const float* sums, int64_t
   _tile_loadconfig(&cfg);
   alignas(64) uint16_t wt[4][16 * 32];  // converted weights, two pairs
   alignas(64) float prod[6][16 * 16];   // stored products, three pairs
-  alignas(64) uint16_t values[32];      // bf16 of each nibble's weight integer
-  for (int i = 0; i < 32; ++i) {
-    const float v = T == Q4_0 ? float((i & 15) - 8) : float(i & 15);
-    uint32_t u;
-    std::memcpy(&u, &v, 4);
-    values[i] = static_cast<uint16_t>(u >> 16);  // exact: small integers
-  }
-  const __m512i table = _mm512_load_si512(values);
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* gp = blocks + g * nb * GB;
     __m512 acc[TT];
@@ -912,13 +929,13 @@ SPECSPLIT_AMX void amx_groups(const uint16_t* pieces, const float* sums, int64_t
   _tile_zero(CT);                                \
   _tile_dpbf16ps(CT, AT, BT);
 #define SPECSPLIT_SCALE(BI, BUF) amx_scale<T, TT>(prod[BUF], gp + (BI) * GB + QB, sums, nb, BI, acc);
-    amx_convert<T>(gp, wt[0], table);
-    amx_convert<T>(gp + GB, wt[1], table);
+    amx_convert<T>(gp, wt[0]);
+    amx_convert<T>(gp + GB, wt[1]);
     for (int64_t p = 0; p < np; ++p) {
       const int64_t b = 2 * p;
       if (p + 1 < np) {
-        amx_convert<T>(gp + (b + 2) * GB, wt[2 * ((p + 1) % 2)], table);
-        amx_convert<T>(gp + (b + 3) * GB, wt[2 * ((p + 1) % 2) + 1], table);
+        amx_convert<T>(gp + (b + 2) * GB, wt[2 * ((p + 1) % 2)]);
+        amx_convert<T>(gp + (b + 3) * GB, wt[2 * ((p + 1) % 2) + 1]);
       }
       for (int64_t o = 0; o < 2 * GB; o += 64)
         _mm_prefetch(reinterpret_cast<const char*>(gp + b * GB + AMX_PREFETCH + o), _MM_HINT_T0);
@@ -991,8 +1008,9 @@ bool amx_ready() { return false; }
 
 // the quant of output row n at k in the tile layout (see above), for the dequantizer
 inline int amx_quant(const uint8_t* nib, int64_t n, int64_t k) {
-  const int64_t i = k / 2, j = 2 * n + k % 2;
-  return i < 8 ? (nib[32 * i + j] & 0x0F) : (nib[32 * (i - 8) + j] >> 4);
+  const int64_t i = k / 2, j = 2 * n + k % 2, a = i / 4;  // tile row i = 4a + c: nibble a of word j, chunk c
+  const uint8_t byte = nib[64 * (i % 4) + 2 * j + a / 2];
+  return a % 2 ? byte >> 4 : byte & 0x0F;
 }
 
 void check_amx_blocks(const torch::Tensor& blocks, int64_t qtype, int64_t K) {
@@ -1064,9 +1082,9 @@ torch::Tensor quant_greedy(const torch::Tensor& x_in, const torch::Tensor& block
   const uint8_t* gp = groups.data_ptr<uint8_t>();
   const float* cp = cmax.data_ptr<float>();
   switch (M) {
-    case 1: return greedy_rows<1>(xp, K, bp, gp, cp, N, vnni, exact_avx512);
-    case 2: return greedy_rows<2>(xp, K, bp, gp, cp, N, vnni, exact_avx512);
-    default: return greedy_rows<3>(xp, K, bp, gp, cp, N, vnni, exact_avx512);
+    case 1: return greedy_split_rows<1>(xp, K, bp, gp, cp, N, vnni, exact_avx512);
+    case 2: return greedy_split_rows<2>(xp, K, bp, gp, cp, N, vnni, exact_avx512);
+    default: return greedy_split_rows<3>(xp, K, bp, gp, cp, N, vnni, exact_avx512);
   }
 }
 
@@ -1211,6 +1229,53 @@ torch::Tensor quant_linear_amx(const torch::Tensor& x_in, const torch::Tensor& b
   return y;
 }
 
+// quant_greedy for a Q8_0 head in the tile layout (blocks [N/16, K/32 * 544]): the same bound pass
+// over the same copy (quant_greedy_pack of its rows), then the candidates' groups of 16 rows,
+// gathered, through the AMX loop quant_linear_amx runs on the whole head: each group's outputs
+// depend on that group's bytes and x alone, so the candidates' y have the logits' bits.
+torch::Tensor quant_greedy_amx(const torch::Tensor& x_in, const torch::Tensor& blocks, int64_t qtype,
+                               const torch::Tensor& groups, const torch::Tensor& cmax) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "quant_greedy (tiles): x must be fp32 [M, K]");
+  const int64_t M = x_in.size(0), K = x_in.size(1), N = blocks.size(0) * 16;
+  check_amx_blocks(blocks, qtype, K);
+  TORCH_CHECK(amx_ready(), "quant_greedy (tiles): this CPU or kernel has no AMX-BF16");
+  check_groups(groups, N, K);
+  TORCH_CHECK(cmax.dim() == 1 && cmax.size(0) == N && cmax.scalar_type() == at::kFloat && cmax.is_contiguous(),
+              "quant_greedy (tiles): cmax must be contiguous fp32 [N]");
+  if (qtype != Q8_0 || M < 1 || M > GREEDY_MAX_ROWS || N < 1) return torch::empty({0}, torch::kLong);
+#ifdef SPECSPLIT_HAVE_AMX
+  const torch::Tensor x = x_in.contiguous();
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* bp = blocks.data_ptr<uint8_t>();
+  const int64_t group_bytes = blocks.size(1);
+  auto exact = [&](const std::vector<int64_t>& rows, float* y) {
+    std::vector<int64_t> picked_groups;  // the candidates' groups, in order (rows are in order)
+    for (int64_t r : rows)
+      if (picked_groups.empty() || picked_groups.back() != r / 16) picked_groups.push_back(r / 16);
+    const int64_t P = picked_groups.size(), C = rows.size();
+    std::vector<uint8_t> picked(P * group_bytes);
+    for (int64_t i = 0; i < P; ++i)
+      std::memcpy(picked.data() + i * group_bytes, bp + picked_groups[i] * group_bytes, group_bytes);
+    std::vector<float> yg(M * P * 16);
+    amx_run<Q8_0>(xp, M, K, picked.data(), P * 16, yg.data());
+    for (int64_t c = 0, i = 0; c < C; ++c) {
+      while (picked_groups[i] != rows[c] / 16) ++i;
+      for (int64_t m = 0; m < M; ++m) y[m * C + c] = yg[m * P * 16 + i * 16 + rows[c] % 16];
+    }
+  };
+  const uint8_t* gp = groups.data_ptr<uint8_t>();
+  const float* cp = cmax.data_ptr<float>();
+  const bool vnni = use_vnni();
+  switch (M) {
+    case 1: return greedy_rows<1>(xp, K, gp, cp, N, vnni, exact);
+    case 2: return greedy_rows<2>(xp, K, gp, cp, N, vnni, exact);
+    default: return greedy_rows<3>(xp, K, gp, cp, N, vnni, exact);
+  }
+#else
+  return torch::empty({0}, torch::kLong);
+#endif
+}
+
 // blocks in the tile layout -> W [N, K] fp32: the same values as quant_dequantize of the rows
 // layout, bit for bit (the same arithmetic as dequant_row; any CPU)
 // row n (0..15) of one group's K/32 blocks in the tile layout -> K fp32 (dequant_row's arithmetic)
@@ -1275,6 +1340,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_dequantize_scalar", &quant_dequantize_scalar, "the scalar dequantizer (tests)");
   m.def("quant_uses_avx512", &quant_uses_avx512, "whether the AVX-512 loop runs on this CPU");
   m.def("quant_greedy", &quant_greedy, "argmax ids [M] of x @ W.T for a Q8_0 W (M <= 3) from a bound, or empty");
+  m.def("quant_greedy_amx", &quant_greedy_amx, "quant_greedy for a Q8_0 W in the tile layout (its candidates on AMX)");
   m.def("quant_greedy_pack", &quant_greedy_pack, "Q8_0 split rows -> (quant_greedy's 16-row groups, cmax [N])");
   m.def("quant_int8_linear", &quant_int8_linear, "y = x @ W.T (+ bias), x rounded to int8 per block, W's 16-row copy");
   m.def("quant_uses_vnni", &quant_uses_vnni, "whether the AVX-512 VNNI loops (greedy, int8 linear's) run on this CPU");
