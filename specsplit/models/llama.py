@@ -285,7 +285,7 @@ class LlamaForCausalLM(nn.Module):
                 total += sum(m.keep(table) for m in ms)
         if head.quant is not None:
             head.kernels = self._quant_table(policy, [head])
-            copy = quant_linear.greedy_copy(head.quant) if head.quant.layout == "rows" else None
+            copy = quant_linear.greedy_copy(head.quant)  # either layout: greedy takes tiles too
             if copy is not None:  # 30 MB read once a step: in huge pages, as the layers' blocks are
                 copy = dataclasses.replace(copy, groups=huge_pages.into_huge_pages([copy.groups])[0])
             head.greedy_copy = copy

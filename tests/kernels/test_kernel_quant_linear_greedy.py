@@ -96,3 +96,44 @@ def test_the_copy_holds_the_rows_bytes_and_their_bound_scale():
     assert torch.equal(g[0, 1, 192 + 20:192 + 24].to(torch.int32) - 128, q[5, 32 + 12:32 + 16])
     assert torch.equal(g[1, 0, 512 + 6:512 + 8], w.blocks[19, 64:66])  # row 19's d of block 0 (fp16)
     assert (g[1, :, 512 + 8:544] == 0).all() and (g[1, :, :512].view(2, 8, 16, 4)[:, :, 4:] == 128).all()  # padding rows: 0
+
+
+NEEDS_AMX = pytest.mark.skipif(not quant_linear.uses_amx(), reason="no AMX-BF16 here: no head is in the tiles layout")
+
+
+@NEEDS_AMX
+@pytest.mark.parametrize("k", [64, 576])
+@pytest.mark.parametrize("n", [16, 1008, 4096])
+@pytest.mark.parametrize("m", [1, 2, 3])
+def test_a_head_in_tiles_gives_the_argmax_of_its_amx_linear(m, n, k):
+    """The candidates' groups of 16 rows through the AMX loop: the ids of the whole tiled head's logits."""
+    w = random_blocks("Q8_0", n, k, seed=n + k + 1)
+    tiles, copy = w.to_tiles(), quant_linear.greedy_copy(w.to_tiles())
+    assert torch.equal(copy.groups, quant_linear.greedy_copy(w).groups)  # the copy is of the rows, either layout
+    g = torch.Generator().manual_seed(m * 11 + n)
+    for _ in range(4):
+        x = torch.randn(m, k, generator=g) * torch.rand(1, k, generator=g) * 3
+        ids = quant_linear.greedy(x, tiles, copy)
+        assert ids is not None and torch.equal(ids, quant_linear.linear(x, tiles).max(dim=-1).indices)
+
+
+@NEEDS_AMX
+def test_a_head_in_tiles_breaks_ties_and_near_ties_as_its_logits_do():
+    """Exact ties (copies of the maximum's row, in other groups and in its own) go to the first row;
+    copies with one quant moved by one where x is tiny differ in the last bits, which the AMX rows decide."""
+    w = random_blocks("Q8_0", 2048, 576, seed=8)
+    x = torch.randn(2, 576, generator=torch.Generator().manual_seed(3))
+    x[:, 100] = 1e-6
+    best = int(quant_linear.linear(x, w.to_tiles()).max(dim=-1).indices[0])
+    tied = with_rows(w, best, [5, best ^ 1, 2047]).to_tiles()
+    ids = quant_linear.greedy(x, tied, quant_linear.greedy_copy(tied))
+    assert torch.equal(ids, quant_linear.linear(x, tied).max(dim=-1).indices) and int(ids[0]) == 5
+    blocks = w.blocks.clone()
+    for j, row in enumerate((7, 900, 2047)):
+        blocks[row] = blocks[best]
+        blocks[row, 100] = (int(blocks[best, 100]) + j + 1) % 256
+    near = QuantWeight(blocks, "Q8_0", 576).to_tiles()
+    y = quant_linear.linear(x, near)
+    assert sorted(y[0].topk(4).indices.tolist()) == sorted([best, 7, 900, 2047])
+    assert torch.equal(quant_linear.greedy(x, near, quant_linear.greedy_copy(near)), y.max(dim=-1).indices)
+    assert quant_linear.greedy(torch.randn(4, 576), near, quant_linear.greedy_copy(near)) is None  # 4+ rows: the logits
