@@ -901,6 +901,20 @@ SPECSPLIT_AMX inline void amx_scale(const float* prod, const uint8_t* scales, co
   }
 }
 
+// the tile configuration amx_groups<T, TT> runs under
+template <int TT>
+SPECSPLIT_AMX void amx_configure() {
+  TileConfig cfg;
+  for (int i = 0; i < 8; ++i) {
+    cfg.rows[i] = (i == 2 || i == 3) ? 16 : 3 * TT;
+    cfg.colsb[i] = 64;
+  }
+  // GCC does not see ldtilecfg read cfg and drops the stores above without this (seen: an all-zero
+  // configuration, then SIGILL at the first tile load)
+  asm volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
 // y[t, 16g .. 16g+15] for groups g0..g1 and TT tokens. Tiles: 0, 1 the pieces of the pair's two
 // blocks, 2, 3 their weights, 4..7 the products (pairs alternate between 4, 5 and 6, 7). The tile
 // unit does not rename its registers and does not forward stores, so the loop is skewed: the
@@ -911,12 +925,7 @@ SPECSPLIT_AMX void amx_groups(const uint16_t* pieces, const float* sums, int64_t
                               int64_t g1, float* y, int64_t ldy) {
   const int64_t nb = K / QK, np = nb / 2, GB = amx_group_bytes(T), QB = amx_quant_bytes(T);
   constexpr int R = 3 * TT;
-  TileConfig cfg;
-  for (int i = 0; i < 8; ++i) {
-    cfg.rows[i] = (i == 2 || i == 3) ? 16 : R;
-    cfg.colsb[i] = 64;
-  }
-  _tile_loadconfig(&cfg);
+  amx_configure<TT>();
   alignas(64) uint16_t wt[4][16 * 32];  // converted weights, two pairs
   alignas(64) float prod[6][16 * 16];   // stored products, three pairs
   for (int64_t g = g0; g < g1; ++g) {

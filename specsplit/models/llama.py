@@ -355,10 +355,12 @@ class LlamaForCausalLM(nn.Module):
 
     def _quant_table(self, policy: str, layers: list) -> cpu_linear.RowKernels:
         """quant / dequant by row count for quantized weights of one shape (Linears or the _Head):
-        timed under `auto` at the row counts up to QUANT_ROWS, else the static split."""
-        if policy != "auto":
-            return cpu_linear.quant_static_table()
+        timed under `auto` at the row counts up to QUANT_ROWS (weights in tiles: and at
+        TILES_PREFILL_ROWS, whose winner then serves every larger count), else the static split."""
         weights = [m.quant for m in layers]
+        tiles = all(w.layout == "tiles" for w in weights)
+        if policy != "auto":
+            return cpu_linear.quant_static_table(tiles)
         bias = [getattr(m, "bias", None) for m in layers]
 
         def pass_of(kind: str):
@@ -370,9 +372,11 @@ class LlamaForCausalLM(nn.Module):
             return run
 
         rows = tuple(r for r in cpu_linear.CALIBRATION_ROWS if r <= cpu_linear.QUANT_ROWS)
-        return cpu_linear.calibrate((cpu_linear.QUANT, pass_of(cpu_linear.QUANT)),
-                                    (cpu_linear.DEQUANT, pass_of(cpu_linear.DEQUANT)),
-                                    weights[0].in_features, torch.float32, len(layers), rows, beyond=cpu_linear.DEQUANT)
+        rows += (cpu_linear.TILES_PREFILL_ROWS,) if tiles else ()
+        table = cpu_linear.calibrate((cpu_linear.QUANT, pass_of(cpu_linear.QUANT)),
+                                     (cpu_linear.DEQUANT, pass_of(cpu_linear.DEQUANT)),
+                                     weights[0].in_features, torch.float32, len(layers), rows, beyond=cpu_linear.DEQUANT)
+        return dataclasses.replace(table, beyond=table.by_rows[-1]) if tiles else table
 
     def _keep_head(self, head: _Head, table: cpu_linear.RowKernels) -> int:
         """Free the head copies `table` never uses; returns the packed (opaque) bytes kept."""

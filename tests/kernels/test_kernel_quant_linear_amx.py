@@ -120,17 +120,30 @@ def test_amx_bias_strided_input_bind_and_dequantized_linear():
 def test_amx_threads_split_groups_without_changing_them():
     """torch's intra-op threads take chunks of 16-row groups: every output as on one thread."""
     t = random_blocks("Q4_1", 16 * 13, 128, seed=8).to_tiles()
-    x = torch.randn(7, 128)
+    x = torch.randn(23, 128)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = [quant_linear.linear(x[:m], t) for m in (1, 5, 7)]
+        one = [quant_linear.linear(x[:m], t) for m in (1, 5, 7, 23)]
         torch.set_num_threads(2)
-        two = [quant_linear.linear(x[:m], t) for m in (1, 5, 7)]
+        two = [quant_linear.linear(x[:m], t) for m in (1, 5, 7, 23)]
     finally:
         torch.set_num_threads(before)
     for a, b in zip(one, two):
         assert torch.equal(a, b)
+
+
+@NEEDS_AMX
+@pytest.mark.parametrize("qtype", TILE_TYPES)
+def test_a_prefill_gives_each_row_the_bits_of_a_decode_row(qtype):
+    """Past 5 rows each group's blocks are converted once and every pass of 5 tokens reads the
+    converted copy: each token's outputs are the bits it gets alone (1 row) or in a verify (3)."""
+    t = random_blocks(qtype, 48, 192, seed=9).to_tiles()
+    x = torch.randn(23, 192, generator=torch.Generator().manual_seed(10))
+    many = quant_linear.linear(x, t)
+    alone = torch.cat([quant_linear.linear(x[i:i + 1], t) for i in range(23)])
+    assert torch.equal(many, alone)
+    assert torch.equal(many[6:9], quant_linear.linear(x[6:9], t))
 
 
 @NEEDS_KERNEL

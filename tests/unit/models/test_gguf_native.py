@@ -51,9 +51,24 @@ def test_native_holds_the_file_blocks(models):
                     for i in (0, 29) for a in ("qkv_proj", "down_proj")}
                    | {native.model.embed_tokens.blocks.untyped_storage().data_ptr()}) == 1
     assert isinstance(native.model.embed_tokens, QuantEmbedding)
-    assert native.model.kernel_tables["head 49152x576 Q8_0"].describe() == "quant 1-16, dequant 17+"
+    # the static table: the AMX loop at every row count for tiles (cpu_linear.quant_static_table)
+    assert native.model.kernel_tables["head 49152x576 Q8_0"].describe() == (
+        "quant 1+" if quant_linear.uses_amx() else "quant 1-16, dequant 17+")
     # 4.5-6.4x fewer weight bytes (Q4_1 layers, Q8_0 embedding, fp32 norms)
     assert tensor_storage_bytes(native.model) < 0.25 * tensor_storage_bytes(dense.model)
+
+
+def test_auto_times_tiles_at_a_prefill_row_count_too(models):
+    """Weights in the AMX tiles layout are timed at TILES_PREFILL_ROWS as well, and its winner serves
+    every larger row count (a prefill); in the rows layout past QUANT_ROWS is the dequantized GEMM."""
+    layers = [layer.gate_up_proj for layer in models[0].model.layers]
+    table = models[0].model._quant_table("auto", layers)
+    if quant_linear.uses_amx():
+        assert table.rows[-1] == cpu_linear.TILES_PREFILL_ROWS and table.beyond == table.by_rows[-1]
+        assert table.kernel(500) == table.kernel(cpu_linear.TILES_PREFILL_ROWS)
+    else:
+        assert table.rows[-1] == cpu_linear.QUANT_ROWS and table.beyond == cpu_linear.DEQUANT
+    assert len(table.timings_us) == len(table.rows) and table.kernel(1) == cpu_linear.QUANT
 
 
 def test_dequantized_weights_equal_transformers_bit_for_bit(models):

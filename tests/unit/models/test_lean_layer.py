@@ -166,7 +166,7 @@ def test_a_batch_of_sequences_with_mixed_rows_equals_the_modules(native):
 
 
 def test_more_rows_than_the_quantized_kernel_serves_run_the_modules(native):
-    prompt = list(range(100, 140))  # 40 rows: the dequantized GEMM, the modules
+    prompt = list(range(100, 140))  # 40 rows, past the lean step's 16: the modules (dequantized GEMM, or AMX tiles)
     with _lean(native, True) as seen:
         lean = _steps(native, prompt, [7], [8, 9])
     with _lean(native, False):
