@@ -9,7 +9,9 @@ llama-bench on the same file, one thread (docs/kernels.md, "GGUF weights at thei
 native-layers (one Python call per layer, not the compiled stack).
 
 Each round runs `llama-bench -m FILE -t 1 -p 0 -n TOKENS -r 1` (its tg TOKENS), then a greedy
-decode of TOKENS one-token steps (after an 8-token prompt) with each weights mode, in turn, so the
+decode of TOKENS one-token steps (after an 8-token prompt; each step the server's greedy step,
+`forward(greedy=True)`: on a Q8_0 head the int8 bound and its candidate rows, else the logits'
+argmax; until the twentieth session it took the logits' argmax) with each weights mode, in turn, so the
 shared machine's drift hits every arm alike; prints each arm's median and the ratios to llama.cpp.
 
 --spec-prompts N adds two arms through the server's SpecDecoder (the first weights mode): the
@@ -45,7 +47,6 @@ def main() -> None:
 
     from specsplit.models.registry import resolve_model_path
     from specsplit.models.runner import ForwardItem, ModelRunner
-    from specsplit.sampling.probs import greedy_ids
 
     torch.set_num_threads(1)
     gguf = resolve_model_path(args.model)
@@ -55,11 +56,11 @@ def main() -> None:
     def decode(model, n: int) -> tuple[float, list[int]]:
         runner = ModelRunner(model, num_blocks=64, block_size=16, max_model_len=512)
         prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646]
-        tok = int(greedy_ids(runner.forward([ForwardItem("d", 0, prompt, num_logits=1)])[0])[0])
+        tok = int(runner.forward([ForwardItem("d", 0, prompt, num_logits=1)], greedy=True)[0][0])
         pos, out = len(prompt), [tok]
         t0 = time.perf_counter()
-        for _ in range(n):
-            tok = int(greedy_ids(runner.forward([ForwardItem("d", pos, [tok], num_logits=1)])[0])[0])
+        for _ in range(n):  # the greedy step the server takes: ids from forward(greedy=True)
+            tok = int(runner.forward([ForwardItem("d", pos, [tok], num_logits=1)], greedy=True)[0][0])
             pos += 1
             out.append(tok)
         return n / (time.perf_counter() - t0), out
