@@ -383,8 +383,9 @@ def quantized(w: torch.Tensor) -> torch.nn.Module | None:
 
     For the same reason the activations are rounded to int8 too (models/int8_linear.Int8Linear:
     ~3x faster than the fp32 loop over the same blocks with AVX-512 VNNI, ~2x with AVX2, measured
-    in docs/feature-drafter.md), except where the AMX loop runs (an Intel Xeon with AMX keeps its
-    tile loop, not measured against this one) or SPECSPLIT_DRAFT_INT8=0."""
+    in docs/feature-drafter.md; on the AMX Xeon 1.4-5x faster than the tile loop over the same
+    blocks, docs/kernels.md "The AMX Xeon again"), unless SPECSPLIT_DRAFT_INT8=0. The int8 loops
+    give the same numbers on every CPU, so a drafter drafts the same tokens everywhere."""
     from specsplit.kernels import quant_linear
     from specsplit.models.llama import Linear
 
@@ -392,7 +393,7 @@ def quantized(w: torch.Tensor) -> torch.nn.Module | None:
             or quant_linear.load() is None):
         return None
     blocks = quant_linear.quantize_q8_0(w)
-    if os.environ.get(ENV_INT8, "1") != "0" and not quant_linear.uses_amx():
+    if os.environ.get(ENV_INT8, "1") != "0":
         return Int8Linear(blocks)
     m = Linear(w.shape[1], w.shape[0], bias=False, dtype=torch.float32)
     m.set_quant(quant_linear.for_kernel(blocks))  # AMX tiles where that loop runs

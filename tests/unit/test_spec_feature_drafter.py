@@ -222,7 +222,7 @@ def target_embedding(model_dir) -> torch.Tensor:
 @pytest.mark.parametrize("mode", ["int8", "q8", "fp32"])
 def test_head_layer_runs_on_q8_0_blocks_unless_told_not_to(tiny_llama, tiny_head, monkeypatch, mode):
     """On a CPU with the quant kernel the head's layer (fc, q|k|v, o, gate|up, down) and lm head run
-    on Q8_0 blocks: with int8 activations (models/int8_linear; not where the AMX loop runs), with
+    on Q8_0 blocks: with int8 activations (models/int8_linear; on every CPU, AMX included), with
     fp32 ones under SPECSPLIT_DRAFT_INT8=0; SPECSPLIT_DRAFT_Q8=0 keeps the layer fp32. The outputs stay
     within the roundings' reach of the fp32 head's, and the memory plan counts the bytes each holds."""
     from specsplit.feature_drafter import load_feature_drafter
@@ -233,8 +233,6 @@ def test_head_layer_runs_on_q8_0_blocks_unless_told_not_to(tiny_llama, tiny_head
 
     if quant_linear.load() is None:
         pytest.skip("no quant kernel on this CPU (it needs AVX2 + FMA + F16C and a compiler)")
-    if mode == "int8" and quant_linear.uses_amx():
-        pytest.skip("where the AMX loop runs the head's blocks stay in its tiles (fp32 x)")
     embedding = target_embedding(tiny_llama)
     monkeypatch.setenv("SPECSPLIT_DRAFT_Q8", "0")
     monkeypatch.setenv("SPECSPLIT_DRAFT_INT8", "0")
@@ -290,8 +288,8 @@ def test_int8_linears_share_one_huge_page_buffer(tiny_llama, tiny_head, monkeypa
     from specsplit.kv.meters import tensor_storage_bytes
     from specsplit.models.int8_linear import Int8Linear
 
-    if quant_linear.load() is None or quant_linear.uses_amx():
-        pytest.skip("no quant kernel here, or the AMX loop runs the head's blocks (fp32 x)")
+    if quant_linear.load() is None:
+        pytest.skip("no quant kernel on this CPU (it needs AVX2 + FMA + F16C and a compiler)")
     if not huge_pages.available():
         pytest.skip("no transparent huge pages here")
     embedding = target_embedding(tiny_llama)
