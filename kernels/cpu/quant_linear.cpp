@@ -692,18 +692,25 @@ torch::Tensor greedy_rows(const float* x, int64_t K, const uint8_t* groups, cons
   quantize_x(x, MP, K, xq, false);
   for (int m = 0; m < MP; ++m)
     if (!xq.ok[m]) return none;
-  std::unique_ptr<float[]> a(new float[MP * N]), e(new float[MP * N]);  // every entry written below
+  // a, e [MP, N]: every entry written below. Kept per thread between calls: at SmolLM2's 49,152
+  // rows each is 192 KB a row, which malloc maps fresh and the kernel zeroes page by page on every
+  // call (seen in perf as clear_page, ~1.6% of a decode step on the AMX Xeon).
+  thread_local std::vector<float> a_buf, e_buf;
+  a_buf.resize(std::max<size_t>(a_buf.size(), MP * N));
+  e_buf.resize(std::max<size_t>(e_buf.size(), MP * N));
+  float* a = a_buf.data();
+  float* e = e_buf.data();
   at::parallel_for(0, (N + GROUP_ROWS - 1) / GROUP_ROWS, 4, [&](int64_t g0, int64_t g1) {
     if (vnni)
-      greedy_bounds<MP>(xq, K, groups, cmax, g0, g1, a.get(), e.get(), N);
+      greedy_bounds<MP>(xq, K, groups, cmax, g0, g1, a, e, N);
     else
-      greedy_bounds_avx2<MP>(xq, K, groups, cmax, g0, g1, a.get(), e.get(), N);
+      greedy_bounds_avx2<MP>(xq, K, groups, cmax, g0, g1, a, e, N);
   });
   float lo[MP];
   for (int m = 0; m < MP; ++m)
-    if (!lower_bound(a.get() + m * N, e.get() + m * N, N, lo + m)) return none;
+    if (!lower_bound(a + m * N, e + m * N, N, lo + m)) return none;
   std::vector<int64_t> rows;  // the candidates, in row order
-  candidates<MP>(a.get(), e.get(), lo, N, rows);
+  candidates<MP>(a, e, lo, N, rows);
   if (static_cast<int64_t>(rows.size()) > GREEDY_MAX_CANDIDATES) return none;
   const int64_t C = rows.size();
   std::vector<float> y(MP * C);
@@ -888,7 +895,7 @@ template <int64_t T, int TT>
 SPECSPLIT_AMX inline void amx_scale(const float* prod, const uint8_t* scales, const float* sums, int64_t nb, int64_t b,
                                     __m512* acc) {
   const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales)));
-  __m512 c;
+  __m512 c = _mm512_setzero_ps();  // Q8_0: no c
   if constexpr (T == Q4_1)
     c = _mm512_fnmadd_ps(_mm512_set1_ps(16.f), d, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + 32))));
   else if constexpr (T == Q4_0)
