@@ -1077,6 +1077,13 @@ void check_groups(const torch::Tensor& groups, int64_t N, int64_t K) {
               "groups must be quant_greedy_pack's uint8 [ceil(N/16), K/32 * 544]");
 }
 
+// greedy's copy of an N x K head: quant_greedy_pack's groups and cmax (`what`: the caller, for the message)
+void check_greedy_copy(const torch::Tensor& groups, const torch::Tensor& cmax, int64_t N, int64_t K, const char* what) {
+  check_groups(groups, N, K);
+  TORCH_CHECK(cmax.dim() == 1 && cmax.size(0) == N && cmax.scalar_type() == at::kFloat && cmax.is_contiguous(),
+              what, ": cmax must be contiguous fp32 [N]");
+}
+
 // argmax_n of quant_linear(x, blocks) for each x row, the ids torch.max(dim=-1) gives: x [M, K]
 // fp32 (M <= 3), Q8_0 split rows [N, K/32 * 34], their copy quant_greedy_pack(blocks) and its
 // cmax [N]. Returns int64 [M], or an empty tensor where this path cannot answer (another type,
@@ -1087,9 +1094,7 @@ torch::Tensor quant_greedy(const torch::Tensor& x_in, const torch::Tensor& block
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "quant_greedy: x must be fp32 [M, K]");
   const int64_t M = x_in.size(0), K = x_in.size(1), N = blocks.size(0);
   check_blocks(blocks, qtype, K);
-  check_groups(groups, N, K);
-  TORCH_CHECK(cmax.dim() == 1 && cmax.size(0) == N && cmax.scalar_type() == at::kFloat && cmax.is_contiguous(),
-              "quant_greedy: cmax must be contiguous fp32 [N]");
+  check_greedy_copy(groups, cmax, N, K, "quant_greedy");
   if (qtype != Q8_0 || M < 1 || M > GREEDY_MAX_ROWS || N < 1) return torch::empty({0}, torch::kLong);
   const bool vnni = allow_avx512 && use_vnni(), exact_avx512 = allow_avx512 && use_avx512();
   const torch::Tensor x = x_in.contiguous();
@@ -1255,9 +1260,7 @@ torch::Tensor quant_greedy_amx(const torch::Tensor& x_in, const torch::Tensor& b
   const int64_t M = x_in.size(0), K = x_in.size(1), N = blocks.size(0) * 16;
   check_amx_blocks(blocks, qtype, K);
   TORCH_CHECK(amx_ready(), "quant_greedy (tiles): this CPU or kernel has no AMX-BF16");
-  check_groups(groups, N, K);
-  TORCH_CHECK(cmax.dim() == 1 && cmax.size(0) == N && cmax.scalar_type() == at::kFloat && cmax.is_contiguous(),
-              "quant_greedy (tiles): cmax must be contiguous fp32 [N]");
+  check_greedy_copy(groups, cmax, N, K, "quant_greedy (tiles)");
   if (qtype != Q8_0 || M < 1 || M > GREEDY_MAX_ROWS || N < 1) return torch::empty({0}, torch::kLong);
 #ifdef SPECSPLIT_HAVE_AMX
   const torch::Tensor x = x_in.contiguous();

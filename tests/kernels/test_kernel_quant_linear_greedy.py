@@ -108,7 +108,8 @@ NEEDS_AMX = pytest.mark.skipif(not quant_linear.uses_amx(), reason="no AMX-BF16 
 def test_a_head_in_tiles_gives_the_argmax_of_its_amx_linear(m, n, k):
     """The candidates' groups of 16 rows through the AMX loop: the ids of the whole tiled head's logits."""
     w = random_blocks("Q8_0", n, k, seed=n + k + 1)
-    tiles, copy = w.to_tiles(), quant_linear.greedy_copy(w.to_tiles())
+    tiles = w.to_tiles()
+    copy = quant_linear.greedy_copy(tiles)
     assert torch.equal(copy.groups, quant_linear.greedy_copy(w).groups)  # the copy is of the rows, either layout
     g = torch.Generator().manual_seed(m * 11 + n)
     for _ in range(4):
