@@ -2,7 +2,7 @@
 Q4_0 / Q4_1 / Q8_0 blocks and multiply through kernels/quant_linear (dequantized in registers),
 instead of a dequantized fp32 copy (`--weights native`, the default for GGUF models).
 
-Tensors are read with the `gguf` package straight from the file (memory-mapped, then copied by
+Tensors are read straight from the file (models/gguf_header.py: memory-mapped, then copied by
 torch, so the memory profiler counts them as weights).
 Two things make them the model's layout:
   * llama.cpp's converter permutes the rows of q and k of "llama"-architecture files (Llama,
@@ -21,13 +21,13 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
 from specsplit.config import ModelConfig
 from specsplit.kernels import quant_linear
 from specsplit.kernels.quant_linear import QuantWeight
+from specsplit.models.gguf_header import GGUFHeader
 from specsplit.kv import huge_pages
 
 log = logging.getLogger(__name__)
@@ -68,26 +68,24 @@ class GGUFTensors:
     """The quantized tensors of one GGUF file, by the model's names."""
 
     def __init__(self, path: Path, cfg: ModelConfig):
-        import gguf
-
         self.path = path
         self.cfg = cfg
-        reader = gguf.GGUFReader(path)
-        self._tensors = {t.name: t for t in reader.tensors}
-        arch = reader.fields.get("general.architecture")
-        self.architecture = bytes(arch.parts[arch.data[0]]).decode() if arch is not None else ""
+        self._file = GGUFHeader(path)
+        arch = self._file.metadata.get("general.architecture")
+        self.architecture = arch if isinstance(arch, str) else ""
         self.permuted_qk = self.architecture == "llama"  # as transformers' LlamaTensorProcessor
 
     def get(self, name: str) -> QuantWeight | None:
-        """A GGUF tensor [out, in] as blocks, or None if it is absent or of a type the kernel lacks."""
-        t = self._tensors.get(name)
-        if t is None or t.tensor_type.name not in quant_linear.TYPES:
+        """A GGUF tensor [out, in] as blocks, or None if it is absent, not 2-d, or of a type the
+        kernel lacks."""
+        t = self._file.tensors.get(name)
+        if t is None or t.qtype not in quant_linear.TYPES or len(t.dims) != 2:
             return None
         # copied out of the memory map by torch, so the memory profiler counts it as weights
-        data = np.asarray(t.data)  # read-only memory map
-        blocks = torch.empty(data.shape, dtype=torch.uint8)  # [out, in/32 * B]
+        data = self._file.data(t)  # [out, in/32 * B], read-only memory map
+        blocks = torch.empty(data.shape, dtype=torch.uint8)
         blocks.numpy()[...] = data
-        return QuantWeight.from_gguf(blocks.reshape(int(t.shape[1]), -1), t.tensor_type.name, int(t.shape[0]))
+        return QuantWeight.from_gguf(blocks, t.qtype, t.dims[0])
 
     def _fused(self, names: list[str], perms: list[int | None]) -> QuantWeight | None:
         parts = []
