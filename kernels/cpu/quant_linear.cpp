@@ -1295,8 +1295,6 @@ torch::Tensor quant_greedy_amx(const torch::Tensor& x_in, const torch::Tensor& b
 #endif
 }
 
-// blocks in the tile layout -> W [N, K] fp32: the same values as quant_dequantize of the rows
-// layout, bit for bit (the same arithmetic as dequant_row; any CPU)
 // row n (0..15) of one group's K/32 blocks in the tile layout -> K fp32 (dequant_row's arithmetic)
 void amx_dequant_row(const uint8_t* group, int64_t qtype, int64_t nb, int64_t GB, int64_t n, float* out) {
   for (int64_t b = 0; b < nb; ++b) {
@@ -1314,15 +1312,144 @@ void amx_dequant_row(const uint8_t* group, int64_t qtype, int64_t nb, int64_t GB
   }
 }
 
+// The tiles layout -> fp32 with AVX-512: one (group, block) at a time, its 16 rows' 32 values each
+// stored at out + n * ldo, the values of amx_dequant_row bit for bit (the same mul (and add) per value).
+// 4-bit: row n's 32 quants are the dword at 4n of each 64-byte chunk c; k = 8a + 2c + e is bits
+// 16e + 4a of chunk c's dword. A 4x4 dword transpose per 128-bit lane puts each row's 4 dwords
+// together; per row vpermd spreads them (lane l: chunk (l % 8) / 2), vpsrlvd moves each quant to
+// its lane's low 4 bits and vpermps picks from the row's 16 values (dequant16x2's table).
+// Measured on the Xeon, one thread, 3072 x 576 Q4_1: 2.26 ms (amx_dequant_row per row) -> 0.44,
+// where filling a fresh fp32 tensor of that size takes 0.34: the stores bound it.
+template <int64_t T>
+SPECSPLIT_AVX512 inline void amx_dequant_block4(const uint8_t* gb, float* out, int64_t ldo) {
+  alignas(64) float ds[16], ms[16];
+  _mm512_store_ps(ds, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 256))));
+  if constexpr (T == Q4_1)
+    _mm512_store_ps(ms, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 288))));
+  __m512i c[4], r[4];
+  for (int i = 0; i < 4; ++i) c[i] = _mm512_loadu_si512(gb + 64 * i);
+  const __m512i t0 = _mm512_unpacklo_epi32(c[0], c[1]), t1 = _mm512_unpackhi_epi32(c[0], c[1]);
+  const __m512i t2 = _mm512_unpacklo_epi32(c[2], c[3]), t3 = _mm512_unpackhi_epi32(c[2], c[3]);
+  r[0] = _mm512_unpacklo_epi64(t0, t2);  // 128-bit lane L: row 4L + i's chunks 0..3
+  r[1] = _mm512_unpackhi_epi64(t0, t2);
+  r[2] = _mm512_unpacklo_epi64(t1, t3);
+  r[3] = _mm512_unpackhi_epi64(t1, t3);
+  const __m512i spread = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 0, 0, 1, 1, 2, 2, 3, 3);
+  const __m512i shift_lo = _mm512_setr_epi32(0, 16, 0, 16, 0, 16, 0, 16, 4, 20, 4, 20, 4, 20, 4, 20);  // k 0..15
+  const __m512i shift_hi = _mm512_add_epi32(shift_lo, _mm512_set1_epi32(8));                            // k 16..31
+  const __m512 q = T == Q4_0 ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
+                             : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int n = 0; n < 16; ++n) {
+    const __m512i v = _mm512_permutexvar_epi32(_mm512_add_epi32(spread, _mm512_set1_epi32(4 * (n / 4))), r[n % 4]);
+    __m512 table = _mm512_mul_ps(_mm512_set1_ps(ds[n]), q);
+    if constexpr (T == Q4_1) table = _mm512_add_ps(table, _mm512_set1_ps(ms[n]));
+    _mm512_storeu_ps(out + n * ldo, _mm512_permutexvar_ps(_mm512_srlv_epi32(v, shift_lo), table));
+    _mm512_storeu_ps(out + n * ldo + 16, _mm512_permutexvar_ps(_mm512_srlv_epi32(v, shift_hi), table));
+  }
+}
+
+// Q8_0: the 512 bytes are a 16 x 16 matrix of 16-bit words (tile row i, word n = row n's k 2i, 2i+1);
+// eight zmm of two tile rows each are transposed in three stages of vpermt2w, each swapping one
+// register bit with one position bit: register (i3 i2 i1), position (i0 n3 n2 n1 n0) -> (i3 i2 n1),
+// (i0 n3 n2 i1 n0) -> (i3 n2 n1), (i0 n3 i2 i1 n0) -> (n3 n2 n1), (n0 i3 i2 i1 i0): register p then
+// holds rows 2p and 2p + 1 in k order.
+struct Q8Transpose {
+  alignas(64) uint16_t index[3][2][32];  // [stage][bit s of the output register][position]
+};
+
+inline const Q8Transpose& q8_transpose() {
+  static const Q8Transpose t = [] {
+    // element (i, n) -> (register, position) in layout s
+    auto bit = [](int v, int b) { return (v >> b) & 1; };
+    auto place = [&](int s, int i, int n, int& reg, int& pos) {
+      const int i0 = bit(i, 0), i1 = bit(i, 1), i2 = bit(i, 2), i3 = bit(i, 3);
+      const int n0 = bit(n, 0), n1 = bit(n, 1), n2 = bit(n, 2), n3 = bit(n, 3);
+      switch (s) {
+        case 0: reg = i3 << 2 | i2 << 1 | i1; pos = i0 << 4 | n; break;
+        case 1: reg = i3 << 2 | i2 << 1 | n1; pos = i0 << 4 | n3 << 3 | n2 << 2 | i1 << 1 | n0; break;
+        case 2: reg = i3 << 2 | n2 << 1 | n1; pos = i0 << 4 | n3 << 3 | i2 << 2 | i1 << 1 | n0; break;
+        default: reg = n3 << 2 | n2 << 1 | n1; pos = n0 << 4 | i; break;
+      }
+    };
+    Q8Transpose t;
+    for (int s = 0; s < 3; ++s)
+      for (int h = 0; h < 2; ++h) {
+        uint16_t* idx = t.index[s][h];
+        for (int i = 0; i < 16; ++i)
+          for (int n = 0; n < 16; ++n) {
+            int reg, pos, from_reg, from_pos;
+            place(s + 1, i, n, reg, pos);
+            if (bit(reg, s) != h || (reg & ~(1 << s)) != 0) continue;  // output register h << s
+            place(s, i, n, from_reg, from_pos);
+            idx[pos] = static_cast<uint16_t>(from_pos + 32 * bit(from_reg, s));
+          }
+      }
+    return t;
+  }();
+  return t;
+}
+
+SPECSPLIT_AVX512 inline void amx_dequant_block8(const uint8_t* gb, float* out, int64_t ldo, const Q8Transpose& tr) {
+  alignas(64) float ds[16];
+  alignas(64) int8_t q[512];
+  _mm512_store_ps(ds, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 512))));
+  __m512i z[8];
+  for (int p = 0; p < 8; ++p) z[p] = _mm512_loadu_si512(gb + 64 * p);
+  for (int s = 0; s < 3; ++s) {
+    const __m512i i0 = _mm512_load_si512(tr.index[s][0]), i1 = _mm512_load_si512(tr.index[s][1]);
+    for (int a = 0; a < 8; ++a)
+      if (!(a >> s & 1)) {
+        const int b = a | 1 << s;
+        const __m512i x = _mm512_permutex2var_epi16(z[a], i0, z[b]);
+        z[b] = _mm512_permutex2var_epi16(z[a], i1, z[b]);
+        z[a] = x;
+      }
+  }
+  for (int p = 0; p < 8; ++p) _mm512_store_si512(q + 64 * p, z[p]);
+  for (int n = 0; n < 16; ++n) {
+    const __m512 d = _mm512_set1_ps(ds[n]);
+    for (int h = 0; h < 2; ++h) {
+      const __m128i q8 = _mm_load_si128(reinterpret_cast<const __m128i*>(q + 32 * n + 16 * h));
+      _mm512_storeu_ps(out + n * ldo + 16 * h, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q8))));
+    }
+  }
+}
+
+// groups g0..g1 of the tiles layout -> rows 16 g0 .. 16 g1 of W [N, K]
+template <int64_t T>
+SPECSPLIT_AVX512 void amx_dequant_groups(const uint8_t* blocks, int64_t K, int64_t g0, int64_t g1, float* w) {
+  const int64_t nb = K / QK, GB = amx_group_bytes(T);
+  const Q8Transpose& tr = q8_transpose();
+  for (int64_t g = g0; g < g1; ++g)
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* gb = blocks + (g * nb + b) * GB;
+      float* out = w + 16 * g * K + b * QK;
+      if constexpr (T == Q8_0)
+        amx_dequant_block8(gb, out, K, tr);
+      else
+        amx_dequant_block4<T>(gb, out, K);
+    }
+}
+
 // blocks in the tile layout -> W [N, K] fp32: the same values as quant_dequantize of the rows
-// layout, bit for bit (any CPU)
+// layout, bit for bit (any CPU: the AVX-512 loop where there is one, as on every AMX CPU, else
+// amx_dequant_row per row)
 torch::Tensor quant_dequantize_amx(const torch::Tensor& blocks, int64_t qtype, int64_t K) {
   check_amx_blocks(blocks, qtype, K);
   const int64_t G = blocks.size(0), nb = K / QK, GB = blocks.size(1) / nb;
   auto w = torch::empty({G * 16, K}, blocks.options().dtype(at::kFloat));
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   float* wp = w.data_ptr<float>();
+  const bool avx512 = use_avx512();
   at::parallel_for(0, G, 16, [&](int64_t g0, int64_t g1) {
+    if (avx512) {
+      switch (qtype) {
+        case Q4_0: amx_dequant_groups<Q4_0>(bp, K, g0, g1, wp); break;
+        case Q4_1: amx_dequant_groups<Q4_1>(bp, K, g0, g1, wp); break;
+        default: amx_dequant_groups<Q8_0>(bp, K, g0, g1, wp); break;
+      }
+      return;
+    }
     for (int64_t g = g0; g < g1; ++g)
       for (int64_t n = 0; n < 16; ++n) amx_dequant_row(bp + g * nb * GB, qtype, nb, GB, n, wp + (16 * g + n) * K);
   });

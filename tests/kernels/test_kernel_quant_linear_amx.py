@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from specsplit.kernels import quant_linear
-from specsplit.kernels.quant_linear import TILE_TYPES, QuantWeight
+from specsplit.kernels.quant_linear import TILE_TYPES, TYPES, QuantWeight
 from tests.kernels.test_kernel_quant_linear import exact_linear, random_blocks
 
 NEEDS_KERNEL = pytest.mark.skipif(quant_linear.load() is None, reason="the quantized kernel is not built here")
@@ -77,6 +77,57 @@ def test_rows_dequantized_straight_from_tiles(qtype):
     assert torch.equal(quant_linear.dequantize_rows(w, ids), quant_linear.dequantize(w)[ids.reshape(-1)])
     with pytest.raises(RuntimeError, match="out of 64"):
         quant_linear.dequantize_rows(t, torch.tensor([64]))
+
+
+# (out, in) for the dequantizer: one group, an odd number of groups, several; one pair of blocks (the
+# fewest the tiles hold: in = 32 is refused), the model's 576 and 1536
+DEQUANT_SHAPES = [(16, 64), (16, 1536), (48, 64), (48, 576), (80, 1536), (208, 576)]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """fp32 as int32: equal means bit for bit (-0.0 apart from 0.0, NaN's payload)."""
+    return t.view(torch.int32)
+
+
+@NEEDS_KERNEL
+@pytest.mark.parametrize("qtype", TILE_TYPES)
+@pytest.mark.parametrize("shape", DEQUANT_SHAPES)
+def test_tiles_dequantize_to_the_rows_layouts_bits(qtype, shape):
+    """quant_dequantize_amx (its AVX-512 loop where the CPU has one) and the row gather: the rows
+    layout's values bit for bit, whole and for rows asked in any order."""
+    w = random_blocks(qtype, *shape, seed=11)
+    t = w.to_tiles()
+    dense = quant_linear.dequantize(w)
+    assert torch.equal(bits(quant_linear.dequantize(t)), bits(dense))
+    ids = torch.randperm(shape[0], generator=torch.Generator().manual_seed(12))
+    assert torch.equal(bits(quant_linear.dequantize_rows(t, ids)), bits(dense[ids]))
+
+
+@NEEDS_KERNEL
+@pytest.mark.parametrize("qtype", TILE_TYPES)
+def test_tiles_dequantize_any_scale_bits(qtype):
+    """Random bytes for the fp16 scales too (subnormals, -0, inf, NaN): the scalar loop's bits."""
+    g = torch.Generator().manual_seed(13)
+    raw = torch.randint(0, 256, (80, 18 * TYPES[qtype][1]), dtype=torch.uint8, generator=g)
+    w = QuantWeight.from_gguf(raw, qtype, 576)
+    scalar = quant_linear.load().quant_dequantize_scalar(w.blocks, TYPES[qtype][0], 576)
+    assert torch.equal(bits(quant_linear.dequantize(w.to_tiles())), bits(scalar))
+    assert torch.equal(bits(quant_linear.dequantize_rows(w.to_tiles(), torch.arange(79, -1, -1))), bits(scalar.flip(0)))
+
+
+@NEEDS_KERNEL
+def test_tiles_dequantize_threads_split_groups_without_changing_them():
+    """torch's threads take chunks of 16 groups (here 2.5 chunks): the bits of one thread."""
+    t = random_blocks("Q4_1", 16 * 40, 128, seed=14).to_tiles()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = quant_linear.dequantize(t)
+        torch.set_num_threads(2)
+        two = quant_linear.dequantize(t)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(bits(one), bits(two))
 
 
 def within_fp32_rounding(y: torch.Tensor, x: torch.Tensor, w: QuantWeight) -> None:
