@@ -10,18 +10,23 @@ at three.
 
 The KV cache (kv/paged_cache.py): a one-token step at context 300 / 600 / 1200 took 12.40 / 15.22
 / 18.59 ms against 12.58 / 15.58 / 19.14 ms in 4 KB pages (same Xeon, the two caches alternating
-under one model, 9 rounds).
+under one model, 9 rounds). It is zeroed at start-up (`zeros`), and with the kernel's default THP
+defrag setting ("madvise") each huge page fault may first reclaim and compact memory: the default
+server's 2.8 GiB cache took 0.5 s where free huge pages were plenty and 8.9 s after a long test run
+had filled memory with page cache (in 4 KB pages: 1.1 s). So the cache takes huge pages for
+`ZERO_BUDGET_S` of faulting and the rest in 4 KB pages, and the log says how much went where.
 
 Where the kernel has no transparent huge pages ("never", or not Linux), or SPECSPLIT_HUGE_PAGES=0,
-`into_huge_pages` gives the tensors back as they are and `empty` is torch.empty. Each buffer is one
-torch tensor, so the memory count sees it (once, with its alignment slack: at most 2 MB, plus 4 KB
-per tensor copied in).
+`into_huge_pages` gives the tensors back as they are, `empty` is torch.empty and `zeros`
+torch.zeros. Each buffer is one torch tensor, so the memory count sees it (once, with its
+alignment slack: at most 2 MB, plus 4 KB per tensor copied in).
 """
 from __future__ import annotations
 
 import ctypes
 import logging
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -34,6 +39,11 @@ HUGE_PAGE = 2 << 20
 PAGE = 4096
 MADV_HUGEPAGE = 14  # linux/mman.h
 MADV_DONTNEED = 4
+MADV_NOHUGEPAGE = 15
+# zeros(): seconds of huge page faults before the rest of the buffer goes to 4 KB pages, and the
+# bytes zeroed between two looks at the clock
+ZERO_BUDGET_S = 1.5
+ZERO_CHUNK = 64 << 20
 
 
 def available() -> bool:
@@ -72,13 +82,42 @@ def _advised_buffer(nbytes: int) -> tuple[torch.Tensor, int] | None:
 
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """torch.empty(shape, dtype) on the CPU, in huge pages where available (the KV cache)."""
+    """torch.empty(shape, dtype) on the CPU, in huge pages where available."""
     n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
     got = _advised_buffer(n) if n >= HUGE_PAGE else None
     if got is None:
         return torch.empty(shape, dtype=dtype)
     buf, start = got
     return buf[start:start + n].view(dtype).view(shape)
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, budget_s: float = ZERO_BUDGET_S,
+          what: str = "buffer") -> torch.Tensor:
+    """torch.zeros(shape, dtype) on the CPU (the KV cache), in huge pages while the kernel hands
+    them out quickly: zeroed ZERO_CHUNK bytes at a time, and once that has taken `budget_s`, the
+    rest of the buffer is advised MADV_NOHUGEPAGE and faults in as 4 KB pages (see the module's
+    docstring). Logs the split when there is one (`what` names the buffer)."""
+    n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    got = _advised_buffer(n) if n >= HUGE_PAGE else None
+    if got is None:
+        return torch.zeros(shape, dtype=dtype)
+    buf, start = got
+    flat = buf[start:start + n]
+    t0, done = time.perf_counter(), 0
+    while done < n:
+        if time.perf_counter() - t0 > budget_s:
+            libc = ctypes.CDLL(None, use_errno=True)
+            refused = libc.madvise(ctypes.c_void_p(flat.data_ptr() + done), ctypes.c_size_t(n - done), MADV_NOHUGEPAGE)
+            flat[done:].zero_()
+            log.info("huge pages: %s of %.2f GiB: %.2f GiB in huge pages in %.1f s, the rest in %s (%.1f s in all)",
+                     what, n / 2**30, done / 2**30, budget_s,
+                     f"huge pages too (madvise refused: errno {ctypes.get_errno()})" if refused else "4 KB pages",
+                     time.perf_counter() - t0)
+            break
+        end = min(n, done + ZERO_CHUNK)
+        flat[done:end].zero_()
+        done = end
+    return flat.view(dtype).view(shape)
 
 
 def into_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -32,7 +32,7 @@ class PagedKVCache:
         shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
         if self.device.type == "cpu":  # in huge pages where the machine has them: a step at context
             # 300 / 600 / 1200 took 12.40 / 15.22 / 18.59 ms against 12.58 / 15.58 / 19.14 in 4 KB pages
-            self.data = huge_pages.empty(shape, dtype).zero_()
+            self.data = huge_pages.zeros(shape, dtype, what="KV cache")
         else:
             self.data = torch.zeros(shape, dtype=dtype, device=self.device)
         # each layer's (k, v) views, made once: a step asks for all of them (two index ops each)

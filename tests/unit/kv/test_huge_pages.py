@@ -84,3 +84,27 @@ def test_a_buffer_after_freed_heap_memory_is_still_in_huge_pages():
                          cwd=str(__import__("pathlib").Path(__file__).resolve().parents[3]))
     assert out.returncode == 0, out.stderr
     assert int(out.stdout.split()[-1]) >= 2048
+
+
+def test_zeros_takes_huge_pages_within_its_budget_and_4k_pages_past_it(caplog):
+    """The KV cache's buffer: zeroed, in huge pages while zeroing stays within the budget; with no
+    budget left, the rest is advised out of huge pages (the log says so) and is still all zeros."""
+    if not huge_pages.available():
+        pytest.skip("no transparent huge pages on this machine")
+    shape = (3, 1 << 20)  # 12 MB
+    t = huge_pages.zeros(shape, torch.float32)  # the default budget: seconds for 12 MB
+    assert t.shape == shape and t.dtype == torch.float32 and not bool(t.any())
+    assert anon_huge_kb(t.data_ptr()) >= 2048
+    with caplog.at_level("INFO", logger=huge_pages.__name__):
+        late = huge_pages.zeros(shape, torch.float32, budget_s=-1.0, what="test cache")
+    assert late.shape == shape and not bool(late.any())
+    assert anon_huge_kb(late.data_ptr()) == 0
+    assert "test cache of 0.01 GiB: 0.00 GiB in huge pages" in caplog.text and "the rest in 4 KB pages" in caplog.text
+    late.fill_(1.0)  # faulted in now, as 4 KB pages
+    assert anon_huge_kb(late.data_ptr()) == 0
+
+
+def test_zeros_switched_off_is_torch_zeros(monkeypatch):
+    monkeypatch.setenv(huge_pages.ENV_SWITCH, "0")
+    t = huge_pages.zeros((3, 1 << 20), torch.float32)
+    assert t.shape == (3, 1 << 20) and not bool(t.any())
