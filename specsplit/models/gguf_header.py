@@ -69,7 +69,10 @@ class GGUFHeader:
         self._pos = 4
         version = self._scalar("<I")
         if version not in (2, 3):
-            raise GGUFFormatError(f"{self.path}: GGUF version {version}; this reader reads versions 2 and 3")
+            swapped = int.from_bytes(version.to_bytes(4, "little"), "big")
+            raise GGUFFormatError(f"{self.path}: " + ("a big-endian GGUF file; this reader reads little-endian ones"
+                                                      if swapped in (2, 3) else
+                                                      f"GGUF version {version}; this reader reads versions 2 and 3"))
         n_tensors, n_meta = self._scalar("<Q"), self._scalar("<Q")
         self.metadata: dict[str, int | float | bool | str | None] = {}
         for _ in range(n_meta):

@@ -111,3 +111,13 @@ def test_an_unknown_version_is_refused(tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(GGUFFormatError, match="GGUF version 9"):
         GGUFHeader(path)
+
+
+def test_a_big_endian_file_is_named_as_such(tmp_path):
+    path = tmp_path / "t.gguf"
+    write(path)
+    data = bytearray(path.read_bytes())
+    data[4:8] = (3).to_bytes(4, "big")
+    path.write_bytes(bytes(data))
+    with pytest.raises(GGUFFormatError, match="a big-endian GGUF file"):
+        GGUFHeader(path)
