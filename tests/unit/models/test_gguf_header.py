@@ -87,6 +87,9 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path):
     path.write_bytes(b"GGML" + bytes(64))
     with pytest.raises(GGUFFormatError, match=r"not\.gguf: not a GGUF file"):
         GGUFHeader(path)
+    path.write_bytes(b"")
+    with pytest.raises(GGUFFormatError, match=r"not\.gguf: not a GGUF file \(0 bytes\)"):
+        GGUFHeader(path)
 
 
 def test_a_file_cut_short_is_refused(tmp_path):
@@ -103,21 +106,13 @@ def test_a_file_cut_short_is_refused(tmp_path):
         GGUFHeader(cut)
 
 
-def test_an_unknown_version_is_refused(tmp_path):
+@pytest.mark.parametrize("version, message", [((9).to_bytes(4, "little"), "GGUF version 9;"),
+                                              ((3).to_bytes(4, "big"), "a big-endian GGUF file")])
+def test_an_unknown_version_or_byte_order_is_refused(tmp_path, version, message):
     path = tmp_path / "t.gguf"
     write(path)
     data = bytearray(path.read_bytes())
-    data[4:8] = (9).to_bytes(4, "little")
+    data[4:8] = version
     path.write_bytes(bytes(data))
-    with pytest.raises(GGUFFormatError, match="GGUF version 9"):
-        GGUFHeader(path)
-
-
-def test_a_big_endian_file_is_named_as_such(tmp_path):
-    path = tmp_path / "t.gguf"
-    write(path)
-    data = bytearray(path.read_bytes())
-    data[4:8] = (3).to_bytes(4, "big")
-    path.write_bytes(bytes(data))
-    with pytest.raises(GGUFFormatError, match="a big-endian GGUF file"):
+    with pytest.raises(GGUFFormatError, match=message):
         GGUFHeader(path)
