@@ -42,6 +42,7 @@ TILE_ROWS = 16  # output features per group of the tiles layout
 TILE_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # the types the AMX loop runs
 BLOCK = 32  # weights per block
 GREEDY_MAX_ROWS = 3  # greedy(): kernels/cpu/quant_linear.cpp's GREEDY_MAX_ROWS
+GREEDY_MAX_ROWS_TILES = 5  # greedy() of a head in tiles: its GREEDY_MAX_ROWS_TILES (the AMX loop's one pass)
 # name -> (ggml type id, bytes per block of 32 weights)
 TYPES: dict[str, tuple[int, int]] = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
 SCALE_BYTES = {"Q4_0": 2, "Q4_1": 4, "Q8_0": 2}  # the fp16 d (and m) at the start of a file block
@@ -290,10 +291,10 @@ def greedy(x: torch.Tensor, w: QuantWeight, copy: GroupCopy, avx512: bool | None
     those are computed exactly (kernels/cpu/quant_linear.cpp, "The greedy token of a Q8_0 head").
     The bound pass runs the VNNI loop where uses_vnni(), else the AVX2 one (avx512=False forces it,
     and the AVX2 loop of `linear` for the exact rows). None where it cannot answer (not a Q8_0
-    weight, M > 3, or the bound too loose): the caller computes the logits. A head in the tiles
-    layout takes its candidates' groups through the AMX loop `linear` runs on it (avx512 is then
-    ignored: the tiles run only where AMX and AVX-512 do)."""
-    if w.qtype != "Q8_0" or not 1 <= x.shape[0] <= GREEDY_MAX_ROWS:
+    weight, M > 3 (tiles: M > 5), or the bound too loose): the caller computes the logits. A head
+    in the tiles layout takes its candidates' groups through the AMX loop `linear` runs on it
+    (avx512 is then ignored: the tiles run only where AMX and AVX-512 do)."""
+    if w.qtype != "Q8_0" or not 1 <= x.shape[0] <= (GREEDY_MAX_ROWS_TILES if w.layout == "tiles" else GREEDY_MAX_ROWS):
         return None
     if w.layout == "tiles":
         ids = load().quant_greedy_amx(x, w.blocks, TYPES[w.qtype][0], copy.groups, copy.cmax)

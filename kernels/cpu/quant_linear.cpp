@@ -330,6 +330,9 @@ void run(const float* x, int64_t M, int64_t K, const uint8_t* blocks, int64_t N,
 // AVX2 int8 loop's dot products (greedy_bounds_avx2); the exact rows then run the loop
 // quant_linear runs there (rows_avx2, or rows_avx512 on an AVX-512 CPU without VNNI).
 constexpr int GREEDY_MAX_ROWS = 3;  // rows_avx512's passes (4+ rows pair output rows: bits shift)
+// a head in the tiles layout: the AMX loop's one pass (AMX_TOKENS), whose rows' bits do not depend
+// on how many rows it holds
+constexpr int GREEDY_MAX_ROWS_TILES = 5;
 constexpr int64_t GREEDY_MAX_CANDIDATES = 4096;
 constexpr float BOUND_SLACK = 1.05f;
 
@@ -1261,8 +1264,9 @@ torch::Tensor quant_greedy_amx(const torch::Tensor& x_in, const torch::Tensor& b
   check_amx_blocks(blocks, qtype, K);
   TORCH_CHECK(amx_ready(), "quant_greedy (tiles): this CPU or kernel has no AMX-BF16");
   check_greedy_copy(groups, cmax, N, K, "quant_greedy (tiles)");
-  if (qtype != Q8_0 || M < 1 || M > GREEDY_MAX_ROWS || N < 1) return torch::empty({0}, torch::kLong);
+  if (qtype != Q8_0 || M < 1 || M > GREEDY_MAX_ROWS_TILES || N < 1) return torch::empty({0}, torch::kLong);
 #ifdef SPECSPLIT_HAVE_AMX
+  static_assert(GREEDY_MAX_ROWS_TILES <= AMX_TOKENS, "the candidates' rows in one pass of the AMX loop");
   const torch::Tensor x = x_in.contiguous();
   const float* xp = x.data_ptr<float>();
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
@@ -1288,7 +1292,9 @@ torch::Tensor quant_greedy_amx(const torch::Tensor& x_in, const torch::Tensor& b
   switch (M) {
     case 1: return greedy_rows<1>(xp, K, gp, cp, N, vnni, exact);
     case 2: return greedy_rows<2>(xp, K, gp, cp, N, vnni, exact);
-    default: return greedy_rows<3>(xp, K, gp, cp, N, vnni, exact);
+    case 3: return greedy_rows<3>(xp, K, gp, cp, N, vnni, exact);
+    case 4: return greedy_rows<4>(xp, K, gp, cp, N, vnni, exact);
+    default: return greedy_rows<5>(xp, K, gp, cp, N, vnni, exact);
   }
 #else
   return torch::empty({0}, torch::kLong);

@@ -104,7 +104,7 @@ NEEDS_AMX = pytest.mark.skipif(not quant_linear.uses_amx(), reason="no AMX-BF16 
 @NEEDS_AMX
 @pytest.mark.parametrize("k", [64, 576])
 @pytest.mark.parametrize("n", [16, 1008, 4096])
-@pytest.mark.parametrize("m", [1, 2, 3])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5])
 def test_a_head_in_tiles_gives_the_argmax_of_its_amx_linear(m, n, k):
     """The candidates' groups of 16 rows through the AMX loop: the ids of the whole tiled head's logits."""
     w = random_blocks("Q8_0", n, k, seed=n + k + 1)
@@ -137,4 +137,8 @@ def test_a_head_in_tiles_breaks_ties_and_near_ties_as_its_logits_do():
     y = quant_linear.linear(x, near)
     assert sorted(y[0].topk(4).indices.tolist()) == sorted([best, 7, 900, 2047])
     assert torch.equal(quant_linear.greedy(x, near, quant_linear.greedy_copy(near)), y.max(dim=-1).indices)
-    assert quant_linear.greedy(torch.randn(4, 576), near, quant_linear.greedy_copy(near)) is None  # 4+ rows: the logits
+    x5 = torch.cat([x, torch.randn(3, 576, generator=torch.Generator().manual_seed(4))])
+    x5[:, 100] = 1e-6
+    assert torch.equal(quant_linear.greedy(x5, near, quant_linear.greedy_copy(near)),
+                       quant_linear.linear(x5, near).max(dim=-1).indices)  # 5 rows: the AMX loop's one pass
+    assert quant_linear.greedy(torch.randn(6, 576), near, quant_linear.greedy_copy(near)) is None  # 6+ rows: the logits
