@@ -1,6 +1,6 @@
 """Transparent huge pages on the CPU: the quantized blocks a decode step streams, copied into one
 buffer that the kernel backs with 2 MB pages (madvise(MADV_HUGEPAGE) before the first touch), and
-the paged KV cache allocated the same way (`empty`).
+the paged KV cache allocated the same way (`zeros`).
 
 A decode step of SmolLM2-135M Q4_1 reads ~96 MB of blocks once each. In 4 KB pages that is ~24,000
 pages a step: a TLB miss at each, and the hardware prefetchers stop at every page boundary.
@@ -17,8 +17,7 @@ had filled memory with page cache (in 4 KB pages: 1.1 s). So the cache takes hug
 `ZERO_BUDGET_S` of faulting and the rest in 4 KB pages, and the log says how much went where.
 
 Where the kernel has no transparent huge pages ("never", or not Linux), or SPECSPLIT_HUGE_PAGES=0,
-`into_huge_pages` gives the tensors back as they are, `empty` is torch.empty and `zeros`
-torch.zeros. Each buffer is one torch tensor, so the memory count sees it (once, with its
+`into_huge_pages` gives the tensors back as they are and `zeros` is torch.zeros. Each buffer is one torch tensor, so the memory count sees it (once, with its
 alignment slack: at most 2 MB, plus 4 KB per tensor copied in).
 """
 from __future__ import annotations
@@ -79,16 +78,6 @@ def _advised_buffer(nbytes: int) -> tuple[torch.Tensor, int] | None:
         log.info("huge pages: madvise refused (errno %d); 4 KB pages", ctypes.get_errno())
         return None
     return buf, start
-
-
-def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """torch.empty(shape, dtype) on the CPU, in huge pages where available."""
-    n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    got = _advised_buffer(n) if n >= HUGE_PAGE else None
-    if got is None:
-        return torch.empty(shape, dtype=dtype)
-    buf, start = got
-    return buf[start:start + n].view(dtype).view(shape)
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, budget_s: float = ZERO_BUDGET_S,

@@ -45,21 +45,20 @@ def test_switched_off_gives_the_tensors_back(monkeypatch):
     assert huge_pages.into_huge_pages([]) == []
 
 
-def test_empty_and_the_kv_cache_are_in_huge_pages():
+def test_zeros_and_the_kv_cache_are_in_huge_pages():
     if not huge_pages.available():
         pytest.skip("no transparent huge pages on this machine")
     from specsplit.kv.paged_cache import PagedKVCache
 
-    t = huge_pages.empty((3, 1 << 20), torch.float32)  # 12 MB
+    t = huge_pages.zeros((3, 1 << 20), torch.float32)  # 12 MB
     assert t.shape == (3, 1 << 20) and t.dtype == torch.float32 and t.data_ptr() % huge_pages.HUGE_PAGE == 0
-    t.fill_(1.0)
     assert anon_huge_kb(t.data_ptr()) >= 2048
     cache = PagedKVCache(num_layers=2, num_blocks=64, block_size=16, num_kv_heads=4, head_dim=64,
                          dtype=torch.float32, device="cpu")  # 4 MB
     assert cache.data.data_ptr() % huge_pages.HUGE_PAGE == 0 and not bool(cache.data.any())
     assert anon_huge_kb(cache.data.data_ptr()) >= 2048
-    small = huge_pages.empty((10,), torch.float32)  # under one huge page: plain torch.empty
-    assert small.shape == (10,)
+    small = huge_pages.zeros((10,), torch.float32)  # under one huge page: plain torch.zeros
+    assert small.shape == (10,) and not bool(small.any())
 
 
 def test_a_buffer_after_freed_heap_memory_is_still_in_huge_pages():
@@ -77,7 +76,7 @@ def test_a_buffer_after_freed_heap_memory_is_still_in_huge_pages():
         "from specsplit.kv import huge_pages\n"
         "x = torch.ones(20 << 20, dtype=torch.uint8); del x\n"  # mmapped, freed: the threshold rises to 20 MB
         "y = torch.ones(16 << 20, dtype=torch.uint8); del y\n"  # from the heap now: touched, freed
-        "t = huge_pages.empty((12 << 20,), torch.uint8); t.fill_(1)\n"
+        "t = huge_pages.zeros((12 << 20,), torch.uint8)\n"
         "from tests.unit.kv.test_huge_pages import anon_huge_kb\n"
         "print(anon_huge_kb(t.data_ptr()))\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
