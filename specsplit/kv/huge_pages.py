@@ -55,6 +55,12 @@ def available() -> bool:
         return False
 
 
+def _madvise(addr: int, length: int, advice: int) -> int:
+    """madvise(2) on [addr, addr + length): 0, or the errno of its refusal."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    return 0 if libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), advice) == 0 else ctypes.get_errno()
+
+
 def _advised_buffer(nbytes: int) -> tuple[torch.Tensor, int] | None:
     """A uint8 buffer holding `nbytes` from a 2 MB boundary, advised MADV_HUGEPAGE with none of
     those pages backed yet: (buffer, offset of that boundary), or None where huge pages are not
@@ -70,12 +76,11 @@ def _advised_buffer(nbytes: int) -> tuple[torch.Tensor, int] | None:
         return None
     buf = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)  # a torch tensor: the memory meters see it
     start = -buf.data_ptr() % HUGE_PAGE  # the first 2 MB boundary inside it
-    libc = ctypes.CDLL(None, use_errno=True)
-    where = ctypes.c_void_p(buf.data_ptr() + start)
-    whole_pages = ctypes.c_size_t(nbytes // PAGE * PAGE)  # DONTNEED must not reach past the buffer
-    if (libc.madvise(where, ctypes.c_size_t(nbytes), MADV_HUGEPAGE) != 0
-            or libc.madvise(where, whole_pages, MADV_DONTNEED) != 0):
-        log.info("huge pages: madvise refused (errno %d); 4 KB pages", ctypes.get_errno())
+    where = buf.data_ptr() + start
+    # DONTNEED over whole pages only: it must not reach past the buffer
+    refused = _madvise(where, nbytes, MADV_HUGEPAGE) or _madvise(where, nbytes // PAGE * PAGE, MADV_DONTNEED)
+    if refused:
+        log.info("huge pages: madvise refused (errno %d); 4 KB pages", refused)
         return None
     return buf, start
 
@@ -95,12 +100,11 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, budget_s: float = ZERO_BUD
     t0, done = time.perf_counter(), 0
     while done < n:
         if time.perf_counter() - t0 > budget_s:
-            libc = ctypes.CDLL(None, use_errno=True)
-            refused = libc.madvise(ctypes.c_void_p(flat.data_ptr() + done), ctypes.c_size_t(n - done), MADV_NOHUGEPAGE)
+            refused = _madvise(flat.data_ptr() + done, n - done, MADV_NOHUGEPAGE)
             flat[done:].zero_()
             log.info("huge pages: %s of %.2f GiB: %.2f GiB in huge pages in %.1f s, the rest in %s (%.1f s in all)",
                      what, n / 2**30, done / 2**30, budget_s,
-                     f"huge pages too (madvise refused: errno {ctypes.get_errno()})" if refused else "4 KB pages",
+                     f"huge pages too (madvise refused: errno {refused})" if refused else "4 KB pages",
                      time.perf_counter() - t0)
             break
         end = min(n, done + ZERO_CHUNK)
