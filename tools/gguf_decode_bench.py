@@ -111,9 +111,11 @@ def load_arm(model: str, arm: str):
         return load_model(model, show_progress=False, weights=weights).model
 
 
-def served_arms(model: str, weights: str, num_prompts: int, new_tokens: int) -> dict:
+def served_arms(model: str, arm_name: str, num_prompts: int, new_tokens: int) -> dict:
     """name -> one round of that arm (decode tok/s after the first token over the held-out
-    prompts): the target alone and with its default draft and flags, through SpecDecoder."""
+    prompts): the target alone and with its default draft and flags, through SpecDecoder, both
+    loaded under the weights arm's switches (native-rows: the rows layout, ...)."""
+    from specsplit.bench import weights_arms
     from specsplit.bench.arms import generate_timed
     from specsplit.bench.suite import heldout_prompts
     from specsplit.config import EngineConfig, SpecConfig
@@ -124,9 +126,10 @@ def served_arms(model: str, weights: str, num_prompts: int, new_tokens: int) -> 
         return EngineConfig(model=name, weights=weights, max_model_len=1024, max_num_seqs=1, prefix_caching=False)
 
     draft = resolve_draft(model, None)
-    base = build_colocated(cfg(model), None, SpecConfig(num_speculative_tokens=0), show_progress=False)
     flags = argparse.Namespace(num_speculative_tokens=None, device="cpu")  # `specsplit serve`'s defaults
-    spec = build_colocated(cfg(model), cfg(draft), spec_config(flags, draft), show_progress=False)
+    with weights_arms.loading(arm_name) as weights:
+        base = build_colocated(cfg(model), None, SpecConfig(num_speculative_tokens=0), show_progress=False)
+        spec = build_colocated(cfg(model), cfg(draft), spec_config(flags, draft), show_progress=False)
     prompts = heldout_prompts(base.tokenizer, num_prompts, 512, chat=True)
 
     def arm(colo):
