@@ -13,8 +13,9 @@ Vocabulary:
           c_j = d_j / d_{j-1} (the bonus or recovered token always comes).
   R(k)    verify rows per sequence: 1 + d_0 + ... + d_{k-1}.
   T(k)    the step's time: the verifier's calibrated forward of R(k) rows per sequence at this
-          batch size (interpolated between whole rows), plus drafting (k model tokens, or `model_tokens` of them when prompt lookup
-          drafts first), plus the network round trips in split mode.
+          batch size (interpolated between whole rows), plus drafting (a model forward per draft
+          sent, R(k) - 1 <= k, or at most `model_tokens` of them when prompt lookup drafts first),
+          plus the network round trips in split mode.
           With asynchronous pre-drafting (specsplit.spec) drafting is paid only when some
           sequence's pre-drafted branch missed: with probability 1 - prod_s h_s(k), where
           h_s(k) = a_0 ... a_{k-1} a_k (every draft accepted, then the bonus guessed, taken as
@@ -84,10 +85,15 @@ class Acceptance:
         return (acc + prior * self.prior_weight) / (tried + self.prior_weight)
 
     def drafted_rate(self, j: int) -> float:
-        """d_j: the chance position j is drafted when asked for (a prior of one full chain)."""
-        asked = self.asked[j] if j < len(self.asked) else 0
-        drafted = self.drafted[j] if j < len(self.drafted) else 0
-        return (drafted + 1.0) / (asked + 1.0)
+        """d_j: the chance position j is drafted when asked for (a prior of one full chain). A chain
+        drafts position j only after j - 1, so d_j is at most d_{j-1}: a position never asked for
+        yet reads as likely as the one before it, not certain."""
+        d = 1.0
+        for i in range(j + 1):
+            asked = self.asked[i] if i < len(self.asked) else 0
+            drafted = self.drafted[i] if i < len(self.drafted) else 0
+            d = min(d, (drafted + 1.0) / (asked + 1.0))
+        return d
 
     def expected_rows(self, k: int) -> float:
         """R(k): verify rows per sequence when k drafts are asked for."""
@@ -230,12 +236,14 @@ class KPolicy:
         """Seconds of one step: the verify call, and with k > 0 the propose call (split mode: one
         network round trip each). hit: the chance that no sequence needs drafting just in time
         (asynchronous pre-drafting; 0 in lockstep). rows: verify rows per sequence (R(k); default
-        k + 1); a drafter that stops early also computes fewer draft forwards (about R(k))."""
+        k + 1); a drafter that stops early also computes fewer draft forwards: one per draft it
+        sends, R(k) - 1 (the verify's first row is the last accepted token, which it did not draft)."""
         rows = float(k + 1) if rows is None else min(float(k + 1), max(1.0, rows))
         verify = self._verify_s(batch, rows) + self.costs.network_s
         t = verify
         if k > 0:
-            drafted = (min(k, rows) if self.model_tokens is None else min(k, rows, self.model_tokens)) * self.model_fraction
+            drafts = rows - 1.0
+            drafted = (drafts if self.model_tokens is None else min(drafts, self.model_tokens)) * self.model_fraction
             just_in_time = drafted * self.costs.draft_s(batch) + self.costs.network_s
             if not self.async_draft:
                 return t + just_in_time

@@ -76,6 +76,49 @@ def test_a_drafter_that_stops_early_is_priced_by_the_rows_it_drafts():
     assert rates[3] == pytest.approx(rates[2], rel=0.02)
 
 
+def test_a_drafter_that_stops_early_pays_one_draft_forward_per_draft_it_sends():
+    """The verify's first row is the last accepted token, so R(k) rows carry R(k) - 1 drafts: a
+    head asked for 3 that sends 2 pays for 2 draft forwards, not 3 (the policy charged R(k) until
+    the twenty-second session, a forward too many wherever the head stopped early)."""
+    stops = Acceptance()
+    for _ in range(40):
+        stops.update(2, 2, asked=3)
+    rows = stops.expected_rows(3)  # 3 + 1/41
+    policy = KPolicy(_costs([1.0, 1.35, 1.7, 2.05], draft=0.2), max_k=3)
+    assert policy.step_time(1, 3, rows=rows) == pytest.approx(1.7 + 0.35 / 41 + (rows - 1) * 0.2)
+    assert policy.step_time(1, 3) == pytest.approx(2.05 + 3 * 0.2)  # a full chain: k drafts
+    assert policy.step_time(1, 1, rows=stops.expected_rows(1)) == policy.step_time(1, 1) == pytest.approx(1.35 + 0.2)
+
+
+def test_a_position_never_asked_for_is_drafted_as_often_as_the_one_before():
+    """A chain drafts position j only after j - 1: where the K policy never asked for a third
+    draft, d_2 reads as d_1 (a head that sends a second draft 30% of the time sends a third at most
+    that often), not as a certain full chain."""
+    a = Acceptance()
+    for i in range(100):
+        a.update(2 if i % 10 < 3 else 1, 0, asked=2)
+    assert a.drafted_rate(1) == pytest.approx(31 / 101)
+    assert a.drafted_rate(2) == a.drafted_rate(1)  # never asked: not 1.0
+    assert a.expected_rows(3) == pytest.approx(1 + 1 + 2 * 31 / 101)
+
+
+def test_a_head_that_stops_early_is_asked_for_its_whole_chain_where_rows_are_cheap():
+    """The twenty-second session's served steps on an AMX Xeon (one thread, batch 1, the default
+    EAGLE-3 head + prompt lookup, 6 held-out prompts x 64 tokens): the verify 11.8 ms with
+    v(1..4) = 1, 1.05, 1.18, 1.24, a drafted token 1.21 ms; asked for 3 the head sent a second
+    draft 52% and a third 34% of the time, accepted at 0.63, 0.68, 0.92. Fixed K = 3 ran at 128
+    tok/s, the policy before the fix at 117-120 (it asked for 1 draft at 190 of 231 steps); the
+    policy now asks for 3, as the fixed K did."""
+    v = [1.0, 1.05, 1.18, 1.24]
+    costs = StepCosts(verify={(1, k + 1): 0.0118 * v[k] for k in range(4)}, draft={1: 0.00121})
+    # that run's counts: of 185 steps asked for 3, 179 sent a first draft, 96 a second, 61 a third
+    head = Acceptance(tried=[179, 72, 37], accepted=[113, 49, 34], asked=[185, 183, 180], drafted=[179, 96, 61])
+    policy = KPolicy(costs, max_k=3)
+    rates = policy.rates([head])
+    assert policy.choose([head]) == 3
+    assert rates[3] > rates[1] * 1.03
+
+
 @pytest.mark.parametrize("rate", [0.0, 0.3, 0.6, 0.9])
 @pytest.mark.parametrize("v", [[1.0, 1.05, 1.1, 1.15, 1.2], [1.0, 1.7, 2.2, 2.4, 2.6], [1.0, 1.2, 1.5, 2.5, 3.0]])
 @pytest.mark.parametrize("batch", [1, 4])
