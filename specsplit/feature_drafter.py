@@ -217,6 +217,10 @@ class FeatureDrafter(DrafterTraits):
                     break  # nothing in the draft vocabulary continues the grammar: the chain ends
                 if s.params.greedy:
                     t = int(greedy_ids(full[0]))
+                    if self.stop_below > 0 and r.k > 1:  # the same stop, on the masked distribution's top-1
+                        sure *= runner_up(full[0])[0]
+                        if j > 0 and sure < self.stop_below:
+                            break
                 else:
                     t = sample_drafts([s], [full], {0: q_x}, {0: rows}, [0])[0]
             elif s.params.greedy:  # the argmax over the draft vocabulary is the one over all (q = 0 elsewhere)

@@ -153,6 +153,31 @@ def test_eagle3_head_drafts_inside_the_grammar(tiny_llama, tiny_llama_logits, re
     colo.close()
 
 
+def test_eagle3_head_stops_inside_the_grammar_where_unsure(tiny_llama, tiny_llama_logits, references, tmp_path):
+    """SpecConfig.draft_stop with a grammar: the head's greedy chain ends where the product of the
+    masked distribution's top-1 probabilities falls below the threshold, as without one (before the
+    twenty-second session a request with a grammar always drafted the step's K). At 1.0 only forced
+    tokens (one allowed, top-1 probability 1) extend a chain past its first draft; the output is the
+    constrained target's either way."""
+    from tests.helpers.eagle3 import write_tiny_head
+
+    head = write_tiny_head(tmp_path, torch.arange(3, 256))
+    params = CASES["grammar"]
+    proposed = {}
+    for stop in (0.0, 1.0):
+        reqs = _requests(params)
+        tc = EngineConfig(model=str(tiny_llama), max_model_len=MAX_LEN, max_num_seqs=8)
+        colo = build_colocated(tc, EngineConfig(model=str(head), max_model_len=MAX_LEN, max_num_seqs=8),
+                               SpecConfig(num_speculative_tokens=3, k_policy="fixed", draft_stop=stop), show_progress=False)
+        assert colo.drafter.stop_below == stop
+        chains, _ = _record_chains(colo.drafter)
+        states = Scheduler(colo.decoder, colo.eos_token_ids, 8).run(reqs)
+        _assert_inside_the_grammar_and_exact(chains, reqs, states, params, references, tiny_llama_logits)
+        proposed[stop] = (sum(s.proposed for s in states), sum(s.speculative_steps for s in states))
+        colo.close()
+    assert proposed[1.0][0] < proposed[0.0][0] * proposed[1.0][1] / proposed[0.0][1], proposed  # fewer drafts a step
+
+
 def _record_chains(fd) -> tuple[list, list]:
     """Wraps a feature drafter's propose: (each proposed sequence's output + chain after the call,
     whether it had a draft grammar), filled as it drafts."""
