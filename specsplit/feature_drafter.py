@@ -210,19 +210,21 @@ class FeatureDrafter(DrafterTraits):
         sure = 1.0  # product of the chain's top-1 probabilities (greedy)
         for j in range(r.k):
             mask = self._mask(s)
-            if mask is not None:  # the grammar's tokens only (q is the masked distribution)
+            if mask is not None and s.params.greedy:  # the grammar's tokens of the draft vocabulary only
+                sub = self.head.logits(h)[0].float().masked_fill(~self._allowed(mask), float("-inf"))  # [Vd]
+                if not bool(torch.isfinite(sub).any()):
+                    break  # nothing in the draft vocabulary continues the grammar: the chain ends
+                t = int(self.head.draft_ids[greedy_ids(sub)])
+                if self.stop_below > 0 and r.k > 1:  # the same stop, on the masked distribution's top-1
+                    sure *= runner_up(sub)[0]
+                    if j > 0 and sure < self.stop_below:
+                        break
+            elif mask is not None:  # sampled: q is the masked distribution over the whole vocabulary
                 full = self._full_logits(h)
                 apply_masks(full, mask)
                 if not bool(torch.isfinite(full).any()):
-                    break  # nothing in the draft vocabulary continues the grammar: the chain ends
-                if s.params.greedy:
-                    t = int(greedy_ids(full[0]))
-                    if self.stop_below > 0 and r.k > 1:  # the same stop, on the masked distribution's top-1
-                        sure *= runner_up(full[0])[0]
-                        if j > 0 and sure < self.stop_below:
-                            break
-                else:
-                    t = sample_drafts([s], [full], {0: q_x}, {0: rows}, [0])[0]
+                    break
+                t = sample_drafts([s], [full], {0: q_x}, {0: rows}, [0])[0]
             elif s.params.greedy:  # the argmax over the draft vocabulary is the one over all (q = 0 elsewhere)
                 sub = self.head.logits(h)[0]  # [Vd]
                 t = int(self.head.draft_ids[greedy_ids(sub)])
@@ -249,6 +251,13 @@ class FeatureDrafter(DrafterTraits):
         """The bitmask [1, W] of the tokens the sequence's grammar allows after its output and chain;
         None: no grammar, or a chain the matcher refuses (unmasked: the verifier cuts)."""
         return draft_mask(s.grammar, s.tokens[s.prompt_len:] + s.drafted)
+
+    def _allowed(self, mask: torch.Tensor) -> torch.Tensor:
+        """mask [1, W] int32, the grammar's bitmask (token i in bit i % 32 of word i // 32, as
+        apply_masks reads it) -> [Vd] bool: the draft vocabulary's tokens it allows. A greedy draft
+        needs only these, not the [V] logits apply_masks would mask."""
+        ids = self.head.draft_ids
+        return ((mask[0, ids // 32] >> (ids % 32)) & 1).bool()
 
     def _full_logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [1, H] -> [1, V] float32 logits, -inf outside the draft vocabulary (q = 0 there)."""

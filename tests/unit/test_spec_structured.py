@@ -178,6 +178,33 @@ def test_eagle3_head_stops_inside_the_grammar_where_unsure(tiny_llama, tiny_llam
     assert proposed[1.0][0] < proposed[0.0][0] * proposed[1.0][1] / proposed[0.0][1], proposed  # fewer drafts a step
 
 
+def test_eagle3_head_reads_the_grammar_mask_on_its_draft_vocabulary(tiny_llama, tmp_path):
+    """A greedy draft under a grammar masks the head's draft-vocabulary logits only
+    (FeatureDrafter._allowed), not [V] logits: the tokens it allows are exactly those the whole
+    vocabulary's mask (apply_masks) leaves finite, on random bitmasks (bit 31 set included)."""
+    from specsplit.sampling.grammar import apply_masks
+    from tests.helpers.eagle3 import write_tiny_head
+
+    head = write_tiny_head(tmp_path, torch.arange(3, 200))
+    tc = EngineConfig(model=str(tiny_llama), max_model_len=MAX_LEN, max_num_seqs=8)
+    colo = build_colocated(tc, EngineConfig(model=str(head), max_model_len=MAX_LEN, max_num_seqs=8),
+                           SpecConfig(num_speculative_tokens=3, k_policy="fixed"), show_progress=False)
+    fd = colo.drafter
+    vocab = fd.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    for density in (0.02, 0.5, 0.98):
+        bits = torch.rand(vocab, generator=gen) < density
+        words = torch.zeros(-(-vocab // 32), dtype=torch.int64)
+        for i in torch.nonzero(bits).flatten().tolist():
+            words[i // 32] |= 1 << (i % 32)
+        mask = (words - (words >= 2**31) * 2**32).to(torch.int32).view(1, -1)  # int32 words, as the compiler fills them
+        full = torch.zeros(1, vocab)
+        apply_masks(full, mask)
+        assert torch.equal(fd._allowed(mask), torch.isfinite(full[0, fd.head.draft_ids]))
+        assert torch.equal(fd._allowed(mask), bits[fd.head.draft_ids])
+    colo.close()
+
+
 def _record_chains(fd) -> tuple[list, list]:
     """Wraps a feature drafter's propose: (each proposed sequence's output + chain after the call,
     whether it had a draft grammar), filled as it drafts."""
