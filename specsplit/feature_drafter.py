@@ -210,30 +210,25 @@ class FeatureDrafter(DrafterTraits):
         sure = 1.0  # product of the chain's top-1 probabilities (greedy)
         for j in range(r.k):
             mask = self._mask(s)
-            if mask is not None and s.params.greedy:  # the grammar's tokens of the draft vocabulary only
-                sub = self.head.logits(h)[0].float().masked_fill(~self._allowed(mask), float("-inf"))  # [Vd]
-                if not bool(torch.isfinite(sub).any()):
-                    break  # nothing in the draft vocabulary continues the grammar: the chain ends
+            if s.params.greedy:  # the argmax over the draft vocabulary is the one over all (q = 0 elsewhere)
+                sub = self.head.logits(h)[0]  # [Vd]
+                if mask is not None:  # the grammar's tokens of the draft vocabulary only
+                    sub = sub.float().masked_fill(~self._allowed(mask), float("-inf"))
+                    if not bool(torch.isfinite(sub).any()):
+                        break  # nothing in the draft vocabulary continues the grammar: the chain ends
                 t = int(self.head.draft_ids[greedy_ids(sub)])
-                if self.stop_below > 0 and r.k > 1:  # the same stop, on the masked distribution's top-1
-                    sure *= runner_up(sub)[0]
+                if leaves or (self.stop_below > 0 and r.k > 1):  # one draft: nothing to stop early
+                    p1, alt = runner_up(sub)  # with a grammar: the masked distribution's (no leaves there)
+                    sure *= p1
                     if j > 0 and sure < self.stop_below:
-                        break
+                        break  # unsure from here on: the verify row would rarely pay (SpecConfig.draft_stop)
+                    alternatives.append((p1, int(self.head.draft_ids[alt])))
             elif mask is not None:  # sampled: q is the masked distribution over the whole vocabulary
                 full = self._full_logits(h)
                 apply_masks(full, mask)
                 if not bool(torch.isfinite(full).any()):
                     break
                 t = sample_drafts([s], [full], {0: q_x}, {0: rows}, [0])[0]
-            elif s.params.greedy:  # the argmax over the draft vocabulary is the one over all (q = 0 elsewhere)
-                sub = self.head.logits(h)[0]  # [Vd]
-                t = int(self.head.draft_ids[greedy_ids(sub)])
-                if leaves or (self.stop_below > 0 and r.k > 1):  # one draft: nothing to stop early
-                    p1, alt = runner_up(sub)
-                    sure *= p1
-                    if j > 0 and sure < self.stop_below:
-                        break  # unsure from here on: the verify row would rarely pay (SpecConfig.draft_stop)
-                    alternatives.append((p1, int(self.head.draft_ids[alt])))
             else:
                 t = sample_drafts([s], [self._full_logits(h)], {0: q_x}, {0: rows}, [0])[0]
             s.drafted.append(t)
