@@ -114,7 +114,7 @@ class Acceptance:
         total, p, before = 1.0, 1.0, 1.0
         for j in range(k):
             d = self.drafted_rate(j)
-            p *= min(1.0, d / before) * self.rate(j)
+            p *= d / before * self.rate(j)  # d <= before: drafted_rate never rises with j
             before = d
             total += p
         return total
