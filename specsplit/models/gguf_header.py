@@ -53,8 +53,9 @@ class GGUFHeader:
 
     def __init__(self, path: Path | str):
         self.path = Path(path)
-        if self.path.stat().st_size < 4:
-            raise GGUFFormatError(f"{self.path}: not a GGUF file ({self.path.stat().st_size} bytes)")
+        size = self.path.stat().st_size
+        if size < 4:
+            raise GGUFFormatError(f"{self.path}: not a GGUF file ({size} bytes)")
         self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
         self._buf = memoryview(self._map)
         self._pos = 0
