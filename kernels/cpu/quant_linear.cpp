@@ -850,9 +850,10 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// x [T, K] fp32 -> pieces [K/32][3T][32] bf16 (rows 3t, 3t+1, 3t+2: hi, mid, lo of token t) and
-// sums [T][K/32] (sum of x over each block, fp32, for Q4_1's m)
-SPECSPLIT_AMX void amx_split_x(const float* x, int64_t T, int64_t K, uint16_t* pieces, float* sums) {
+// x [T, K] fp32 -> pieces [K/32][R][32] bf16 (rows 3t, 3t+1, 3t+2: hi, mid, lo of token t; R >= 3T
+// rows per block, those past 3T left as they are) and sums [T][K/32] (sum of x over each block,
+// fp32, for Q4_1's m)
+SPECSPLIT_AMX void amx_split_x(const float* x, int64_t T, int64_t K, uint16_t* pieces, float* sums, int64_t R) {
   const int64_t nb = K / QK;
   for (int64_t t = 0; t < T; ++t)
     for (int64_t b = 0; b < nb; ++b) {
@@ -862,7 +863,7 @@ SPECSPLIT_AMX void amx_split_x(const float* x, int64_t T, int64_t K, uint16_t* p
         s = _mm512_add_ps(s, v);
         for (int p = 0; p < 3; ++p) {  // v - piece is exact: the piece is v rounded to 8 bits
           const __m256i piece = (__m256i)_mm512_cvtneps_pbh(v);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pieces + (b * 3 * T + 3 * t + p) * QK + 16 * h), piece);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pieces + (b * R + 3 * t + p) * QK + 16 * h), piece);
           v = _mm512_sub_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(piece), 16)));
         }
       }
@@ -928,89 +929,181 @@ SPECSPLIT_AMX void amx_configure() {
   _tile_loadconfig(&cfg);
 }
 
-// y[t, 16g .. 16g+15] for groups g0..g1 and TT tokens. Tiles: 0, 1 the pieces of the pair's two
-// blocks, 2, 3 their weights, 4..7 the products (pairs alternate between 4, 5 and 6, 7). The tile
-// unit does not rename its registers and does not forward stores, so the loop is skewed: the
-// weights of pair p+1 are converted before pair p is issued, pair p-1's products are stored after
-// it, and pair p-2's are scaled (measured at one token, gate_up: 104 us unskewed, 85 skewed).
+// y[t, 0..15] += nothing: y[t, 0..15] = one group's 16 outputs (its blocks at gp) for TT tokens,
+// under the tile configuration amx_configure<TC> with 3 * TT <= 3 * TC. pieces: R rows per block
+// (amx_split_x). conv: nullptr, the blocks are converted as they stream in, two pairs at a time;
+// else a buffer for the group's converted weights (nb blocks x 16 x 32 bf16, 64-byte aligned),
+// which this pass fills as it streams them in (fill) or reads as a later pass did (not fill).
+// Tiles: 0, 1 the pieces of the pair's two blocks, 2, 3 their weights, 4..7 the products (pairs
+// alternate between 4, 5 and 6, 7). The tile unit does not rename its registers and does not
+// forward stores, so the loop is skewed: the weights of pair p+1 are converted before pair p is
+// issued, pair p-1's products are stored after it, and pair p-2's are scaled (measured at one
+// token, gate_up: 104 us unskewed, 85 skewed). A token's outputs depend on its own pieces rows
+// alone (a tile row of the product reads one row of the pieces), so they have the same bits
+// whatever the other rows hold.
 template <int64_t T, int TT>
-SPECSPLIT_AMX void amx_groups(const uint16_t* pieces, const float* sums, int64_t K, const uint8_t* blocks, int64_t g0,
-                              int64_t g1, float* y, int64_t ldy) {
-  const int64_t nb = K / QK, np = nb / 2, GB = amx_group_bytes(T), QB = amx_quant_bytes(T);
-  constexpr int R = 3 * TT;
-  amx_configure<TT>();
-  alignas(64) uint16_t wt[4][16 * 32];  // converted weights, two pairs
+SPECSPLIT_AMX inline void amx_group(const uint16_t* pieces, int64_t R, const float* sums, int64_t nb,
+                                    const uint8_t* gp, uint16_t* conv, bool fill, float* y, int64_t ldy) {
+  const int64_t np = nb / 2, GB = amx_group_bytes(T), QB = amx_quant_bytes(T);
+  alignas(64) uint16_t wt[4][16 * 32];  // converted weights, two pairs (conv == nullptr)
   alignas(64) float prod[6][16 * 16];   // stored products, three pairs
-  for (int64_t g = g0; g < g1; ++g) {
-    const uint8_t* gp = blocks + g * nb * GB;
-    __m512 acc[TT];
-    for (int t = 0; t < TT; ++t) acc[t] = _mm512_setzero_ps();
-#define SPECSPLIT_ISSUE(BI, AT, BT, CT, BUF)     \
-  _tile_loadd(BT, wt[BUF], 64);                  \
-  _tile_loadd(AT, pieces + (BI) * R * QK, 64);   \
-  _tile_zero(CT);                                \
+  __m512 acc[TT];
+  for (int t = 0; t < TT; ++t) acc[t] = _mm512_setzero_ps();
+#define SPECSPLIT_ISSUE(BI, AT, BT, CT, BUF)                          \
+  _tile_loadd(BT, conv ? conv + (BI) * 16 * 32 : wt[BUF], 64);        \
+  _tile_loadd(AT, pieces + (BI) * R * QK, 64);                        \
+  _tile_zero(CT);                                                     \
   _tile_dpbf16ps(CT, AT, BT);
 #define SPECSPLIT_SCALE(BI, BUF) amx_scale<T, TT>(prod[BUF], gp + (BI) * GB + QB, sums, nb, BI, acc);
-    amx_convert<T>(gp, wt[0]);
-    amx_convert<T>(gp + GB, wt[1]);
-    for (int64_t p = 0; p < np; ++p) {
-      const int64_t b = 2 * p;
+  const bool convert = !conv || fill;
+  auto into = [&](int64_t b, int buf) { return conv ? conv + b * 16 * 32 : wt[buf]; };
+  if (convert) {
+    amx_convert<T>(gp, into(0, 0));
+    amx_convert<T>(gp + GB, into(1, 1));
+  }
+  for (int64_t p = 0; p < np; ++p) {
+    const int64_t b = 2 * p;
+    if (convert) {
       if (p + 1 < np) {
-        amx_convert<T>(gp + (b + 2) * GB, wt[2 * ((p + 1) % 2)]);
-        amx_convert<T>(gp + (b + 3) * GB, wt[2 * ((p + 1) % 2) + 1]);
+        amx_convert<T>(gp + (b + 2) * GB, into(b + 2, 2 * ((p + 1) % 2)));
+        amx_convert<T>(gp + (b + 3) * GB, into(b + 3, 2 * ((p + 1) % 2) + 1));
       }
       for (int64_t o = 0; o < 2 * GB; o += 64)
         _mm_prefetch(reinterpret_cast<const char*>(gp + b * GB + AMX_PREFETCH + o), _MM_HINT_T0);
-      const int q = static_cast<int>((p + 2) % 3) * 2;  // pair p-1's slots in prod
-      if (p % 2 == 0) {
-        SPECSPLIT_ISSUE(b, 0, 2, 4, 0)
-        SPECSPLIT_ISSUE(b + 1, 1, 3, 5, 1)
-        if (p > 0) {
-          _tile_stored(6, prod[q], 64);
-          _tile_stored(7, prod[q + 1], 64);
-        }
-      } else {
-        SPECSPLIT_ISSUE(b, 0, 2, 6, 2)
-        SPECSPLIT_ISSUE(b + 1, 1, 3, 7, 3)
-        _tile_stored(4, prod[q], 64);
-        _tile_stored(5, prod[q + 1], 64);
-      }
-      if (p > 1) {
-        const int r = static_cast<int>((p + 1) % 3) * 2;  // pair p-2's slots
-        SPECSPLIT_SCALE(b - 4, r)
-        SPECSPLIT_SCALE(b - 3, r + 1)
-      }
     }
-    const int q = static_cast<int>((np + 2) % 3) * 2;  // the last pair: store it, scale the last two
-    if ((np - 1) % 2 == 0) {
+    const int q = static_cast<int>((p + 2) % 3) * 2;  // pair p-1's slots in prod
+    if (p % 2 == 0) {
+      SPECSPLIT_ISSUE(b, 0, 2, 4, 0)
+      SPECSPLIT_ISSUE(b + 1, 1, 3, 5, 1)
+      if (p > 0) {
+        _tile_stored(6, prod[q], 64);
+        _tile_stored(7, prod[q + 1], 64);
+      }
+    } else {
+      SPECSPLIT_ISSUE(b, 0, 2, 6, 2)
+      SPECSPLIT_ISSUE(b + 1, 1, 3, 7, 3)
       _tile_stored(4, prod[q], 64);
       _tile_stored(5, prod[q + 1], 64);
-    } else {
-      _tile_stored(6, prod[q], 64);
-      _tile_stored(7, prod[q + 1], 64);
     }
-    if (np > 1) {
-      const int r = static_cast<int>((np + 1) % 3) * 2;
-      SPECSPLIT_SCALE(2 * np - 4, r)
-      SPECSPLIT_SCALE(2 * np - 3, r + 1)
+    if (p > 1) {
+      const int r = static_cast<int>((p + 1) % 3) * 2;  // pair p-2's slots
+      SPECSPLIT_SCALE(b - 4, r)
+      SPECSPLIT_SCALE(b - 3, r + 1)
     }
-    SPECSPLIT_SCALE(2 * np - 2, q)
-    SPECSPLIT_SCALE(2 * np - 1, q + 1)
+  }
+  const int q = static_cast<int>((np + 2) % 3) * 2;  // the last pair: store it, scale the last two
+  if ((np - 1) % 2 == 0) {
+    _tile_stored(4, prod[q], 64);
+    _tile_stored(5, prod[q + 1], 64);
+  } else {
+    _tile_stored(6, prod[q], 64);
+    _tile_stored(7, prod[q + 1], 64);
+  }
+  if (np > 1) {
+    const int r = static_cast<int>((np + 1) % 3) * 2;
+    SPECSPLIT_SCALE(2 * np - 4, r)
+    SPECSPLIT_SCALE(2 * np - 3, r + 1)
+  }
+  SPECSPLIT_SCALE(2 * np - 2, q)
+  SPECSPLIT_SCALE(2 * np - 1, q + 1)
 #undef SPECSPLIT_ISSUE
 #undef SPECSPLIT_SCALE
-    for (int t = 0; t < TT; ++t) _mm512_storeu_ps(y + t * ldy + 16 * g, acc[t]);
-  }
+  for (int t = 0; t < TT; ++t) _mm512_storeu_ps(y + t * ldy, acc[t]);
+}
+
+// y[t, 16g .. 16g+15] for groups g0..g1 and TT <= AMX_TOKENS tokens: one pass over the weights,
+// each block converted as it streams in
+template <int64_t T, int TT>
+SPECSPLIT_AMX void amx_groups(const uint16_t* pieces, const float* sums, int64_t K, const uint8_t* blocks, int64_t g0,
+                              int64_t g1, float* y, int64_t ldy) {
+  const int64_t nb = K / QK, GB = amx_group_bytes(T);
+  amx_configure<TT>();
+  for (int64_t g = g0; g < g1; ++g)
+    amx_group<T, TT>(pieces, 3 * TT, sums, nb, blocks + g * nb * GB, nullptr, false, y + 16 * g, ldy);
   _tile_release();  // other code on this thread (oneDNN) loads its own configuration
 }
 
+// Tokens one pass over the weights serves past AMX_TOKENS (a verify of several sequences, a tree, a
+// prefill): their pieces (3 x 576 x 2 bytes a token at K = 576, 9 KB at K = 1536) stay in L2 while
+// each group's converted weights serve every pass of them.
+constexpr int64_t AMX_SPAN_TOKENS = 40;
+
+// y[t, 16g .. 16g+15] for groups g0..g1 and `passes` passes of TT tokens each (the last may hold
+// fewer: its pieces' unused rows are zero and its `last` tokens alone are stored): each group's
+// blocks are read from memory and converted once, by the first pass into conv, and every later
+// pass reads the converted copy. The tile unit's time grows with the rows it is configured for, so M tokens go in
+// ceil(M / 5) passes of ceil(M / passes) (6 rows: 2 x 3, not 5 + 1 padded to 5).
+template <int64_t T, int TT>
+SPECSPLIT_AMX void amx_groups_passes(const uint16_t* pieces, const float* sums, int64_t passes, int64_t last,
+                                     int64_t K, const uint8_t* blocks, int64_t g0, int64_t g1, float* y, int64_t ldy) {
+  const int64_t nb = K / QK, GB = amx_group_bytes(T), R = 3 * TT;
+  std::vector<uint16_t> conv_buf(nb * 16 * 32 + 32);  // + 64 bytes to align it
+  uint16_t* conv = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(conv_buf.data()) + 63) & ~uintptr_t(63));
+  alignas(64) float tail[TT][16];  // the last pass's outputs, its `last` rows then copied out
+  amx_configure<TT>();
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* gp = blocks + g * nb * GB;
+    for (int64_t c = 0; c < passes; ++c) {  // the first pass converts the blocks as they stream in
+      const uint16_t* pc = pieces + c * nb * R * QK;
+      const float* sc = sums + c * TT * nb;
+      if (c + 1 < passes || last == TT) {
+        amx_group<T, TT>(pc, R, sc, nb, gp, conv, c == 0, y + c * TT * ldy + 16 * g, ldy);
+      } else {
+        amx_group<T, TT>(pc, R, sc, nb, gp, conv, c == 0, &tail[0][0], 16);
+        for (int64_t t = 0; t < last; ++t) std::memcpy(y + (c * TT + t) * ldy + 16 * g, tail[t], 64);
+      }
+    }
+  }
+  _tile_release();
+}
+
+template <int64_t T, int TT>
+void amx_run_passes(const float* x, int64_t M, int64_t K, const uint8_t* blocks, int64_t N, float* y) {
+  const int64_t nb = K / QK, R = 3 * TT, passes = (M + TT - 1) / TT, last = M - (passes - 1) * TT;
+  std::vector<uint16_t> pieces(passes * nb * R * QK, 0);
+  std::vector<float> sums(passes * TT * nb, 0.f);
+  for (int64_t c = 0; c < passes; ++c)
+    amx_split_x(x + c * TT * K, std::min<int64_t>(TT, M - c * TT), K, pieces.data() + c * nb * R * QK,
+                sums.data() + c * TT * nb, R);
+  at::parallel_for(0, N / 16, 4, [&](int64_t g0, int64_t g1) {
+    amx_groups_passes<T, TT>(pieces.data(), sums.data(), passes, last, K, blocks, g0, g1, y, N);
+  });
+}
+
+// y [M, N] for M tokens. Up to AMX_TOKENS: one pass. Past that, Q8_0 goes through
+// amx_run_passes (each group's blocks converted once, then read by every pass; per span of
+// AMX_SPAN_TOKENS), and the 4-bit types in passes of 5 tokens over all the weights, each pass
+// converting them again. Measured on the Xeon (AMX, one thread, the default target's weights,
+// streamed in model order): Q8_0's conversion (int8 -> fp32 -> bf16) costs about what its tile
+// work does, so converting once took the 49,152 x 576 head from 4.6 to 3.3 ms at 6
+// rows and from 9.6-9.8 to 5.7-6.3 ms at 16; a nibble's conversion is a shift and a bit-select, and
+// the 4-bit layers' time follows the tile rows a pass is configured for: converted once, in
+// balanced passes, they were 0-15% slower at 6 to 100 rows (7 rows as 4 + 4 tokens: 24 tile rows
+// against 5 + 2: 21), so they keep the passes of 5.
 template <int64_t T>
 void amx_run(const float* x, int64_t M, int64_t K, const uint8_t* blocks, int64_t N, float* y) {
   const int64_t nb = K / QK;
+  if (T == Q8_0 && M > AMX_TOKENS) {
+    for (int64_t s0 = 0; s0 < M; s0 += AMX_SPAN_TOKENS) {  // the weights are read once per span of tokens
+      const int64_t span = std::min<int64_t>(AMX_SPAN_TOKENS, M - s0);
+      const int64_t passes = (span + AMX_TOKENS - 1) / AMX_TOKENS, tt = (span + passes - 1) / passes;
+      const float* xs = x + s0 * K;
+      float* ys = y + s0 * N;
+      switch (tt) {
+        case 1: amx_run_passes<T, 1>(xs, span, K, blocks, N, ys); break;
+        case 2: amx_run_passes<T, 2>(xs, span, K, blocks, N, ys); break;
+        case 3: amx_run_passes<T, 3>(xs, span, K, blocks, N, ys); break;
+        case 4: amx_run_passes<T, 4>(xs, span, K, blocks, N, ys); break;
+        default: amx_run_passes<T, 5>(xs, span, K, blocks, N, ys); break;
+      }
+    }
+    return;
+  }
   std::vector<uint16_t> pieces(nb * 3 * AMX_TOKENS * QK);
   std::vector<float> sums(AMX_TOKENS * nb);
-  for (int64_t m0 = 0; m0 < M; m0 += AMX_TOKENS) {
+  for (int64_t m0 = 0; m0 < M; m0 += AMX_TOKENS) {  // one pass per 5 tokens, converting as the blocks stream in
     const int64_t tokens = std::min<int64_t>(AMX_TOKENS, M - m0);
-    amx_split_x(x + m0 * K, tokens, K, pieces.data(), sums.data());
+    amx_split_x(x + m0 * K, tokens, K, pieces.data(), sums.data(), 3 * tokens);
     float* ys = y + m0 * N;
     // grain: 4 groups (64 output rows) per task, as the other loops
     at::parallel_for(0, N / 16, 4, [&](int64_t g0, int64_t g1) {

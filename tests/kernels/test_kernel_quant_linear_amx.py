@@ -142,11 +142,12 @@ def within_fp32_rounding(y: torch.Tensor, x: torch.Tensor, w: QuantWeight) -> No
 @pytest.mark.parametrize("qtype", TILE_TYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_amx_linear_equals_reference_for_every_row_count(qtype, shape):
-    """1..16 rows (passes of 5 tokens: 1-5 in one, 6-16 in several) and 23 (a prefill-sized call)."""
+    """1..16 rows (1-5 in one pass; past that Q8_0 in balanced passes over weights converted once,
+    the 4-bit types in passes of 5), 23 and 45 (prefill-sized calls; 45: Q8_0 past a span of 40)."""
     w = random_blocks(qtype, *shape, seed=5)
     t = w.to_tiles()
     g = torch.Generator().manual_seed(6)
-    for m in list(range(1, 17)) + [23]:
+    for m in list(range(1, 17)) + [23, 45]:
         x = torch.randn(m, shape[1], generator=g)
         y = quant_linear.linear(x, t)
         assert y.shape == (m, shape[0]) and y.dtype == torch.float32
@@ -187,12 +188,13 @@ def test_amx_threads_split_groups_without_changing_them():
 @NEEDS_AMX
 @pytest.mark.parametrize("qtype", TILE_TYPES)
 def test_a_prefill_gives_each_row_the_bits_of_a_decode_row(qtype):
-    """Past 5 rows each group's blocks are converted once and every pass of 5 tokens reads the
-    converted copy: each token's outputs are the bits it gets alone (1 row) or in a verify (3)."""
+    """Past 5 rows the tokens go in several passes (Q8_0's over each group's blocks converted once,
+    by the first pass): each token's outputs are the bits it gets alone (1 row) or in a verify (3),
+    whatever pass and span it falls in."""
     t = random_blocks(qtype, 48, 192, seed=9).to_tiles()
-    x = torch.randn(23, 192, generator=torch.Generator().manual_seed(10))
+    x = torch.randn(45, 192, generator=torch.Generator().manual_seed(10))
     many = quant_linear.linear(x, t)
-    alone = torch.cat([quant_linear.linear(x[i:i + 1], t) for i in range(23)])
+    alone = torch.cat([quant_linear.linear(x[i:i + 1], t) for i in range(45)])
     assert torch.equal(many, alone)
     assert torch.equal(many[6:9], quant_linear.linear(x[6:9], t))
 
