@@ -333,8 +333,8 @@ void run(const float* x, int64_t M, int64_t K, const uint8_t* blocks, int64_t N,
 // AVX2 int8 loop's dot products (greedy_bounds_avx2); the exact rows then run the loop
 // quant_linear runs there (rows_avx2, or rows_avx512 on an AVX-512 CPU without VNNI).
 constexpr int GREEDY_MAX_ROWS = 3;  // rows_avx512's passes (4+ rows pair output rows: bits shift)
-// a head in the tiles layout: the AMX loop's one pass (AMX_TOKENS), whose rows' bits do not depend
-// on how many rows it holds
+// a head in the tiles layout: within the AMX loop's one pass (AMX_KPIECES_TOKENS), whose rows' bits
+// do not depend on how many rows it holds
 constexpr int GREEDY_MAX_ROWS_TILES = 5;
 constexpr int64_t GREEDY_MAX_CANDIDATES = 4096;
 constexpr float BOUND_SLACK = 1.05f;
@@ -804,8 +804,20 @@ void dequant_row_avx2(const uint8_t* row, int64_t K, float* out, float* sc) {
 //     c = -24 d (exact); Q8_0 has no c. The same function as the dense fp32 path within fp32
 //     rounding: measured against a float64 product, 2-6e-8 of sum |x||w| (the AVX-512 loop 1.5-3e-8);
 //     the offset's larger S' roughly doubles the rounding of the 4-bit types (tests: within 1e-6).
-// Cost: the conversion of the weights is the same for 1 to 5 tokens (their 15 pieces fill one
-// 16-row tile), so a verify of up to 4 drafts costs about what one decode row does.
+// Two arrangements of the pieces, the same bits (each output row's products are summed in the same
+// order; checked equal for 1 to 16 tokens):
+//   * rows (amx_groups): the pieces are tile rows, 3 per token, so one pass holds 5 tokens; a pass
+//     stores 3 product rows per token and adds them.
+//   * along K (amx_groups_kpieces): three tiles hold the hi, mid and lo pieces of up to 16 tokens,
+//     one row per token, and three products accumulate into one tile (the same weights tile each
+//     time), so one pass holds 16 tokens and stores one row per token.
+// Measured on the Xeon (one thread, the default target's weights streamed in model order, the two
+// arrangements alternating in one process, medians of 21-25), along K against rows: the 4-bit
+// layers' linears 1.07-1.11x at 1 row, 1.04-1.10x at 2, 0.97-1.02x at 3 to 5; past 5 rows, where
+// rows took a second pass over all the weights, 14.7 -> 10.6 ms at 8 rows and 25.1 -> 14.2 at 16;
+// the Q8_0 head (its conversion costs more) 0.96-0.97x at 1 row, 0.90-0.92x at 3 to 5, 0.70x at
+// 8, 0.67x at 16. So the 4-bit types keep rows up to AMX_TOKENS tokens and every other call goes
+// along K, in passes of AMX_KPIECES_TOKENS.
 //
 // Tile layout per group of 16 output rows g and block b (GB bytes, the file's bytes regrouped);
 // tile row i, entry j = the quant of output row 16g + j/2 at k = 32b + 2i + j%2 (the bf16 pair
@@ -825,7 +837,8 @@ inline int64_t amx_quant_bytes(int64_t t) { return t == Q8_0 ? 512 : 256; }  // 
 #include <unistd.h>
 #define SPECSPLIT_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")))
 
-constexpr int AMX_TOKENS = 5;  // tokens per pass: 3 pieces each fill 15 of a tile's 16 rows
+constexpr int AMX_TOKENS = 5;  // tokens per pass in rows: 3 pieces each fill 15 of a tile's 16 rows
+constexpr int AMX_KPIECES_TOKENS = 16;  // tokens per pass along K: a tile's 16 rows
 // Bytes ahead of the pair of blocks a loop iteration starts (measured on the Xeon, gate_up 3072 x
 // 576 at one token: 1 KB 112 us, 2 KB 96, 4 KB 85, 8 KB 86).
 constexpr int64_t AMX_PREFETCH = 4096;
@@ -850,10 +863,11 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// x [T, K] fp32 -> pieces [K/32][R][32] bf16 (rows 3t, 3t+1, 3t+2: hi, mid, lo of token t; R >= 3T
-// rows per block, those past 3T left as they are) and sums [T][K/32] (sum of x over each block,
-// fp32, for Q4_1's m)
-SPECSPLIT_AMX void amx_split_x(const float* x, int64_t T, int64_t K, uint16_t* pieces, float* sums, int64_t R) {
+// x [T, K] fp32 -> pieces [K/32][3T][32] bf16 and sums [T][K/32] (sum of x over each block, fp32,
+// for Q4_1's m). In rows (along_k false) a block's rows 3t, 3t+1, 3t+2 are the hi, mid, lo of
+// token t; along K, rows pT + t (the hi of every token, then the mid, then the lo).
+template <bool along_k>
+SPECSPLIT_AMX void amx_split_x(const float* x, int64_t T, int64_t K, uint16_t* pieces, float* sums) {
   const int64_t nb = K / QK;
   for (int64_t t = 0; t < T; ++t)
     for (int64_t b = 0; b < nb; ++b) {
@@ -863,7 +877,8 @@ SPECSPLIT_AMX void amx_split_x(const float* x, int64_t T, int64_t K, uint16_t* p
         s = _mm512_add_ps(s, v);
         for (int p = 0; p < 3; ++p) {  // v - piece is exact: the piece is v rounded to 8 bits
           const __m256i piece = (__m256i)_mm512_cvtneps_pbh(v);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pieces + (b * R + 3 * t + p) * QK + 16 * h), piece);
+          const int64_t row = b * 3 * T + (along_k ? p * T + t : 3 * t + p);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pieces + row * QK + 16 * h), piece);
           v = _mm512_sub_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(piece), 16)));
         }
       }
@@ -929,192 +944,207 @@ SPECSPLIT_AMX void amx_configure() {
   _tile_loadconfig(&cfg);
 }
 
-// y[t, 0..15] += nothing: y[t, 0..15] = one group's 16 outputs (its blocks at gp) for TT tokens,
-// under the tile configuration amx_configure<TC> with 3 * TT <= 3 * TC. pieces: R rows per block
-// (amx_split_x). conv: nullptr, the blocks are converted as they stream in, two pairs at a time;
-// else a buffer for the group's converted weights (nb blocks x 16 x 32 bf16, 64-byte aligned),
-// which this pass fills as it streams them in (fill) or reads as a later pass did (not fill).
-// Tiles: 0, 1 the pieces of the pair's two blocks, 2, 3 their weights, 4..7 the products (pairs
-// alternate between 4, 5 and 6, 7). The tile unit does not rename its registers and does not
-// forward stores, so the loop is skewed: the weights of pair p+1 are converted before pair p is
-// issued, pair p-1's products are stored after it, and pair p-2's are scaled (measured at one
-// token, gate_up: 104 us unskewed, 85 skewed). A token's outputs depend on its own pieces rows
-// alone (a tile row of the product reads one row of the pieces), so they have the same bits
-// whatever the other rows hold.
-template <int64_t T, int TT>
-SPECSPLIT_AMX inline void amx_group(const uint16_t* pieces, int64_t R, const float* sums, int64_t nb,
-                                    const uint8_t* gp, uint16_t* conv, bool fill, float* y, int64_t ldy) {
-  const int64_t np = nb / 2, GB = amx_group_bytes(T), QB = amx_quant_bytes(T);
-  alignas(64) uint16_t wt[4][16 * 32];  // converted weights, two pairs (conv == nullptr)
-  alignas(64) float prod[6][16 * 16];   // stored products, three pairs
-  __m512 acc[TT];
-  for (int t = 0; t < TT; ++t) acc[t] = _mm512_setzero_ps();
-#define SPECSPLIT_ISSUE(BI, AT, BT, CT, BUF)                          \
-  _tile_loadd(BT, conv ? conv + (BI) * 16 * 32 : wt[BUF], 64);        \
-  _tile_loadd(AT, pieces + (BI) * R * QK, 64);                        \
-  _tile_zero(CT);                                                     \
-  _tile_dpbf16ps(CT, AT, BT);
-#define SPECSPLIT_SCALE(BI, BUF) amx_scale<T, TT>(prod[BUF], gp + (BI) * GB + QB, sums, nb, BI, acc);
-  const bool convert = !conv || fill;
-  auto into = [&](int64_t b, int buf) { return conv ? conv + b * 16 * 32 : wt[buf]; };
-  if (convert) {
-    amx_convert<T>(gp, into(0, 0));
-    amx_convert<T>(gp + GB, into(1, 1));
-  }
-  for (int64_t p = 0; p < np; ++p) {
-    const int64_t b = 2 * p;
-    if (convert) {
-      if (p + 1 < np) {
-        amx_convert<T>(gp + (b + 2) * GB, into(b + 2, 2 * ((p + 1) % 2)));
-        amx_convert<T>(gp + (b + 3) * GB, into(b + 3, 2 * ((p + 1) % 2) + 1));
-      }
-      for (int64_t o = 0; o < 2 * GB; o += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(gp + b * GB + AMX_PREFETCH + o), _MM_HINT_T0);
-    }
-    const int q = static_cast<int>((p + 2) % 3) * 2;  // pair p-1's slots in prod
-    if (p % 2 == 0) {
-      SPECSPLIT_ISSUE(b, 0, 2, 4, 0)
-      SPECSPLIT_ISSUE(b + 1, 1, 3, 5, 1)
-      if (p > 0) {
-        _tile_stored(6, prod[q], 64);
-        _tile_stored(7, prod[q + 1], 64);
-      }
-    } else {
-      SPECSPLIT_ISSUE(b, 0, 2, 6, 2)
-      SPECSPLIT_ISSUE(b + 1, 1, 3, 7, 3)
-      _tile_stored(4, prod[q], 64);
-      _tile_stored(5, prod[q + 1], 64);
-    }
-    if (p > 1) {
-      const int r = static_cast<int>((p + 1) % 3) * 2;  // pair p-2's slots
-      SPECSPLIT_SCALE(b - 4, r)
-      SPECSPLIT_SCALE(b - 3, r + 1)
-    }
-  }
-  const int q = static_cast<int>((np + 2) % 3) * 2;  // the last pair: store it, scale the last two
-  if ((np - 1) % 2 == 0) {
-    _tile_stored(4, prod[q], 64);
-    _tile_stored(5, prod[q + 1], 64);
-  } else {
-    _tile_stored(6, prod[q], 64);
-    _tile_stored(7, prod[q + 1], 64);
-  }
-  if (np > 1) {
-    const int r = static_cast<int>((np + 1) % 3) * 2;
-    SPECSPLIT_SCALE(2 * np - 4, r)
-    SPECSPLIT_SCALE(2 * np - 3, r + 1)
-  }
-  SPECSPLIT_SCALE(2 * np - 2, q)
-  SPECSPLIT_SCALE(2 * np - 1, q + 1)
-#undef SPECSPLIT_ISSUE
-#undef SPECSPLIT_SCALE
-  for (int t = 0; t < TT; ++t) _mm512_storeu_ps(y + t * ldy, acc[t]);
-}
-
-// y[t, 16g .. 16g+15] for groups g0..g1 and TT <= AMX_TOKENS tokens: one pass over the weights,
-// each block converted as it streams in
+// y[t, 16g .. 16g+15] for groups g0..g1 and TT tokens. Tiles: 0, 1 the pieces of the pair's two
+// blocks, 2, 3 their weights, 4..7 the products (pairs alternate between 4, 5 and 6, 7). The tile
+// unit does not rename its registers and does not forward stores, so the loop is skewed: the
+// weights of pair p+1 are converted before pair p is issued, pair p-1's products are stored after
+// it, and pair p-2's are scaled (measured at one token, gate_up: 104 us unskewed, 85 skewed).
 template <int64_t T, int TT>
 SPECSPLIT_AMX void amx_groups(const uint16_t* pieces, const float* sums, int64_t K, const uint8_t* blocks, int64_t g0,
                               int64_t g1, float* y, int64_t ldy) {
-  const int64_t nb = K / QK, GB = amx_group_bytes(T);
+  const int64_t nb = K / QK, np = nb / 2, GB = amx_group_bytes(T), QB = amx_quant_bytes(T);
+  constexpr int R = 3 * TT;
   amx_configure<TT>();
-  for (int64_t g = g0; g < g1; ++g)
-    amx_group<T, TT>(pieces, 3 * TT, sums, nb, blocks + g * nb * GB, nullptr, false, y + 16 * g, ldy);
+  alignas(64) uint16_t wt[4][16 * 32];  // converted weights, two pairs
+  alignas(64) float prod[6][16 * 16];   // stored products, three pairs
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* gp = blocks + g * nb * GB;
+    __m512 acc[TT];
+    for (int t = 0; t < TT; ++t) acc[t] = _mm512_setzero_ps();
+#define SPECSPLIT_ISSUE(BI, AT, BT, CT, BUF)     \
+  _tile_loadd(BT, wt[BUF], 64);                  \
+  _tile_loadd(AT, pieces + (BI) * R * QK, 64);   \
+  _tile_zero(CT);                                \
+  _tile_dpbf16ps(CT, AT, BT);
+#define SPECSPLIT_SCALE(BI, BUF) amx_scale<T, TT>(prod[BUF], gp + (BI) * GB + QB, sums, nb, BI, acc);
+    amx_convert<T>(gp, wt[0]);
+    amx_convert<T>(gp + GB, wt[1]);
+    for (int64_t p = 0; p < np; ++p) {
+      const int64_t b = 2 * p;
+      if (p + 1 < np) {
+        amx_convert<T>(gp + (b + 2) * GB, wt[2 * ((p + 1) % 2)]);
+        amx_convert<T>(gp + (b + 3) * GB, wt[2 * ((p + 1) % 2) + 1]);
+      }
+      for (int64_t o = 0; o < 2 * GB; o += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(gp + b * GB + AMX_PREFETCH + o), _MM_HINT_T0);
+      const int q = static_cast<int>((p + 2) % 3) * 2;  // pair p-1's slots in prod
+      if (p % 2 == 0) {
+        SPECSPLIT_ISSUE(b, 0, 2, 4, 0)
+        SPECSPLIT_ISSUE(b + 1, 1, 3, 5, 1)
+        if (p > 0) {
+          _tile_stored(6, prod[q], 64);
+          _tile_stored(7, prod[q + 1], 64);
+        }
+      } else {
+        SPECSPLIT_ISSUE(b, 0, 2, 6, 2)
+        SPECSPLIT_ISSUE(b + 1, 1, 3, 7, 3)
+        _tile_stored(4, prod[q], 64);
+        _tile_stored(5, prod[q + 1], 64);
+      }
+      if (p > 1) {
+        const int r = static_cast<int>((p + 1) % 3) * 2;  // pair p-2's slots
+        SPECSPLIT_SCALE(b - 4, r)
+        SPECSPLIT_SCALE(b - 3, r + 1)
+      }
+    }
+    const int q = static_cast<int>((np + 2) % 3) * 2;  // the last pair: store it, scale the last two
+    if ((np - 1) % 2 == 0) {
+      _tile_stored(4, prod[q], 64);
+      _tile_stored(5, prod[q + 1], 64);
+    } else {
+      _tile_stored(6, prod[q], 64);
+      _tile_stored(7, prod[q + 1], 64);
+    }
+    if (np > 1) {
+      const int r = static_cast<int>((np + 1) % 3) * 2;
+      SPECSPLIT_SCALE(2 * np - 4, r)
+      SPECSPLIT_SCALE(2 * np - 3, r + 1)
+    }
+    SPECSPLIT_SCALE(2 * np - 2, q)
+    SPECSPLIT_SCALE(2 * np - 1, q + 1)
+#undef SPECSPLIT_ISSUE
+#undef SPECSPLIT_SCALE
+    for (int t = 0; t < TT; ++t) _mm512_storeu_ps(y + t * ldy + 16 * g, acc[t]);
+  }
   _tile_release();  // other code on this thread (oneDNN) loads its own configuration
 }
 
-// Tokens one pass over the weights serves past AMX_TOKENS (a verify of several sequences, a tree, a
-// prefill): their pieces (3 x 576 x 2 bytes a token at K = 576, 9 KB at K = 1536) stay in L2 while
-// each group's converted weights serve every pass of them.
-constexpr int64_t AMX_SPAN_TOKENS = 40;
+// the tile configuration amx_groups_kpieces<T, TT> runs under: 0, 1, 2 the pieces (TT rows), 3, 4
+// the weights (16 rows), 5, 6 the products (TT rows)
+template <int TT>
+SPECSPLIT_AMX void amx_configure_kpieces() {
+  TileConfig cfg;
+  for (int i = 0; i < 7; ++i) {
+    cfg.rows[i] = (i == 3 || i == 4) ? 16 : TT;
+    cfg.colsb[i] = 64;
+  }
+  asm volatile("" : : "r"(&cfg) : "memory");  // see amx_configure
+  _tile_loadconfig(&cfg);
+}
 
-// y[t, 16g .. 16g+15] for groups g0..g1 and `passes` passes of TT tokens each (the last may hold
-// fewer: its pieces' unused rows are zero and its `last` tokens alone are stored): each group's
-// blocks are read from memory and converted once, by the first pass into conv, and every later
-// pass reads the converted copy. The tile unit's time grows with the rows it is configured for, so M tokens go in
-// ceil(M / 5) passes of ceil(M / passes) (6 rows: 2 x 3, not 5 + 1 padded to 5).
+// acc[t] += d * (the block's product row t) + c * the block's sum of x (as amx_scale, one row a token)
 template <int64_t T, int TT>
-SPECSPLIT_AMX void amx_groups_passes(const uint16_t* pieces, const float* sums, int64_t passes, int64_t last,
-                                     int64_t K, const uint8_t* blocks, int64_t g0, int64_t g1, float* y, int64_t ldy) {
-  const int64_t nb = K / QK, GB = amx_group_bytes(T), R = 3 * TT;
-  std::vector<uint16_t> conv_buf(nb * 16 * 32 + 32);  // + 64 bytes to align it
-  uint16_t* conv = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(conv_buf.data()) + 63) & ~uintptr_t(63));
-  alignas(64) float tail[TT][16];  // the last pass's outputs, its `last` rows then copied out
-  amx_configure<TT>();
+SPECSPLIT_AMX inline void amx_scale_kpieces(const float* prod, const uint8_t* scales, const float* sums, int64_t nb,
+                                            int64_t b, __m512* acc) {
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales)));
+  __m512 c = _mm512_setzero_ps();  // Q8_0: no c
+  if constexpr (T == Q4_1)
+    c = _mm512_fnmadd_ps(_mm512_set1_ps(16.f), d, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + 32))));
+  else if constexpr (T == Q4_0)
+    c = _mm512_mul_ps(_mm512_set1_ps(-24.f), d);
+  for (int t = 0; t < TT; ++t) {
+    acc[t] = _mm512_fmadd_ps(d, _mm512_load_ps(prod + 16 * t), acc[t]);
+    if constexpr (T != Q8_0) acc[t] = _mm512_fmadd_ps(c, _mm512_set1_ps(sums[t * nb + b]), acc[t]);
+  }
+}
+
+// y[t, 16g .. 16g+15] for groups g0..g1 and TT <= 16 tokens, the pieces along K (amx_split_x<true>).
+// Per block: its weights into tile 3 or 4 (alternating), the hi, mid and lo pieces into 0, 1, 2, and
+// three products into one tile, 5 or 6 (alternating). Skewed as amx_groups: block b+1's weights
+// are converted before block b is issued, block b-1's products are stored after it and block b-2's
+// scaled.
+template <int64_t T, int TT>
+SPECSPLIT_AMX void amx_groups_kpieces(const uint16_t* pieces, const float* sums, int64_t K, const uint8_t* blocks,
+                                      int64_t g0, int64_t g1, float* y, int64_t ldy) {
+  const int64_t nb = K / QK, GB = amx_group_bytes(T), QB = amx_quant_bytes(T);
+  amx_configure_kpieces<TT>();
+  alignas(64) uint16_t wt[3][16 * 32];  // converted weights, three blocks
+  alignas(64) float prod[3][16 * 16];   // stored products, three blocks
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* gp = blocks + g * nb * GB;
-    for (int64_t c = 0; c < passes; ++c) {  // the first pass converts the blocks as they stream in
-      const uint16_t* pc = pieces + c * nb * R * QK;
-      const float* sc = sums + c * TT * nb;
-      if (c + 1 < passes || last == TT) {
-        amx_group<T, TT>(pc, R, sc, nb, gp, conv, c == 0, y + c * TT * ldy + 16 * g, ldy);
+    __m512 acc[TT];
+    for (int t = 0; t < TT; ++t) acc[t] = _mm512_setzero_ps();
+#define SPECSPLIT_ISSUE(B, BT, CT)                          \
+  _tile_loadd(BT, wt[(B) % 3], 64);                         \
+  _tile_loadd(0, pieces + ((B) * 3 + 0) * TT * QK, 64);     \
+  _tile_loadd(1, pieces + ((B) * 3 + 1) * TT * QK, 64);     \
+  _tile_loadd(2, pieces + ((B) * 3 + 2) * TT * QK, 64);     \
+  _tile_zero(CT);                                           \
+  _tile_dpbf16ps(CT, 0, BT);                                \
+  _tile_dpbf16ps(CT, 1, BT);                                \
+  _tile_dpbf16ps(CT, 2, BT);
+#define SPECSPLIT_SCALE(B) amx_scale_kpieces<T, TT>(prod[(B) % 3], gp + (B) * GB + QB, sums, nb, B, acc);
+    amx_convert<T>(gp, wt[0]);
+    for (int64_t b = 0; b < nb; ++b) {
+      if (b + 1 < nb) amx_convert<T>(gp + (b + 1) * GB, wt[(b + 1) % 3]);
+      for (int64_t o = 0; o < GB; o += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(gp + b * GB + AMX_PREFETCH + o), _MM_HINT_T0);
+      if (b % 2 == 0) {
+        SPECSPLIT_ISSUE(b, 3, 5)
+        if (b > 0) _tile_stored(6, prod[(b - 1) % 3], 64);
       } else {
-        amx_group<T, TT>(pc, R, sc, nb, gp, conv, c == 0, &tail[0][0], 16);
-        for (int64_t t = 0; t < last; ++t) std::memcpy(y + (c * TT + t) * ldy + 16 * g, tail[t], 64);
+        SPECSPLIT_ISSUE(b, 4, 6)
+        _tile_stored(5, prod[(b - 1) % 3], 64);
       }
+      if (b > 1) SPECSPLIT_SCALE(b - 2)
     }
+    if ((nb - 1) % 2 == 0)  // the last block: store it, scale the last two
+      _tile_stored(5, prod[(nb - 1) % 3], 64);
+    else
+      _tile_stored(6, prod[(nb - 1) % 3], 64);
+    if (nb > 1) SPECSPLIT_SCALE(nb - 2)
+    SPECSPLIT_SCALE(nb - 1)
+#undef SPECSPLIT_ISSUE
+#undef SPECSPLIT_SCALE
+    for (int t = 0; t < TT; ++t) _mm512_storeu_ps(y + t * ldy + 16 * g, acc[t]);
   }
   _tile_release();
 }
 
+// one pass over the weights for TT tokens, the pieces along K
 template <int64_t T, int TT>
-void amx_run_passes(const float* x, int64_t M, int64_t K, const uint8_t* blocks, int64_t N, float* y) {
-  const int64_t nb = K / QK, R = 3 * TT, passes = (M + TT - 1) / TT, last = M - (passes - 1) * TT;
-  std::vector<uint16_t> pieces(passes * nb * R * QK, 0);
-  std::vector<float> sums(passes * TT * nb, 0.f);
-  for (int64_t c = 0; c < passes; ++c)
-    amx_split_x(x + c * TT * K, std::min<int64_t>(TT, M - c * TT), K, pieces.data() + c * nb * R * QK,
-                sums.data() + c * TT * nb, R);
+void amx_pass_kpieces(const float* x, int64_t K, const uint8_t* blocks, int64_t N, float* y) {
+  const int64_t nb = K / QK;
+  std::vector<uint16_t> pieces(nb * 3 * TT * QK);
+  std::vector<float> sums(TT * nb);
+  amx_split_x<true>(x, TT, K, pieces.data(), sums.data());
+  // grain: 4 groups (64 output rows) per task, as the other loops
   at::parallel_for(0, N / 16, 4, [&](int64_t g0, int64_t g1) {
-    amx_groups_passes<T, TT>(pieces.data(), sums.data(), passes, last, K, blocks, g0, g1, y, N);
+    amx_groups_kpieces<T, TT>(pieces.data(), sums.data(), K, blocks, g0, g1, y, N);
   });
 }
 
-// y [M, N] for M tokens. Up to AMX_TOKENS: one pass. Past that, Q8_0 goes through
-// amx_run_passes (each group's blocks converted once, then read by every pass; per span of
-// AMX_SPAN_TOKENS), and the 4-bit types in passes of 5 tokens over all the weights, each pass
-// converting them again. Measured on the Xeon (AMX, one thread, the default target's weights,
-// streamed in model order): Q8_0's conversion (int8 -> fp32 -> bf16) costs about what its tile
-// work does, so converting once took the 49,152 x 576 head from 4.6 to 3.3 ms at 6
-// rows and from 9.6-9.8 to 5.7-6.3 ms at 16; a nibble's conversion is a shift and a bit-select, and
-// the 4-bit layers' time follows the tile rows a pass is configured for: converted once, in
-// balanced passes, they were 0-15% slower at 6 to 100 rows (7 rows as 4 + 4 tokens: 24 tile rows
-// against 5 + 2: 21), so they keep the passes of 5.
+// y [M, N] = x [M, K] @ W^T, W in the tile layout: rows for a 4-bit type's calls of up to
+// AMX_TOKENS tokens, else along K in passes of up to 16 tokens (see the top of this section)
 template <int64_t T>
 void amx_run(const float* x, int64_t M, int64_t K, const uint8_t* blocks, int64_t N, float* y) {
   const int64_t nb = K / QK;
-  if (T == Q8_0 && M > AMX_TOKENS) {
-    for (int64_t s0 = 0; s0 < M; s0 += AMX_SPAN_TOKENS) {  // the weights are read once per span of tokens
-      const int64_t span = std::min<int64_t>(AMX_SPAN_TOKENS, M - s0);
-      const int64_t passes = (span + AMX_TOKENS - 1) / AMX_TOKENS, tt = (span + passes - 1) / passes;
-      const float* xs = x + s0 * K;
-      float* ys = y + s0 * N;
-      switch (tt) {
-        case 1: amx_run_passes<T, 1>(xs, span, K, blocks, N, ys); break;
-        case 2: amx_run_passes<T, 2>(xs, span, K, blocks, N, ys); break;
-        case 3: amx_run_passes<T, 3>(xs, span, K, blocks, N, ys); break;
-        case 4: amx_run_passes<T, 4>(xs, span, K, blocks, N, ys); break;
-        default: amx_run_passes<T, 5>(xs, span, K, blocks, N, ys); break;
-      }
-    }
-    return;
-  }
-  std::vector<uint16_t> pieces(nb * 3 * AMX_TOKENS * QK);
-  std::vector<float> sums(AMX_TOKENS * nb);
-  for (int64_t m0 = 0; m0 < M; m0 += AMX_TOKENS) {  // one pass per 5 tokens, converting as the blocks stream in
-    const int64_t tokens = std::min<int64_t>(AMX_TOKENS, M - m0);
-    amx_split_x(x + m0 * K, tokens, K, pieces.data(), sums.data(), 3 * tokens);
-    float* ys = y + m0 * N;
-    // grain: 4 groups (64 output rows) per task, as the other loops
+  if (T != Q8_0 && M <= AMX_TOKENS) {
+    std::vector<uint16_t> pieces(nb * 3 * M * QK);
+    std::vector<float> sums(M * nb);
+    amx_split_x<false>(x, M, K, pieces.data(), sums.data());
     at::parallel_for(0, N / 16, 4, [&](int64_t g0, int64_t g1) {
-      switch (tokens) {
-        case 1: amx_groups<T, 1>(pieces.data(), sums.data(), K, blocks, g0, g1, ys, N); break;
-        case 2: amx_groups<T, 2>(pieces.data(), sums.data(), K, blocks, g0, g1, ys, N); break;
-        case 3: amx_groups<T, 3>(pieces.data(), sums.data(), K, blocks, g0, g1, ys, N); break;
-        case 4: amx_groups<T, 4>(pieces.data(), sums.data(), K, blocks, g0, g1, ys, N); break;
-        default: amx_groups<T, 5>(pieces.data(), sums.data(), K, blocks, g0, g1, ys, N); break;
+      switch (M) {
+        case 1: amx_groups<T, 1>(pieces.data(), sums.data(), K, blocks, g0, g1, y, N); break;
+        case 2: amx_groups<T, 2>(pieces.data(), sums.data(), K, blocks, g0, g1, y, N); break;
+        case 3: amx_groups<T, 3>(pieces.data(), sums.data(), K, blocks, g0, g1, y, N); break;
+        case 4: amx_groups<T, 4>(pieces.data(), sums.data(), K, blocks, g0, g1, y, N); break;
+        default: amx_groups<T, 5>(pieces.data(), sums.data(), K, blocks, g0, g1, y, N); break;
       }
     });
+    return;
+  }
+  for (int64_t m0 = 0; m0 < M; m0 += AMX_KPIECES_TOKENS) {
+    const float* xs = x + m0 * K;
+    float* ys = y + m0 * N;
+    switch (std::min<int64_t>(AMX_KPIECES_TOKENS, M - m0)) {
+#define SPECSPLIT_PASS(n) case n: amx_pass_kpieces<T, n>(xs, K, blocks, N, ys); break;
+      SPECSPLIT_PASS(1) SPECSPLIT_PASS(2) SPECSPLIT_PASS(3) SPECSPLIT_PASS(4) SPECSPLIT_PASS(5) SPECSPLIT_PASS(6)
+      SPECSPLIT_PASS(7) SPECSPLIT_PASS(8) SPECSPLIT_PASS(9) SPECSPLIT_PASS(10) SPECSPLIT_PASS(11) SPECSPLIT_PASS(12)
+      SPECSPLIT_PASS(13) SPECSPLIT_PASS(14) SPECSPLIT_PASS(15)
+      default: amx_pass_kpieces<T, 16>(xs, K, blocks, N, ys); break;
+#undef SPECSPLIT_PASS
+    }
   }
 }
 #else
@@ -1362,7 +1392,7 @@ torch::Tensor quant_greedy_amx(const torch::Tensor& x_in, const torch::Tensor& b
   check_greedy_copy(groups, cmax, N, K, "quant_greedy (tiles)");
   if (qtype != Q8_0 || M < 1 || M > GREEDY_MAX_ROWS_TILES || N < 1) return torch::empty({0}, torch::kLong);
 #ifdef SPECSPLIT_HAVE_AMX
-  static_assert(GREEDY_MAX_ROWS_TILES <= AMX_TOKENS, "the candidates' rows in one pass of the AMX loop");
+  static_assert(GREEDY_MAX_ROWS_TILES <= AMX_KPIECES_TOKENS, "the candidates' rows in one pass of the AMX loop");
   const torch::Tensor x = x_in.contiguous();
   const float* xp = x.data_ptr<float>();
   const uint8_t* bp = blocks.data_ptr<uint8_t>();

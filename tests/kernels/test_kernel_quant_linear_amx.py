@@ -142,8 +142,8 @@ def within_fp32_rounding(y: torch.Tensor, x: torch.Tensor, w: QuantWeight) -> No
 @pytest.mark.parametrize("qtype", TILE_TYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_amx_linear_equals_reference_for_every_row_count(qtype, shape):
-    """1..16 rows (1-5 in one pass; past that Q8_0 in balanced passes over weights converted once,
-    the 4-bit types in passes of 5), 23 and 45 (prefill-sized calls; 45: Q8_0 past a span of 40)."""
+    """1..16 rows (the 4-bit types' 1-5 with the pieces as tile rows, the rest along K, one pass of
+    up to 16 tokens), 23 and 45 (prefill-sized calls: passes of 16 and what is left)."""
     w = random_blocks(qtype, *shape, seed=5)
     t = w.to_tiles()
     g = torch.Generator().manual_seed(6)
@@ -188,9 +188,9 @@ def test_amx_threads_split_groups_without_changing_them():
 @NEEDS_AMX
 @pytest.mark.parametrize("qtype", TILE_TYPES)
 def test_a_prefill_gives_each_row_the_bits_of_a_decode_row(qtype):
-    """Past 5 rows the tokens go in several passes (Q8_0's over each group's blocks converted once,
-    by the first pass): each token's outputs are the bits it gets alone (1 row) or in a verify (3),
-    whatever pass and span it falls in."""
+    """A prefill's tokens go in passes of 16 with the pieces along K; a 4-bit type's single row or
+    3-row verify has its pieces as tile rows (Q8_0's along K too): each token's outputs have the
+    same bits in all of them, whatever pass it falls in."""
     t = random_blocks(qtype, 48, 192, seed=9).to_tiles()
     x = torch.randn(45, 192, generator=torch.Generator().manual_seed(10))
     many = quant_linear.linear(x, t)
