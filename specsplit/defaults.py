@@ -59,6 +59,17 @@ def resolve_draft(target: str | None, draft: str | None, tensor_parallel_size: i
     return None if draft.strip().lower() == NO_DRAFT else draft
 
 
+def bench_draft(target: str | None) -> str:
+    """The model draft `specsplit bench` measures when --draft is omitted: the target's default
+    draft (resolve_draft) without its prompt-lookup front, which the bench adds itself as the
+    DRAFT+ngram arms (its policy arm then runs the served default); ngram for a target without
+    a default draft."""
+    served = resolve_draft(target, None)
+    if served is None:
+        return "ngram"
+    return served.removesuffix("+ngram")
+
+
 def default_k_for(draft: str | None) -> int:
     """The K a server uses for this draft when --num-speculative-tokens is not given."""
     if draft is None:

@@ -25,7 +25,7 @@ from specsplit.bench.costs import measure_costs, predicted_speedup
 from specsplit.config import EngineConfig, SpecConfig, parse_dtype
 from specsplit.defaults import DEFAULT_DRAFT_STOP
 from specsplit.factory import build_colocated
-from specsplit.models.registry import ASSETS_DIR, DRAFT_ALIAS, sharegpt_json_path
+from specsplit.models.registry import ASSETS_DIR, DRAFT_ALIAS, is_eagle3, sharegpt_json_path
 
 log = logging.getLogger(__name__)
 
@@ -243,10 +243,14 @@ class Bench:
         arms += [policy_arm(other) for other in getattr(a, "also_draft", [])]  # their default configuration too
         hf = assistant = None
         if model_draft is not None and not a.no_hf:
-            hf, assistant = _hf_models(colos[model_draft], model_draft, parse_dtype(dtype))
+            # an EAGLE-3 head is no causal LM: transformers cannot assist with it, so its run has the
+            # generate arm alone
+            hf, assistant = _hf_models(colos[model_draft], None if is_eagle3(model_draft) else model_draft,
+                                       parse_dtype(dtype))
             arms.append(hf_arm(f"transformers generate {dtype}", hf, self.new_tokens, role="hf_generate"))
-            arms += [hf_arm(f"HF assisted {mode} K={k}", hf, self.new_tokens, assistant=assistant, assistant_mode=mode,
-                            k=k, draft=model_draft) for mode, k in (("constant", 3), ("heuristic", 5))]
+            if assistant is not None:
+                arms += [hf_arm(f"HF assisted {mode} K={k}", hf, self.new_tokens, assistant=assistant,
+                                assistant_mode=mode, k=k, draft=model_draft) for mode, k in (("constant", 3), ("heuristic", 5))]
         results = run_interleaved(arms, prompts, self.repeats, self._tick)
         for r in results:
             if r.name in policies:
@@ -274,9 +278,10 @@ class Bench:
                 row["speedup_vs_target_only"] = row["tokens_per_s"] / baseline["tokens_per_s"]
         if hf_ref is not None:
             baseline["ratio_vs_hf_generate"] = baseline["tokens_per_s"] / hf_ref["tokens_per_s"]
-            best_hf = max((r for r in rows if r["arm"].startswith("HF assisted")), key=lambda r: r["tokens_per_s"])
+            assisted = [r for r in rows if r["arm"].startswith("HF assisted")]
+            best_hf = max(assisted, key=lambda r: r["tokens_per_s"]) if assisted else None
             for row in rows:
-                if row["arm"].startswith("specsplit colocated") and row.get("draft") == model_draft:
+                if best_hf and row["arm"].startswith("specsplit colocated") and row.get("draft") == model_draft:
                     row["ratio_vs_best_hf_assisted"] = row["tokens_per_s"] / best_hf["tokens_per_s"]
         del hf, assistant
         for colo in (base, *policies.values(), *colos.values(), *tree_colos.values()):
@@ -384,7 +389,8 @@ class Bench:
             has_model = self.args.draft not in (None, "ngram")
             n_drafts = 1 + int(has_model) + int(self.hybrid_draft is not None)
             trees = 2 if getattr(self.args, "tree_nodes", 0) else 1  # --tree-nodes: a tree arm per chain arm
-            n += per_arm * (2 + trees * n_drafts * len(self.ks) + (3 if has_model and not self.args.no_hf else 0))
+            hf_arms = 0 if self.args.no_hf or not has_model else 1 if is_eagle3(self.args.draft) else 3
+            n += per_arm * (2 + trees * n_drafts * len(self.ks) + hf_arms)
             n += 2 * per_arm * len(self.split_ks)  # split and its paired colocated arm
             n += self.repeats * sum(self._batches(c, per_arm) for c in self.concurrency)  # target-only and spec batches, interleaved
         return n

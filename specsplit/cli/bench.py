@@ -12,7 +12,10 @@ def add_arguments(p, name: str) -> None:
     p.add_argument("suite", nargs="?", default="all", choices=["target", "spec", "all", "async"],
                    help="async: pre-drafting vs lockstep, split vs colocated, 1-2 threads (specsplit/bench/overlap.py)")
     p.add_argument("--target", default="smollm2-135m")
-    p.add_argument("--draft", default="smollm2-135m-draft", help="model draft for the spec arms ('ngram' too)")
+    p.add_argument("--draft", default=None,
+                   help="model draft for the spec arms ('ngram' too); default: the target's default draft without its "
+                        "prompt lookup (smollm2-135m: smollm2-135m-eagle3, so the policy arm runs the served "
+                        "smollm2-135m-eagle3+ngram)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="dtype of the spec arms")
     p.add_argument("--weights", default="native",
                    help="how a GGUF target's weights are held (native, fp32, bf16; see `specsplit serve --help`); "
@@ -62,7 +65,11 @@ def validate(args) -> None:
 
 def run(args) -> int:
     from specsplit.bench.suite import Bench, format_table, plot
+    from specsplit.defaults import bench_draft
     from specsplit.factory import set_threads
+
+    if args.draft is None:
+        args.draft = bench_draft(args.target)
 
     set_threads(args.threads)
     if args.suite == "async":

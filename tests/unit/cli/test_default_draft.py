@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from specsplit.cli import main
-from specsplit.defaults import DEFAULT_DRAFTS, default_k_for, resolve_draft
+from specsplit.defaults import DEFAULT_DRAFTS, bench_draft, default_k_for, resolve_draft
 
 
 def test_resolve_draft():
@@ -27,3 +27,11 @@ def test_up_needs_a_draft_when_the_target_has_no_default(capsys):
     assert main(["up", "--target", "smollm2-135m", "--check"]) == 0  # the default draft
     assert main(["up", "--target", "/no/such/dir", "--check"]) == 2
     assert "has no default draft" in capsys.readouterr().err
+
+
+def test_bench_measures_the_served_default_draft():
+    """`specsplit bench` without --draft measures the target's default draft: its model part, to
+    which the bench adds the +ngram arms (its policy arm is then the served default)."""
+    assert bench_draft("smollm2-135m") == "smollm2-135m-eagle3"
+    assert f"{bench_draft('smollm2-135m')}+ngram" == resolve_draft("smollm2-135m", None)
+    assert bench_draft("/some/hf/dir") == "ngram"  # no shipped draft: prompt lookup
