@@ -910,10 +910,10 @@ SPECSPLIT_AMX inline void amx_convert(const uint8_t* nib, uint16_t* tile) {
   }
 }
 
-// acc[t] (the group's 16 outputs of token t) += d * (hi + mid + lo rows of the block's product)
-// + c * the block's sum of x (4-bit: c = m - 16 d for Q4_1, -24 d for Q4_0; see above);
-// scales: the block's fp16 d (then m)
-template <int64_t T, int TT>
+// acc[t] (the group's 16 outputs of token t) += d * (token t's rows of the block's product: hi +
+// mid + lo in rows, P = 3; the one row along K, P = 1) + c * the block's sum of x (4-bit: c = m -
+// 16 d for Q4_1, -24 d for Q4_0; see above); scales: the block's fp16 d (then m)
+template <int64_t T, int TT, int P = 3>
 SPECSPLIT_AMX inline void amx_scale(const float* prod, const uint8_t* scales, const float* sums, int64_t nb, int64_t b,
                                     __m512* acc) {
   const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales)));
@@ -923,19 +923,22 @@ SPECSPLIT_AMX inline void amx_scale(const float* prod, const uint8_t* scales, co
   else if constexpr (T == Q4_0)
     c = _mm512_mul_ps(_mm512_set1_ps(-24.f), d);
   for (int t = 0; t < TT; ++t) {
-    const float* r = prod + 3 * t * 16;
-    const __m512 s = _mm512_add_ps(_mm512_add_ps(_mm512_load_ps(r), _mm512_load_ps(r + 16)), _mm512_load_ps(r + 32));
+    const float* r = prod + P * t * 16;
+    __m512 s = _mm512_load_ps(r);
+    if constexpr (P == 3) s = _mm512_add_ps(_mm512_add_ps(s, _mm512_load_ps(r + 16)), _mm512_load_ps(r + 32));
     acc[t] = _mm512_fmadd_ps(d, s, acc[t]);
     if constexpr (T != Q8_0) acc[t] = _mm512_fmadd_ps(c, _mm512_set1_ps(sums[t * nb + b]), acc[t]);
   }
 }
 
-// the tile configuration amx_groups<T, TT> runs under
-template <int TT>
+// the tile configuration amx_groups<T, TT> runs under (along_k: amx_groups_kpieces<T, TT>'s: the
+// weights in tiles 3 and 4, the other tiles one row per token)
+template <int TT, bool along_k = false>
 SPECSPLIT_AMX void amx_configure() {
   TileConfig cfg;
   for (int i = 0; i < 8; ++i) {
-    cfg.rows[i] = (i == 2 || i == 3) ? 16 : 3 * TT;
+    const bool weights = along_k ? (i == 3 || i == 4) : (i == 2 || i == 3);
+    cfg.rows[i] = weights ? 16 : along_k ? TT : 3 * TT;
     cfg.colsb[i] = 64;
   }
   // GCC does not see ldtilecfg read cfg and drops the stores above without this (seen: an all-zero
@@ -1019,35 +1022,6 @@ SPECSPLIT_AMX void amx_groups(const uint16_t* pieces, const float* sums, int64_t
   _tile_release();  // other code on this thread (oneDNN) loads its own configuration
 }
 
-// the tile configuration amx_groups_kpieces<T, TT> runs under: 0, 1, 2 the pieces (TT rows), 3, 4
-// the weights (16 rows), 5, 6 the products (TT rows)
-template <int TT>
-SPECSPLIT_AMX void amx_configure_kpieces() {
-  TileConfig cfg;
-  for (int i = 0; i < 7; ++i) {
-    cfg.rows[i] = (i == 3 || i == 4) ? 16 : TT;
-    cfg.colsb[i] = 64;
-  }
-  asm volatile("" : : "r"(&cfg) : "memory");  // see amx_configure
-  _tile_loadconfig(&cfg);
-}
-
-// acc[t] += d * (the block's product row t) + c * the block's sum of x (as amx_scale, one row a token)
-template <int64_t T, int TT>
-SPECSPLIT_AMX inline void amx_scale_kpieces(const float* prod, const uint8_t* scales, const float* sums, int64_t nb,
-                                            int64_t b, __m512* acc) {
-  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales)));
-  __m512 c = _mm512_setzero_ps();  // Q8_0: no c
-  if constexpr (T == Q4_1)
-    c = _mm512_fnmadd_ps(_mm512_set1_ps(16.f), d, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + 32))));
-  else if constexpr (T == Q4_0)
-    c = _mm512_mul_ps(_mm512_set1_ps(-24.f), d);
-  for (int t = 0; t < TT; ++t) {
-    acc[t] = _mm512_fmadd_ps(d, _mm512_load_ps(prod + 16 * t), acc[t]);
-    if constexpr (T != Q8_0) acc[t] = _mm512_fmadd_ps(c, _mm512_set1_ps(sums[t * nb + b]), acc[t]);
-  }
-}
-
 // y[t, 16g .. 16g+15] for groups g0..g1 and TT <= 16 tokens, the pieces along K (amx_split_x<true>).
 // Per block: its weights into tile 3 or 4 (alternating), the hi, mid and lo pieces into 0, 1, 2, and
 // three products into one tile, 5 or 6 (alternating). Skewed as amx_groups: block b+1's weights
@@ -1057,7 +1031,7 @@ template <int64_t T, int TT>
 SPECSPLIT_AMX void amx_groups_kpieces(const uint16_t* pieces, const float* sums, int64_t K, const uint8_t* blocks,
                                       int64_t g0, int64_t g1, float* y, int64_t ldy) {
   const int64_t nb = K / QK, GB = amx_group_bytes(T), QB = amx_quant_bytes(T);
-  amx_configure_kpieces<TT>();
+  amx_configure<TT, true>();
   alignas(64) uint16_t wt[3][16 * 32];  // converted weights, three blocks
   alignas(64) float prod[3][16 * 16];   // stored products, three blocks
   for (int64_t g = g0; g < g1; ++g) {
@@ -1073,7 +1047,7 @@ SPECSPLIT_AMX void amx_groups_kpieces(const uint16_t* pieces, const float* sums,
   _tile_dpbf16ps(CT, 0, BT);                                \
   _tile_dpbf16ps(CT, 1, BT);                                \
   _tile_dpbf16ps(CT, 2, BT);
-#define SPECSPLIT_SCALE(B) amx_scale_kpieces<T, TT>(prod[(B) % 3], gp + (B) * GB + QB, sums, nb, B, acc);
+#define SPECSPLIT_SCALE(B) amx_scale<T, TT, 1>(prod[(B) % 3], gp + (B) * GB + QB, sums, nb, B, acc);
     amx_convert<T>(gp, wt[0]);
     for (int64_t b = 0; b < nb; ++b) {
       if (b + 1 < nb) amx_convert<T>(gp + (b + 1) * GB, wt[(b + 1) % 3]);
