@@ -804,8 +804,9 @@ void dequant_row_avx2(const uint8_t* row, int64_t K, float* out, float* sc) {
 //     c = -24 d (exact); Q8_0 has no c. The same function as the dense fp32 path within fp32
 //     rounding: measured against a float64 product, 2-6e-8 of sum |x||w| (the AVX-512 loop 1.5-3e-8);
 //     the offset's larger S' roughly doubles the rounding of the 4-bit types (tests: within 1e-6).
-// Two arrangements of the pieces, the same bits (each output row's products are summed in the same
-// order; checked equal for 1 to 16 tokens):
+// Two arrangements of the pieces, with the same bits on this Xeon (equal for 1 to 16 tokens of Q4_1
+// and Q8_0; the manual does not promise that C += hi.w; C += mid.w; C += lo.w rounds as (hi.w +
+// mid.w) + lo.w does, so the tests hold it: a 45-row call's rows against single rows):
 //   * rows (amx_groups): the pieces are tile rows, 3 per token, so one pass holds 5 tokens; a pass
 //     stores 3 product rows per token and adds them.
 //   * along K (amx_groups_kpieces): three tiles hold the hi, mid and lo pieces of up to 16 tokens,
