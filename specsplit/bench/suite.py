@@ -243,10 +243,8 @@ class Bench:
         arms += [policy_arm(other) for other in getattr(a, "also_draft", [])]  # their default configuration too
         hf = assistant = None
         if model_draft is not None and not a.no_hf:
-            # an EAGLE-3 head is no causal LM: transformers cannot assist with it, so its run has the
-            # generate arm alone
-            hf, assistant = _hf_models(colos[model_draft], None if is_eagle3(model_draft) else model_draft,
-                                       parse_dtype(dtype))
+            # no assistant where the draft has no causal LM (an EAGLE-3 head): the generate arm alone
+            hf, assistant = _hf_models(colos[model_draft], model_draft, parse_dtype(dtype))
             arms.append(hf_arm(f"transformers generate {dtype}", hf, self.new_tokens, role="hf_generate"))
             if assistant is not None:
                 arms += [hf_arm(f"HF assisted {mode} K={k}", hf, self.new_tokens, assistant=assistant,
