@@ -41,7 +41,7 @@ Policies (`SPECSPLIT_LINEAR_KERNEL`):
 A quantized weight has only its blocks: its table is quant / dequant, timed under `auto` (rows
 1..QUANT_ROWS, one crossover), else quant for 1..QUANT_ROWS rows and dequant beyond. Weights in
 the AMX tiles layout are timed at TILES_PREFILL_ROWS too, and that row count's winner serves every
-row count past it: the AMX loop converts a block once per 5 tokens, and at a prefill's row counts it
+row count past it: the AMX loop converts a block once per 16 tokens (5 before the twenty-third session), and at a prefill's row counts it
 still beats dequantizing for MKL (measured on the Xeon: Q4_1 3072 x 576 at 64 rows 1.1 ms, against
 2.2 ms for the dequantized GEMM and 2.1 ms more to dequantize the tiles); their static table is quant
 throughout.
