@@ -61,6 +61,15 @@ def ancestor_mask(parents: Sequence[int]) -> torch.Tensor:
     return mask
 
 
+def ancestor_bits(parents: Sequence[int]) -> list[int]:
+    """Node i's row of ancestor_mask as an int: bit j set where node j is node i or one of its
+    ancestors (the attention kernel's tree_mask, kernels/cpu/decode_ops.cpp)."""
+    bits: list[int] = []
+    for i, p in enumerate(parents):
+        bits.append(1 << i | (bits[p] if p != ROOT else 0))
+    return bits
+
+
 def runner_up(logits: torch.Tensor) -> tuple[float, int]:
     """logits [V] of one draft position -> (top-1 probability, the second most likely index)."""
     x = logits.float()

@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <utility>
 #include <vector>
@@ -402,10 +403,15 @@ struct HeadParts {
 //   k_cache, v_cache [num_blocks, block_size, Hkv, D] (the new tokens' K/V already stored)
 //   block_tables [B, max_blocks] int64, q_lens [B], kv_lens [B] int64 (context after this forward)
 // Token i of sequence b sits at position kv_lens[b] - q_lens[b] + i and attends to positions 0..that.
+//   tree_mask [T] int64, optional (specsplit.draft_tree): a row's bits, 0 for a causal row. A
+//   sequence's rows with bits are its last n, the n nodes of a draft tree in its last n slots
+//   (kv_lens[b] - n ..); node i's bit j says it sees node j (its ancestors and itself: bit i set,
+//   none above; at most 63 nodes), and it sees every slot before the tree. Its keys are those slots in order, so it
+//   is computed exactly as the row of its path verified as a chain (the same sums in the same order).
 // -> [T, H, D]
 torch::Tensor decode_paged_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor q_lens, torch::Tensor kv_lens,
-                                     double scale, bool avx512) {
+                                     double scale, bool avx512, c10::optional<torch::Tensor> tree_mask) {
   check_f32(query, "query");
   check_f32(k_cache, "k_cache");
   check_f32(v_cache, "v_cache");
@@ -419,12 +425,17 @@ torch::Tensor decode_paged_attention(torch::Tensor query, torch::Tensor k_cache,
   const int64_t BS = k_cache.size(1), Hkv = k_cache.size(2), B = q_lens.numel(), max_blocks = block_tables.size(1);
   TORCH_CHECK(k_cache.size(3) == D && D % 8 == 0 && H % Hkv == 0 && kv_lens.numel() == B && block_tables.size(0) == B,
               "paged_attention: shapes disagree (head_dim a multiple of 8)");
+  const bool trees = tree_mask.has_value();
+  TORCH_CHECK(!trees || (tree_mask->scalar_type() == torch::kInt64 && tree_mask->dim() == 1 &&
+                         tree_mask->numel() == T && tree_mask->is_contiguous()),
+              "paged_attention: tree_mask must be int64 [T] (T = ", T, " query rows)");
   const int64_t* ql = q_lens.data_ptr<int64_t>();
   const int64_t* kl = kv_lens.data_ptr<int64_t>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* bits = trees ? tree_mask->data_ptr<int64_t>() : nullptr;
   const int64_t token_stride = Hkv * D, num_blocks = k_cache.size(0);
   // per sequence: where its tokens start in the query, and each context position's offset in the caches
-  std::vector<int64_t> seq_of(T), pos_of(T), row_start(B + 1, 0);
+  std::vector<int64_t> seq_of(T), pos_of(T), row_start(B + 1, 0), nodes(B, 0);
   int64_t t = 0;
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(ql[b] >= 0 && kl[b] >= ql[b] && kl[b] <= max_blocks * BS, "paged_attention: sequence ", b,
@@ -433,6 +444,11 @@ torch::Tensor decode_paged_attention(torch::Tensor query, torch::Tensor k_cache,
       TORCH_CHECK(t < T, "paged_attention: q_lens add up to more than the query's ", T, " rows");
       seq_of[t] = b;
       pos_of[t] = kl[b] - ql[b] + i;
+      if (bits && bits[t]) {
+        ++nodes[b];
+      } else {
+        TORCH_CHECK(nodes[b] == 0, "paged_attention: sequence ", b, "'s tree rows must be its last rows");
+      }
     }
     row_start[b + 1] = row_start[b] + kl[b];
   }
@@ -444,6 +460,35 @@ torch::Tensor decode_paged_attention(torch::Tensor query, torch::Tensor k_cache,
       TORCH_CHECK(blk >= 0 && blk < num_blocks, "paged_attention: block ", blk, " outside the cache");
       for (int64_t j = j0; j < std::min(j0 + BS, kl[b]); ++j) rows[row_start[b] + j] = (blk * BS + j - j0) * token_stride;
     }
+  // each row's keys: (offsets in the caches, how many). A causal row's are its sequence's first
+  // pos + 1 positions (`rows` in place); a tree node's are listed apart: the slots before the tree,
+  // then the nodes it sees, in slot order (a chain of its path has them in the same order).
+  std::vector<const int64_t*> keys_of(T);
+  std::vector<int64_t> num_keys(T);
+  std::vector<int64_t> node_keys;
+  std::vector<int64_t> node_start(T, -1);
+  if (trees) {
+    for (int64_t r = 0; r < T; ++r) {
+      if (!bits[r]) continue;
+      const int64_t b = seq_of[r], n = nodes[b], before = kl[b] - n, i = pos_of[r] - before;  // node i of n
+      TORCH_CHECK(n <= 63 && (bits[r] >> i & 1) && bits[r] >> (i + 1) == 0, "paged_attention: row ", r, " is node ", i,
+                  " of a ", n, "-node tree: its tree_mask must have bit ", i, " set and none above (at most 63 nodes)");
+      node_start[r] = static_cast<int64_t>(node_keys.size());
+      const int64_t* seq_rows = rows.data() + row_start[b];
+      node_keys.insert(node_keys.end(), seq_rows, seq_rows + before);
+      for (int64_t j = 0; j <= i; ++j)
+        if (bits[r] >> j & 1) node_keys.push_back(seq_rows[before + j]);
+      num_keys[r] = static_cast<int64_t>(node_keys.size()) - node_start[r];
+    }
+  }
+  for (int64_t r = 0; r < T; ++r) {
+    if (node_start[r] >= 0) {
+      keys_of[r] = node_keys.data() + node_start[r];
+    } else {
+      keys_of[r] = rows.data() + row_start[seq_of[r]];
+      num_keys[r] = pos_of[r] + 1;
+    }
+  }
   auto out = torch::empty({T, H, D}, query.options());
   const float* qp = query.data_ptr<float>();
   const float* kp = k_cache.data_ptr<float>();
@@ -452,11 +497,15 @@ torch::Tensor decode_paged_attention(torch::Tensor query, torch::Tensor k_cache,
   const int64_t group = H / Hkv;
   const float fscale = static_cast<float>(scale);
   if (D % 16 == 0 && attention_avx512(avx512)) {
-    // work item: a run of up to 8 consecutive rows of one sequence, with its KV heads (HeadParts)
+    // work item: a run of up to 8 consecutive causal rows of one sequence, or one tree node, with
+    // its KV heads (HeadParts)
     constexpr int64_t RUN = 8;
     std::vector<std::pair<int64_t, int64_t>> runs;  // (first token row, rows)
-    for (int64_t b = 0, t0 = 0; b < B; t0 += ql[b], ++b)
-      for (int64_t i = 0; i < ql[b]; i += RUN) runs.emplace_back(t0 + i, std::min(RUN, ql[b] - i));
+    for (int64_t b = 0, t0 = 0; b < B; t0 += ql[b], ++b) {
+      const int64_t causal = ql[b] - nodes[b];
+      for (int64_t i = 0; i < causal; i += RUN) runs.emplace_back(t0 + i, std::min(RUN, causal - i));
+      for (int64_t i = causal; i < ql[b]; ++i) runs.emplace_back(t0 + i, 1);
+    }
     const int64_t num_runs = static_cast<int64_t>(runs.size());
     const HeadParts heads(Hkv);
     at::parallel_for(0, num_runs * heads.parts, 1, [&](int64_t w0, int64_t w1) {
@@ -464,10 +513,10 @@ torch::Tensor decode_paged_attention(torch::Tensor query, torch::Tensor k_cache,
       for (int64_t w = w0; w < w1; ++w) {
         const auto [tok, R] = runs[w / heads.parts];
         const auto [g0, g1] = heads.of(w);
-        const int64_t b = seq_of[tok], n0 = pos_of[tok] + 1;
+        const int64_t n0 = num_keys[tok];
         scores.resize(R * (g1 - g0) * group * ((n0 + R - 1 + 7) / 8 * 8));
-        attend_rows512(qp + tok * H * D, H * D, kp, vp, rows.data() + row_start[b], n0, R, D, group, g0, g1, fscale,
-                       scores.data(), op + tok * H * D);
+        attend_rows512(qp + tok * H * D, H * D, kp, vp, keys_of[tok], n0, R, D, group, g0, g1, fscale, scores.data(),
+                       op + tok * H * D);
       }
     });
     return out;
@@ -477,11 +526,10 @@ torch::Tensor decode_paged_attention(torch::Tensor query, torch::Tensor k_cache,
   at::parallel_for(0, T * heads.parts, 2, [&](int64_t w0, int64_t w1) {
     std::vector<float> scores;
     for (int64_t w = w0; w < w1; ++w) {
-      const int64_t tok = w / heads.parts, n = pos_of[tok] + 1;
+      const int64_t tok = w / heads.parts, n = num_keys[tok];
       const auto [g0, g1] = heads.of(w);
       scores.resize((g1 - g0) * group * ((n + 7) / 8 * 8));
-      attend_group(qp + tok * H * D, kp, vp, rows.data() + row_start[seq_of[tok]], n, D, group, g0, g1, fscale,
-                   scores.data(), op + tok * H * D);
+      attend_group(qp + tok * H * D, kp, vp, keys_of[tok], n, D, group, g0, g1, fscale, scores.data(), op + tok * H * D);
     }
   });
   return out;
@@ -540,6 +588,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("store_kv", &decode_store_kv, "write new tokens' K and V into the paged caches, fp32");
   m.def("rms_norm", &decode_rms_norm, "RMSNorm of fp32 rows");
   m.def("rope", &decode_rope, "rotate-half rotary embedding of fp32 heads");
-  m.def("paged_attention", &decode_paged_attention, "causal attention over the paged KV cache, fp32");
+  m.def("paged_attention", &decode_paged_attention, "causal (or draft tree) attention over the paged KV cache, fp32",
+        pybind11::arg("query"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("block_tables"),
+        pybind11::arg("q_lens"), pybind11::arg("kv_lens"), pybind11::arg("scale"), pybind11::arg("avx512"),
+        pybind11::arg("tree_mask") = pybind11::none());
 }
 #endif

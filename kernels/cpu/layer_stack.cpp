@@ -95,11 +95,13 @@ class LayerStack {
 
   // x [T, hidden] -> the residual stream after layers [begin, end), [T, hidden].
   //   cos, sin [T, 1, D] (RotaryEmbedding.tables); slot_mapping [T], block_tables [B, max_blocks],
-  //   q_lens [B], kv_lens [B] int64 (BatchMetadata, no tree); kv [layers, 2, blocks, block_size, Hkv, D]
-  //   (PagedKVCache.data)
+  //   q_lens [B], kv_lens [B] int64 (BatchMetadata); kv [layers, 2, blocks, block_size, Hkv, D]
+  //   (PagedKVCache.data); tree_mask [T] int64 or None (BatchMetadata.tree_mask: draft trees'
+  //   rows, decode_ops.cpp's paged_attention)
   torch::Tensor run(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
                     const torch::Tensor& slot_mapping, const torch::Tensor& block_tables, const torch::Tensor& q_lens,
-                    const torch::Tensor& kv_lens, const torch::Tensor& kv, int64_t begin, int64_t end) const {
+                    const torch::Tensor& kv_lens, const torch::Tensor& kv, int64_t begin, int64_t end,
+                    const c10::optional<torch::Tensor>& tree_mask) const {
     TORCH_CHECK(0 <= begin && begin <= end && end <= size(), "layer_stack: layers [", begin, ", ", end, ") of ", size());
     TORCH_CHECK(kv.dim() == 6 && kv.size(0) >= end && kv.size(1) == 2 && kv.size(4) == Hkv_ && kv.size(5) == D_,
                 "layer_stack: kv must be [layers, 2, blocks, block_size, ", Hkv_, ", ", D_, "]");
@@ -113,7 +115,8 @@ class LayerStack {
       const torch::Tensor v = qkv.slice(1, qk_size, qkv.size(1)).view({t, Hkv_, D_});
       dops::decode_store_kv(k, v, k_cache, v_cache, slot_mapping);
       const torch::Tensor attn =
-          dops::decode_paged_attention(q.contiguous(), k_cache, v_cache, block_tables, q_lens, kv_lens, scale_, l.qkv.avx512);
+          dops::decode_paged_attention(q.contiguous(), k_cache, v_cache, block_tables, q_lens, kv_lens, scale_, l.qkv.avx512,
+                                       tree_mask);
       x = x + l.o(attn.reshape({t, q_size}));
       const torch::Tensor gate_up = l.gate_up(dops::decode_rms_norm(x, l.post_attn_norm, l.post_attn_eps));
       x = x + l.down(dops::decode_silu_mul(gate_up));
@@ -132,5 +135,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<int64_t, int64_t, int64_t, double>())
       .def("add", &LayerStack::add, "append a layer: its four quantized linears and two norms")
       .def("__len__", &LayerStack::size)
-      .def("run", &LayerStack::run, "one decode or verify step of layers [begin, end)");
+      .def("run", &LayerStack::run, "one decode or verify step of layers [begin, end)", pybind11::arg("x"),
+           pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("slot_mapping"), pybind11::arg("block_tables"),
+           pybind11::arg("q_lens"), pybind11::arg("kv_lens"), pybind11::arg("kv"), pybind11::arg("begin"),
+           pybind11::arg("end"), pybind11::arg("tree_mask") = pybind11::none());
 }

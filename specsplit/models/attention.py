@@ -8,7 +8,8 @@ That one rule covers prefill chunks (q = chunk), decode (q = 1) and verification
 Tree verification (specsplit.draft_tree) changes it for a sequence's last n new tokens, the nodes
 of a draft tree with parents `trees[b]`: node i sits in KV slot kv-n+i but at rope position
 (kv-n-1) + depth(i), and attends to the slots before the tree and to its own ancestors only.
-Batches with a tree run the torch attention (the C++ kernel knows the causal rule only).
+The C++ kernel takes each node's ancestors as bits (`tree_mask`, trees of up to
+KERNEL_TREE_NODES nodes); larger trees run the torch attention with the mask.
 
 Attention groups sequences with the same q_len and runs one padded SDPA per group: decode and
 verification batches are one group, so a layer costs one gather and one SDPA call.
@@ -21,7 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from specsplit.kernels import decode_ops, dispatch, quant_linear
-from specsplit.draft_tree import ancestor_mask, tree_depths
+from specsplit.draft_tree import ancestor_bits, ancestor_mask, tree_depths
+
+KERNEL_TREE_NODES = 63  # the most nodes of a tree the C++ attention takes (bits of an int64)
 
 
 @dataclass
@@ -46,7 +49,11 @@ class BatchMetadata:
     block_tables: torch.Tensor | None = None  # [B, max_blocks] int64
     q_lens_t: torch.Tensor | None = None  # [B] int64
     kv_lens_t: torch.Tensor | None = None  # [B] int64
-    has_tree: bool = False  # some sequence's new tokens end in a draft tree: the torch path runs
+    has_tree: bool = False  # some sequence's new tokens end in a draft tree
+    # [T] int64, where has_tree and every tree has at most KERNEL_TREE_NODES nodes: a tree node's
+    # row holds its ancestor bits (draft_tree.ancestor_bits), every other row 0; the C++ attention
+    # reads it. None: no tree, or the torch attention with the groups' masks
+    tree_mask: torch.Tensor | None = None
     # the torch attention's groups, made when first asked for (`groups`): a step through the CPU
     # kernels (models/lean_layer.py, kernels/layer_stack.py) never asks, and making them (masks,
     # gathers) was ~0.2 ms of SmolLM2-135M's ~10 ms one-token step on the AMX Xeon
@@ -77,6 +84,8 @@ class BatchMetadata:
         positions: list[int] = []
         starts: list[int] = []
         logits_index: list[int] = []
+        has_tree = any(bool(t) for t in trees)
+        tree_bits: list[int] | None = [] if has_tree and all(len(t or ()) <= KERNEL_TREE_NODES for t in trees) else None
         offset = 0
         for q, kv, n_logits, tree in zip(q_lens, kv_lens, logits_per_seq, trees):
             starts.append(offset)
@@ -86,6 +95,9 @@ class BatchMetadata:
                 positions.extend(root + d for d in tree_depths(tree))
             else:
                 positions.extend(range(kv - q, kv))
+            if tree_bits is not None:
+                tree_bits.extend([0] * (q - len(tree or ())))
+                tree_bits.extend(ancestor_bits(tree or ()))
             logits_index.extend(range(offset + q - n_logits, offset + q))
             offset += q
 
@@ -103,7 +115,8 @@ class BatchMetadata:
             kv_lens=list(kv_lens),
             logits_index=torch.tensor(logits_index, dtype=torch.int64, device=device),
             all_slots_valid=all(s >= 0 for s in slot_mapping),
-            has_tree=any(bool(t) for t in trees),
+            has_tree=has_tree,
+            tree_mask=None if tree_bits is None else torch.tensor(tree_bits, dtype=torch.int64, device=device),
             _group_inputs=(list(q_lens), list(kv_lens), block_tables, all_tables, starts, trees, block_size, device),
         )
 
@@ -162,11 +175,12 @@ def paged_attention(
     meta: BatchMetadata,
     scale: float,
 ) -> torch.Tensor:  # [T, H, D]
-    if (meta.block_tables is not None and not meta.has_tree and decode_ops.usable(query) and k_cache.dtype == torch.float32
-            and query.shape[2] % 8 == 0):
+    if (meta.block_tables is not None and (not meta.has_tree or meta.tree_mask is not None) and decode_ops.usable(query)
+            and k_cache.dtype == torch.float32 and query.shape[2] % 8 == 0):
         # fp32 on the CPU: the whole batch in one call, reading the blocks in place
         return decode_ops.load().paged_attention(query.contiguous(), k_cache, v_cache, meta.block_tables,
-                                                 meta.q_lens_t, meta.kv_lens_t, scale, quant_linear.avx512_allowed())
+                                                 meta.q_lens_t, meta.kv_lens_t, scale, quant_linear.avx512_allowed(),
+                                                 meta.tree_mask)
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
     out = None if meta.groups[0].covers_all else torch.empty_like(query)

@@ -14,7 +14,8 @@ builds, the model runs the same steps of all its layers in one compiled call ins
 (`LlamaForCausalLM.lean_stack`, from these layers' `weights` and norms; the same bits again): the
 ~30 Python calls of a step cost ~0.6 ms of SmolLM2-135M's ~10 ms on the AMX Xeon. Which layers may run it, and
 for which row counts, is LlamaForCausalLM.select_kernels' decision (the kernels it chose); a batch
-with a draft tree, or more rows than the quantized kernel serves, runs the modules.
+with more rows than the quantized kernel serves, or a draft tree of more than KERNEL_TREE_NODES
+nodes (models/attention.py), runs the modules.
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ class LeanLayer:
         x: torch.Tensor,  # [T, hidden]
         cos: torch.Tensor,  # [T, 1, D] (RotaryEmbedding.tables)
         sin: torch.Tensor,  # [T, 1, D] signed
-        meta,  # BatchMetadata with block_tables, q_lens_t, kv_lens_t (no tree)
+        meta,  # BatchMetadata with block_tables, q_lens_t, kv_lens_t (and tree_mask where it has a tree)
         k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
         v_cache: torch.Tensor,
     ) -> torch.Tensor:  # [T, hidden]
@@ -67,7 +68,7 @@ class LeanLayer:
         v = qkv[:, self.qk_size:].view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         self.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         attn = self.attention(q.contiguous(), k_cache, v_cache, meta.block_tables, meta.q_lens_t, meta.kv_lens_t,
-                              self.scale, self.avx512)  # [T, H, D]
+                              self.scale, self.avx512, meta.tree_mask)  # [T, H, D]
         x = x + self.o(attn.reshape(t, self.q_size))
         gate_up = self.gate_up(self.rms_norm(x, *self.post_attn_norm))  # [T, 2I]
         return x + self.down(self.silu_mul(gate_up))

@@ -487,9 +487,9 @@ class LlamaForCausalLM(nn.Module):
         n, begin = len(self.layers), 0
         args = (*rope_tables, meta.slot_mapping, meta.block_tables, meta.q_lens_t, meta.kv_lens_t, kv.data)
         for i in sorted(i for i in capture if 0 <= i < n) if capture else ():
-            x = capture[i] = self.lean_stack.run(x, *args, begin, i + 1)
+            x = capture[i] = self.lean_stack.run(x, *args, begin, i + 1, meta.tree_mask)
             begin = i + 1
-        return self.lean_stack.run(x, *args, begin, n) if begin < n else x
+        return self.lean_stack.run(x, *args, begin, n, meta.tree_mask) if begin < n else x
 
     def _greedy_head(self, x: torch.Tensor) -> torch.Tensor | None:  # [N, hidden] -> [N] int64, or None
         if type(self._head) is not _Head or self.vocab_subset is not None:  # none, or wrapped (--deterministic)
@@ -509,8 +509,9 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)  # [T, hidden]
         rope_tables = self.rope.tables(meta.positions)
         lean = self.lean_layers
-        if lean is not None and (x.shape[0] > lean[0].rows or meta.block_tables is None or meta.has_tree):
-            lean = None  # prefill-sized, or a draft tree (the torch attention): the modules
+        if lean is not None and (x.shape[0] > lean[0].rows or meta.block_tables is None
+                                 or (meta.has_tree and meta.tree_mask is None)):
+            lean = None  # prefill-sized, or a tree too big for the C++ attention (the torch one): the modules
         if lean is not None and self.lean_stack is not None and isinstance(kv, PagedKVCache):
             x = self._stack_step(x, rope_tables, meta, kv, capture)
         else:

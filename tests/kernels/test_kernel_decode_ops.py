@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from specsplit.draft_tree import DraftTree, ancestor_bits, ancestor_mask
 from specsplit.kernels import decode_ops, quant_linear
 from specsplit.models.attention import BatchMetadata
 from specsplit.models.llama import RMSNorm, RotaryEmbedding
@@ -118,6 +119,83 @@ def test_threads_split_the_heads_without_changing_the_bits(avx512):
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)
+
+
+def _tree_reference(query, k_cache, v_cache, table, kv, parents, scale):
+    """Float64: tree node i (of n, in the last n slots) over the slots before the tree and its
+    ancestors' slots (draft_tree.ancestor_mask), [n, H, D]."""
+    bs, n = k_cache.shape[1], len(parents)
+    slots = torch.tensor([table[j // bs] * bs + j % bs for j in range(kv)])  # [kv]
+    keys = k_cache.reshape(-1, *k_cache.shape[2:])[slots].double()  # [kv, Hkv, D]
+    values = v_cache.reshape(-1, *v_cache.shape[2:])[slots].double()
+    rep = query.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1)  # [kv, H, D]
+    seen = torch.cat([torch.ones(n, kv - n, dtype=torch.bool), ancestor_mask(parents)], dim=1)  # [n, kv]
+    out = []
+    for i in range(n):
+        s = torch.einsum("hd,khd->hk", query[i].double(), keys[seen[i]]) * scale  # [H, keys seen]
+        out.append(torch.einsum("hk,khd->hd", torch.softmax(s, -1), values[seen[i]]))
+    return torch.stack(out).float()
+
+
+@pytest.mark.parametrize("avx512", ISAS)
+@pytest.mark.parametrize("context", [5, 37, 300])  # the slots before the tree: within, at the edge of, past blocks of 8
+def test_tree_rows_see_their_ancestors_and_equal_their_paths_as_chains(avx512, context):
+    """A batch of a decode row, a sequence whose last 7 rows are a draft tree (after 2 causal rows)
+    and a 3-row verify: every tree node equals the float64 rule with the ancestor mask, and, bit for
+    bit, the last row of its path verified as a chain (the path's K/V moved to the slots a chain
+    uses, as ModelRunner.move_kv does); the other rows equal the same batch without the tree."""
+    g = torch.Generator().manual_seed(4)
+    bs, nb, hkv, d, h = 16, 64, 3, 64, 9
+    k_cache, v_cache = torch.randn(nb, bs, hkv, d, generator=g), torch.randn(nb, bs, hkv, d, generator=g)
+    parents = (-1, 0, 0, 1, 3, -1, 5)
+    n = len(parents)
+    q_lens, kv_lens = [1, 2 + n, 3], [29, context + 2 + n, 50]
+    perm, tables, used = torch.randperm(nb, generator=g).tolist(), [], 0
+    for kv in kv_lens:
+        tables.append(perm[used:used + -(-kv // bs)])
+        used += -(-kv // bs)
+    trees = [None, parents, None]
+    meta = BatchMetadata.build(q_lens, kv_lens, tables, [0] * sum(q_lens), [1] * 3, bs, torch.device("cpu"), trees=trees)
+    assert meta.tree_mask.tolist() == [0, 0, 0, *ancestor_bits(parents), 0, 0, 0]
+    query = torch.randn(sum(q_lens), h, d, generator=g)
+    op = decode_ops.load().paged_attention
+    got = op(query, k_cache, v_cache, meta.block_tables, meta.q_lens_t, meta.kv_lens_t, d**-0.5, avx512, meta.tree_mask)
+    causal = op(query, k_cache, v_cache, meta.block_tables, meta.q_lens_t, meta.kv_lens_t, d**-0.5, avx512)
+    nodes = slice(3, 3 + n)  # the tree's rows: after a's row and b's two causal rows
+    keep = [r for r in range(sum(q_lens)) if not nodes.start <= r < nodes.stop]
+    assert torch.equal(got[keep], causal[keep])
+    kv = kv_lens[1]
+    torch.testing.assert_close(got[nodes], _tree_reference(query[nodes], k_cache, v_cache, tables[1], kv, parents, d**-0.5),
+                               rtol=1e-5, atol=1e-6)
+    t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+    slot = lambda j: tables[1][j // bs] * bs + j % bs  # noqa: E731
+    for i in range(n):
+        path = DraftTree(tuple(range(n)), parents).path(i)  # node ids from the root's child to i
+        kc, vc = k_cache.clone().view(-1, hkv, d), v_cache.clone().view(-1, hkv, d)
+        for depth, node in enumerate(path):  # the chain's slot of depth `depth`: kv - n + depth
+            kc[slot(kv - n + depth)], vc[slot(kv - n + depth)] = k_cache.view(-1, hkv, d)[slot(kv - n + node)], \
+                v_cache.view(-1, hkv, d)[slot(kv - n + node)]
+        row = query[nodes.start + i:nodes.start + i + 1].contiguous()
+        chain = op(row, kc.view_as(k_cache), vc.view_as(v_cache), t([tables[1]]), t([1]), t([kv - n + len(path)]),
+                   d**-0.5, avx512)
+        assert torch.equal(got[nodes.start + i:nodes.start + i + 1], chain), i
+
+
+def test_paged_attention_refuses_a_bad_tree_mask_with_a_message():
+    op = decode_ops.load().paged_attention
+    k = torch.zeros(4, 16, 3, 64)
+    t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+    args = (torch.zeros(3, 9, 64), k, k, t([[0, 1]]), t([3]), t([20]), 0.125, True)
+    op(*args, t([0, 1, 3]))  # the root, then a node and its child
+    with pytest.raises(RuntimeError, match="last rows"):
+        op(*args, t([1, 0, 0]))
+    with pytest.raises(RuntimeError, match="must have bit 1 set and none above"):
+        op(*args, t([0, 1, 1]))  # node 1 does not see itself
+    with pytest.raises(RuntimeError, match="must have bit 0 set and none above"):
+        op(*args, t([0, 3, 3]))  # node 0 sees a later node
+    with pytest.raises(RuntimeError, match="int64 \\[T\\]"):
+        op(*args, t([0, 1]))
 
 
 def test_paged_attention_refuses_bad_shapes_with_a_message():

@@ -1,7 +1,7 @@
 """models/lean_layer: the GGUF target's decode and verify steps as direct kernel calls give the
 modules' results bit for bit (the same calls with the same arguments), and so does the compiled
 stack of them (kernels/layer_stack.py: all the layers in one call, or one call per stretch up to
-each captured layer); prefill and draft trees still run the modules, and the lean step is only
+each captured layer), draft trees included; prefill still runs the modules, and the lean step is only
 chosen where every piece runs on the CPU kernels (not with dense fp32 weights, not after
 --deterministic swaps the attention)."""
 from __future__ import annotations
@@ -39,8 +39,8 @@ class _CountingStack:
     def __init__(self, stack, seen: list):
         self.stack, self.seen = stack, seen
 
-    def run(self, x, *args):
-        self.seen.append((x.shape[0], args[-2], args[-1]))
+    def run(self, x, *args):  # args: ..., begin, end, tree_mask
+        self.seen.append((x.shape[0], args[-3], args[-2]))
         return self.stack.run(x, *args)
 
 
@@ -144,9 +144,11 @@ def test_captured_layers_equal_through_the_stack(native):
 
 def test_a_batch_of_sequences_with_mixed_rows_equals_the_modules(native):
     """Three sequences in one forward, as a batched verify step: one decode row, a 4-row verify
-    and a 2-row verify (7 rows); then a verify of a draft tree, which runs the modules (the torch
-    attention) with or without the lean layers."""
+    and a 2-row verify (7 rows); then a verify of a draft tree beside a decode row, which runs the
+    lean step too (the C++ attention reads the tree's ancestor bits): the modules' logits bit for
+    bit, and each tree node's the logits of its path verified as a chain."""
     prompts = {"a": [1, 504, 3458, 282], "b": [1, 9690, 198, 2683, 359, 253], "c": [1, 28, 906]}
+    tree = (-1, 0, 0, 1, -1)  # b's drafts 7, 8, 9, 10, 11: 8 and 9 children of 7, 10 of 8, 11 of the root
 
     def run() -> list[torch.Tensor]:
         runner = ModelRunner(native, num_blocks=16, block_size=16, max_model_len=256)
@@ -154,15 +156,26 @@ def test_a_batch_of_sequences_with_mixed_rows_equals_the_modules(native):
         out = runner.forward([ForwardItem("a", 4, [585], num_logits=1),
                               ForwardItem("b", 6, [17, 4991, 42, 28], num_logits=4),
                               ForwardItem("c", 3, [2012, 15], num_logits=2)])
-        # b's next verify: its last token, then a tree of 3 drafts (one, and two children of it)
-        return out + runner.forward([ForwardItem("b", 10, [389, 7, 8, 9], num_logits=4, tree=(-1, 0, 0))])
+        # b's next verify: its last token, then the tree; a decodes one token beside it
+        out += runner.forward([ForwardItem("a", 5, [906], num_logits=1),
+                               ForwardItem("b", 10, [389, 7, 8, 9, 10, 11], num_logits=6, tree=tree)])
+        # each node's path as a chain, on a copy of b's context
+        for node, path in enumerate([[7], [7, 8], [7, 9], [7, 8, 10], [11]]):
+            seq = f"path{node}"
+            runner.forward([ForwardItem(seq, 0, prompts["b"] + [17, 4991, 42, 28], num_logits=1)])
+            out.append(runner.forward([ForwardItem(seq, 10, [389, *path], num_logits=1)])[0])
+        return out
 
     with _lean(native, True) as seen:
         lean = run()
     with _lean(native, False):
         plain = run()
-    assert set(seen) == {13, 7}  # the 13-row prefill and the 7-row verify batch, not the tree step
+    assert seen.count(7) == 2 * len(native.layers)  # the 7-row verify batch, and the 7-row tree step
     _assert_equal(lean, plain)
+    tree_logits, paths = lean[4], lean[5:]  # out: the verify's a, b, c; the tree step's a, b; the chains
+    assert tree_logits.shape[0] == 6 and len(paths) == len(tree)
+    for node, chain in enumerate(paths):
+        assert torch.equal(tree_logits[1 + node], chain[0]), node  # row 0: the root; row 1 + i: node i
 
 
 def test_more_rows_than_the_quantized_kernel_serves_run_the_modules(native):
