@@ -534,7 +534,7 @@ class TargetEngine(_EngineBase, VerifierTraits):
         # the ids (the head's greedy copy skips most logits), else the logits
         ids_only = all((i in chunks and i not in prompt_lps) or (
             i not in chunks and s.params.greedy and not s.params.processed_at(s.num_generated) and s.logprobs is None
-            and i not in trees and i not in prompt_lps) for i, s in enumerate(seqs))
+            and i not in prompt_lps) for i, s in enumerate(seqs))
         logits = self._forward(items, layers, feats, greedy=ids_only)  # per seq [k+1, V] or [k+1] ids ([1, ...] for a chunk); feats per seq [rows, F]
         for i, s in enumerate(seqs):
             s.undo = (len(s.tokens), s.num_computed)
@@ -551,12 +551,14 @@ class TargetEngine(_EngineBase, VerifierTraits):
         # equals the target's own choice; the others run the rejection sampler.
         greedy = [i for i, s in enumerate(seqs) if s.params.accepts_by_match and i not in trees and i not in chunks]
         if ids_only:
+            for i, tree in trees.items():
+                self._verify_tree(reqs[i].seq_id, seqs[i], tree, logits[i].tolist(), results, i)
             self._accept_greedy(greedy, reqs, seqs, [logits[i].tolist() for i in greedy], results)
             return results  # type: ignore[return-value]
         raw, logits = logits, self._process(logits, reqs, seqs, masks)
         sampled = [i for i, s in enumerate(seqs) if not s.params.accepts_by_match and i not in chunks]
         for i, tree in trees.items():
-            raw[i] = self._verify_tree(reqs[i].seq_id, seqs[i], tree, logits[i], raw[i], results, i)
+            raw[i] = raw[i][self._verify_tree(reqs[i].seq_id, seqs[i], tree, greedy_ids(logits[i]).tolist(), results, i)]
         if greedy:
             self._accept_greedy(greedy, reqs, seqs, self._targets(greedy, seqs, logits), results)
         if sampled:
@@ -673,14 +675,12 @@ class TargetEngine(_EngineBase, VerifierTraits):
         for i, a, n in zip(idx, targets, accepted):
             results[i] = self._commit(reqs[i].seq_id, seqs[i], n, a[: n + 1])
 
-    def _verify_tree(self, seq_id: str, s: _Seq, tree: DraftTree, logits: torch.Tensor, raw: torch.Tensor,
-                     results: list, i: int) -> torch.Tensor:
-        """Greedy acceptance of a draft tree from its logits [1 + n, V] (row 0: the root, row
-        1 + j: node j): the longest path of nodes that equal the target's argmax at their parent's
-        row, then the bonus from the last accepted row. The path's KV moves to the slots a chain
-        would have used (the rest is cut by _commit), so the sequence is as if the chain of the
-        path had been verified. Returns the raw logits reordered to the path's rows [1 + a, V]."""
-        argmax = greedy_ids(logits).tolist()  # [1 + n]
+    def _verify_tree(self, seq_id: str, s: _Seq, tree: DraftTree, argmax: list[int], results: list, i: int) -> list[int]:
+        """Greedy acceptance of a draft tree from the target's argmax at its rows [1 + n] (row 0:
+        the root, row 1 + j: node j): the longest path of nodes that equal the target's argmax at
+        their parent's row, then the bonus from the last accepted row. The path's KV moves to the
+        slots a chain would have used (the rest is cut by _commit), so the sequence is as if the
+        chain of the path had been verified. Returns the path's rows [1 + a] (to reorder logits)."""
         path = tree.greedy_walk(argmax)
         rows = [0] + [1 + j for j in path]
         emitted = [tree.tokens[j] for j in path] + [argmax[rows[-1]]]
@@ -690,7 +690,7 @@ class TargetEngine(_EngineBase, VerifierTraits):
             tail = s.step_features.shape[0] - len(tree)
             s.step_features = torch.cat([s.step_features[:tail], s.step_features[[tail + j for j in path]]])
         results[i] = self._commit(seq_id, s, len(path), emitted)
-        return raw[rows]
+        return rows
 
     def _verify_sampled(self, idx, reqs, seqs, logits, results) -> None:
         drafts, num_draft, k_max = self._padded_drafts(idx, reqs)

@@ -8,10 +8,11 @@ commit and its draft), the K policy. Only decode steps count: a step whose forwa
 forward, ...); what a part does not cover is Python and small torch ops around it.
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python tools/step_profile.py [--draft DRAFT | --draft none]
-        [--num-prompts 6] [--new-tokens 64] [--rounds 2] [--fixed-k K]
+        [--num-prompts 6] [--new-tokens 64] [--rounds 2] [--fixed-k K] [--tree-nodes N]
 
 --fixed-k drafts K tokens every step (`--k-policy fixed`); by default the K policy chooses, as
-the server's default flags do (so a step may draft nothing).
+the server's default flags do (so a step may draft nothing). --tree-nodes lets a step's drafts
+add up to N branch nodes (docs/tree-verification.md; with the K policy, its rule sizes them).
 
 The wrappers cost ~1 us a call; compare arms (old and new trees on PYTHONPATH) run by run.
 """
@@ -35,6 +36,7 @@ from specsplit.engine import TargetEngine  # noqa: E402
 from specsplit.factory import build_colocated  # noqa: E402
 from specsplit.feature_drafter import FeatureDrafter  # noqa: E402
 from specsplit.models.llama import LlamaForCausalLM  # noqa: E402
+from specsplit.models.runner import ModelRunner  # noqa: E402
 from specsplit.scheduler import Scheduler  # noqa: E402
 from specsplit.spec.decoder import SpecDecoder  # noqa: E402
 
@@ -48,6 +50,8 @@ PARTS = (
     ("      head: greedy ids", LlamaForCausalLM, "_greedy_head"),
     ("      head: logits", LlamaForCausalLM, "_full_logits"),
     ("    accept (greedy)", TargetEngine, "_accept_greedy"),
+    ("    accept (tree)", TargetEngine, "_verify_tree"),
+    ("      move kv", ModelRunner, "move_kv"),
     ("  k policy", SpecDecoder, "_choose_k"),
     ("  propose", SpecDecoder, "_propose"),
     ("    feature commit", FeatureDrafter, "_commit_features"),
@@ -118,6 +122,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--fixed-k", type=int, default=None, help="draft K every step (default: the K policy's choice)")
+    ap.add_argument("--tree-nodes", type=int, default=0, help="branch nodes a step's draft tree may add (default 0: chains)")
     args = ap.parse_args()
     torch.set_num_threads(1)
 
@@ -130,7 +135,8 @@ def main() -> None:
     else:
         draft = resolve_draft(args.model, args.draft)
         spec = spec_config(argparse.Namespace(num_speculative_tokens=args.fixed_k, device="cpu",
-                                              k_policy="fixed" if args.fixed_k else None), draft)
+                                              k_policy="fixed" if args.fixed_k else None, tree_nodes=args.tree_nodes),
+                           draft)
         colo = build_colocated(cfg(args.model), cfg(draft), spec, show_progress=False)
         arm = draft
     prompts = heldout_prompts(colo.tokenizer, args.num_prompts, 512, chat=True)

@@ -127,6 +127,29 @@ def test_a_branch_is_accepted_and_the_kv_is_the_chains(tiny_llama):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+def test_a_tree_asked_for_logprobs_gives_its_paths(tiny_llama):
+    """With logprobs asked, the tree's logits (not the greedy ids alone) decide: the accepted
+    branch's tokens and logprobs are the ones of the same tokens verified as a chain."""
+    colo = _colo(tiny_llama, None, 4, 4)
+    engine = colo.target
+    prompt = tuple(_requests(1, seed=4)[0].prompt_token_ids)
+    engine.add([SeqAdd(s, prompt, logprobs=2) for s in ("ref", "t", "chain")])
+    greedy = []
+    for _ in range(4):  # the target's own greedy continuation, one token a step
+        greedy += engine.verify([VerifyRequest("ref")])[0].token_ids
+    engine.release(["ref"])
+    assert [engine.verify([VerifyRequest(s)])[0].token_ids for s in ("t", "chain")] == [(greedy[0],)] * 2
+    chain = engine.verify([VerifyRequest("chain", tuple(greedy[1:3]))])[0]
+    wrong = (greedy[1] + 1) % 200 + 3
+    tree = engine.verify([VerifyRequest("t", (wrong, greedy[1], greedy[2]), None, (-1, -1, 1))])[0]
+    assert tree.num_accepted == chain.num_accepted == 2 and tree.token_ids == chain.token_ids
+    for a, b in zip(tree.logprobs, chain.logprobs):
+        assert a.token_id == b.token_id and [t for t, _ in a.top] == [t for t, _ in b.top]
+        assert [a.logprob, *(lp for _, lp in a.top)] == pytest.approx([b.logprob, *(lp for _, lp in b.top)], abs=1e-5)
+    engine.release(["t", "chain"])
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
 def test_sampled_requests_keep_the_chain(tiny_llama, tiny_draft_close):
     colo = _colo(tiny_llama, tiny_draft_close, 3, 4)
     asks = []
