@@ -257,29 +257,49 @@ void attend_group(const float* q, const float* kc, const float* vc, const int64_
 // 12.12, 15.58 -> 14.78, 19.31 -> 17.50 ms.
 #define SPECSPLIT_ATTN512 __attribute__((target("avx512f,avx512dq,avx2,fma")))
 
-// o_r = inv_r * sum_{j < n + r} p_rj v_j for RB rows (row r's probabilities sc[r]) over W * 16
-// output lanes from i0, held in registers (RB x W accumulators; W a template argument, so the
-// compiler keeps them there: with W read at run time it spilled them to the stack): each row's
-// sums are the one-row loop's, in order, and each value row is loaded once for all RB rows.
-// prefetch: prefetch the value rows ahead, pf floats of each (a whole token's KV heads from the
-// first head's pass, so the other heads' passes find them in the nearer caches).
-template <int RB, int W>
-SPECSPLIT_ATTN512 inline void values_lanes512(const float* const* sc, const float* vc, const int64_t* rows, int64_t n,
-                                              int64_t i0, const float* iv, float* const* out, bool prefetch, int64_t pf) {
-  const int64_t nlast = n + RB - 1;
+// o_r = inv_r * sum_{j < n_r} p_rj v_(keys_r[j]) for RB rows (row r's probabilities sc[r], its keys
+// keys[r], n[r] of them) over W * 16 output lanes from i0, held in registers (RB x W accumulators;
+// W a template argument, so the compiler keeps them there: with W read at run time it spilled them
+// to the stack): each row's sums are the one-row loop's, in order. The rows' first `common` keys
+// are the same ones (a verify's rows: all of them; a draft tree's: the slots before it), and each
+// of those value rows is loaded once for all RB rows; past them each row loads its own.
+// prefetch: prefetch the shared value rows ahead, pf floats of each (a whole token's KV heads from
+// the first head's pass, so the other heads' passes find them in the nearer caches).
+// Tree: the rows' keys may differ past `common` (a run with a draft tree's node); else they are all
+// shared.
+template <int RB, int W, bool Tree>
+SPECSPLIT_ATTN512 inline void values_lanes512(const float* const* sc, const float* vc, const int64_t* const* keys,
+                                              const int64_t* n, int64_t common, int64_t i0, const float* iv,
+                                              float* const* out, bool prefetch, int64_t pf) {
+  int64_t n_of[RB];  // in registers: reading n[r] in the loop cost a verify's attention 6-20%
+  for (int r = 0; r < RB; ++r) n_of[r] = n[r];
+  int64_t nlast = 0, most = 0;  // the most keys of a row, and that row
+  for (int r = 0; r < RB; ++r)
+    if (n_of[r] > nlast) nlast = n_of[r], most = r;
+  const int64_t shared = Tree ? std::min(common, nlast) : nlast;
+  const int64_t* rows = keys[most];
   __m512 acc[RB][W];
   for (int r = 0; r < RB; ++r)
     for (int u = 0; u < W; ++u) acc[r][u] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < nlast; ++j) {
-    if (prefetch && j + PREFETCH_VALUES < nlast) prefetch_row(vc + rows[j + PREFETCH_VALUES], pf);
+  for (int64_t j = 0; j < shared; ++j) {
+    if (prefetch && j + PREFETCH_VALUES < shared) prefetch_row(vc + rows[j + PREFETCH_VALUES], pf);
     const float* v = vc + rows[j] + i0;
     __m512 vv[W];
     for (int u = 0; u < W; ++u) vv[u] = _mm512_loadu_ps(v + 16 * u);
     for (int r = 0; r < RB; ++r) {
-      if (j >= n + r) continue;  // past row r's keys
+      if (j >= n_of[r]) continue;  // past row r's keys
       const __m512 pj = _mm512_set1_ps(sc[r][j]);
       for (int u = 0; u < W; ++u) acc[r][u] = _mm512_fmadd_ps(pj, vv[u], acc[r][u]);
     }
+  }
+  if constexpr (Tree) {
+#pragma GCC unroll 4
+    for (int r = 0; r < RB; ++r)  // each row's own keys (unrolled: acc stays in registers)
+      for (int64_t j = shared; j < n_of[r]; ++j) {
+        const float* v = vc + keys[r][j] + i0;
+        const __m512 pj = _mm512_set1_ps(sc[r][j]);
+        for (int u = 0; u < W; ++u) acc[r][u] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + 16 * u), acc[r][u]);
+      }
   }
   for (int r = 0; r < RB; ++r) {
     const __m512 invv = _mm512_set1_ps(iv[r]);
@@ -288,40 +308,61 @@ SPECSPLIT_ATTN512 inline void values_lanes512(const float* const* sc, const floa
 }
 
 // values_lanes512 over all D lanes, 64 at a time; first: prefetch (on the first 64 lanes' pass).
-template <int RB>
-SPECSPLIT_ATTN512 inline void values_rows512(const float* const* sc, const float* vc, const int64_t* rows, int64_t n,
-                                             int64_t D, const float* iv, float* const* out, bool first, int64_t pf) {
+template <int RB, bool Tree>
+SPECSPLIT_ATTN512 inline void values_rows512(const float* const* sc, const float* vc, const int64_t* const* keys,
+                                             const int64_t* n, int64_t common, int64_t D, const float* iv,
+                                             float* const* out, bool first, int64_t pf) {
   for (int64_t i0 = 0; i0 < D; i0 += 64) {
     const bool p = first && i0 == 0;
     switch (D - i0 < 64 ? (D - i0) / 16 : 4) {
-      case 1: values_lanes512<RB, 1>(sc, vc, rows, n, i0, iv, out, p, pf); break;
-      case 2: values_lanes512<RB, 2>(sc, vc, rows, n, i0, iv, out, p, pf); break;
-      case 3: values_lanes512<RB, 3>(sc, vc, rows, n, i0, iv, out, p, pf); break;
-      default: values_lanes512<RB, 4>(sc, vc, rows, n, i0, iv, out, p, pf); break;
+      case 1: values_lanes512<RB, 1, Tree>(sc, vc, keys, n, common, i0, iv, out, p, pf); break;
+      case 2: values_lanes512<RB, 2, Tree>(sc, vc, keys, n, common, i0, iv, out, p, pf); break;
+      case 3: values_lanes512<RB, 3, Tree>(sc, vc, keys, n, common, i0, iv, out, p, pf); break;
+      default: values_lanes512<RB, 4, Tree>(sc, vc, keys, n, common, i0, iv, out, p, pf); break;
     }
   }
 }
 
-// R consecutive query rows of one sequence (row r sees n0 + r keys) and KV heads [g0, g1) with
-// their G query heads each, computed for every (row, head) exactly as one row alone (the same sums
-// in the same order), so a verify row equals the decode row bit for bit. q and o: rows ld floats
-// apart, the heads of each one after another ([H, D], H = G * KV heads); kc, vc: the caches at
-// KV head 0 (rows[j]: key j's offset in floats, a token's KV heads contiguous). The rows share
-// the passes over the keys and values: a 5-row verify reads each layer's cache once instead of five
-// times. The keys' pass takes every KV head of the range at each 8 keys, so it reads whole token
-// rows in order (the cache's layout); the values' pass goes head by head, its first head
-// prefetching whole token rows. scores: scratch [R, (g1 - g0) * G, (n0 + R + 7) / 8 * 8].
+// R consecutive query rows of one sequence and KV heads [g0, g1) with their G query heads each:
+// row r sees n[r] keys, keys[r][j] the offset of its key j in the caches (in floats, at KV head 0; a
+// token's KV heads contiguous), and the rows' first `common` keys are the same ones (a verify's
+// rows: n0 + r keys each, all of them shared; a draft tree's nodes: the slots before the tree).
+// Every (row, head) is computed exactly as one row alone (the same sums in the same order), so a
+// verify row equals the decode row bit for bit, and a tree node the row of its path's chain. q and
+// o: rows ld floats apart, the heads of each one after another ([H, D], H = G * KV heads); kc, vc:
+// the caches at KV head 0. The rows share the passes over the keys and values: a 5-row verify
+// reads each layer's cache once instead of five times. The keys' pass takes every KV head of the
+// range at each 8 keys, so it reads whole token rows in order (the cache's layout); the values'
+// pass goes head by head, its first head prefetching whole token rows. scores: scratch
+// [R, (g1 - g0) * G, (max n + 7) / 8 * 8]. Tree false: row r sees n[0] + r keys of keys[0] (a run
+// of causal rows), all shared.
 // SmolLM2-135M at context 300 on a Zen 4 core, the 30 layers' attention with 2.2 MB streamed
 // between layers (as a step's weights do), the AVX-512 loop before (one KV head per call, the
 // values' accumulators spilled) and after, 21 interleaved rounds: 1 / 3 / 5 rows 2.75 -> 2.39,
 // 3.69 -> 3.07, 4.84 -> 3.94 ms.
-SPECSPLIT_ATTN512 void attend_rows512(const float* q, int64_t ld, const float* kc, const float* vc, const int64_t* rows,
-                                      int64_t n0, int64_t R, int64_t D, int64_t G, int64_t g0, int64_t g1,
-                                      float scale, float* scores, float* o) {
-  const int64_t h0 = g0 * G, nh = (g1 - g0) * G, nmax = n0 + R - 1, stride = (nmax + 7) / 8 * 8;
+template <bool Tree>
+SPECSPLIT_ATTN512 void attend_rows512(const float* q, int64_t ld, const float* kc, const float* vc,
+                                      const int64_t* const* keys, const int64_t* n, int64_t common, int64_t R,
+                                      int64_t D, int64_t G, int64_t g0, int64_t g1, float scale, float* scores,
+                                      float* o) {
+  // each row's count and keys, copied: the compiler keeps them in registers (read through n and
+  // keys in the loops, a verify's attention took 6-20% longer)
+  constexpr int64_t MAX_ROWS = 8;  // a run's rows at most (decode_paged_attention's RUN)
+  int64_t nn[MAX_ROWS];
+  const int64_t* kk[MAX_ROWS];
+  for (int64_t r = 0; r < R; ++r) {
+    nn[r] = Tree ? n[r] : n[0] + r;
+    kk[r] = keys[Tree ? r : 0];
+  }
+  auto n_of = [&](int64_t r) { return nn[r]; };
+  auto keys_of = [&](int64_t r) { return kk[r]; };
+  int64_t nmax = 0, most = 0;  // the most keys of a row, and that row
+  for (int64_t r = 0; r < R; ++r)
+    if (n_of(r) > nmax) nmax = n_of(r), most = r;
+  const int64_t h0 = g0 * G, nh = (g1 - g0) * G, stride = (nmax + 7) / 8 * 8;
   auto sc_of = [&](int64_t r, int64_t h) { return scores + (r * nh + h - h0) * stride; };  // h: the head's index
   for (int64_t r = 0; r < R; ++r) {
-    const int64_t n = n0 + r, n8 = n / 8 * 8, n8up = (n + 7) / 8 * 8;
+    const int64_t n8 = n_of(r) / 8 * 8, n8up = (n_of(r) + 7) / 8 * 8;
     for (int64_t h = h0; h < h0 + nh; ++h)
       for (int64_t j = n8; j < n8up; ++j) sc_of(r, h)[j] = -INFINITY;  // exp -> 0 in the padded tail
   }
@@ -329,9 +370,10 @@ SPECSPLIT_ATTN512 void attend_rows512(const float* q, int64_t ld, const float* k
   const int64_t span = (g1 - g0) * D;
   const int64_t n8max = nmax / 8 * 8;
   for (int64_t j = 0; j < n8max; j += 8) {  // 8 keys at a time, one horizontal reduction for all 8
-    prefetch_ahead(kg0, vc + g0 * D, rows, j, n8max, nmax, span);
+    prefetch_ahead(kg0, vc + g0 * D, keys_of(most), j, n8max, nmax, span);
     for (int64_t r = 0; r < R; ++r) {
-      if (j + 8 > (n0 + r) / 8 * 8) continue;  // past this row's whole blocks of 8
+      if (j + 8 > n_of(r) / 8 * 8) continue;  // past this row's whole blocks of 8
+      const int64_t* rows = keys_of(r);
       for (int64_t h = h0; h < h0 + nh; ++h) {
         const float* qh = q + r * ld + h * D;
         const float* kh = kc + (h / G) * D;
@@ -349,9 +391,9 @@ SPECSPLIT_ATTN512 void attend_rows512(const float* q, int64_t ld, const float* k
   }
   std::vector<float> inv(R * nh);
   for (int64_t r = 0; r < R; ++r) {
-    const int64_t n = n0 + r, n8up = (n + 7) / 8 * 8;
-    for (int64_t j = n / 8 * 8; j < n; ++j)
-      for (int64_t h = h0; h < h0 + nh; ++h) sc_of(r, h)[j] = dot(q + r * ld + h * D, kc + (h / G) * D + rows[j], D) * scale;
+    const int64_t nr = n_of(r), n8up = (nr + 7) / 8 * 8;
+    for (int64_t j = nr / 8 * 8; j < nr; ++j)
+      for (int64_t h = h0; h < h0 + nh; ++h) sc_of(r, h)[j] = dot(q + r * ld + h * D, kc + (h / G) * D + keys_of(r)[j], D) * scale;
     for (int64_t h = h0; h < h0 + nh; ++h) inv[r * nh + h - h0] = softmax_row(sc_of(r, h), n8up);
   }
   // o_rh = sum_j p_rhj v_j, up to 4 rows at a time
@@ -368,11 +410,13 @@ SPECSPLIT_ATTN512 void attend_rows512(const float* q, int64_t ld, const float* k
       }
       const bool first = h == h0 && r0 == 0;
       const float* vh = vc + (h / G) * D;
+      const int64_t* const* kr = kk + r0;
+      const int64_t* nr = nn + r0;
       switch (rb) {
-        case 1: values_rows512<1>(sc, vh, rows, n0 + r0, D, iv, out, first, span); break;
-        case 2: values_rows512<2>(sc, vh, rows, n0 + r0, D, iv, out, first, span); break;
-        case 3: values_rows512<3>(sc, vh, rows, n0 + r0, D, iv, out, first, span); break;
-        default: values_rows512<4>(sc, vh, rows, n0 + r0, D, iv, out, first, span); break;
+        case 1: values_rows512<1, Tree>(sc, vh, kr, nr, common, D, iv, out, first, span); break;
+        case 2: values_rows512<2, Tree>(sc, vh, kr, nr, common, D, iv, out, first, span); break;
+        case 3: values_rows512<3, Tree>(sc, vh, kr, nr, common, D, iv, out, first, span); break;
+        default: values_rows512<4, Tree>(sc, vh, kr, nr, common, D, iv, out, first, span); break;
       }
     }
 }
@@ -461,8 +505,10 @@ torch::Tensor decode_paged_attention(torch::Tensor query, torch::Tensor k_cache,
       for (int64_t j = j0; j < std::min(j0 + BS, kl[b]); ++j) rows[row_start[b] + j] = (blk * BS + j - j0) * token_stride;
     }
   // each row's keys: (offsets in the caches, how many). A causal row's are its sequence's first
-  // pos + 1 positions (`rows` in place); a tree node's are listed apart: the slots before the tree,
-  // then the nodes it sees, in slot order (a chain of its path has them in the same order).
+  // pos + 1 positions (`rows` in place), and so are those of a tree's leading chain (node i that
+  // sees nodes 0..i: its keys are the causal row's at its slot). Any other tree node's are listed
+  // apart: the slots before the tree, then the nodes it sees, in slot order (a chain of its path
+  // has them in that order).
   std::vector<const int64_t*> keys_of(T);
   std::vector<int64_t> num_keys(T);
   std::vector<int64_t> node_keys;
@@ -473,6 +519,7 @@ torch::Tensor decode_paged_attention(torch::Tensor query, torch::Tensor k_cache,
       const int64_t b = seq_of[r], n = nodes[b], before = kl[b] - n, i = pos_of[r] - before;  // node i of n
       TORCH_CHECK(n <= 63 && (bits[r] >> i & 1) && bits[r] >> (i + 1) == 0, "paged_attention: row ", r, " is node ", i,
                   " of a ", n, "-node tree: its tree_mask must have bit ", i, " set and none above (at most 63 nodes)");
+      if (static_cast<uint64_t>(bits[r]) == (uint64_t{2} << i) - 1) continue;  // nodes 0..i: a leading chain's node
       node_start[r] = static_cast<int64_t>(node_keys.size());
       const int64_t* seq_rows = rows.data() + row_start[b];
       node_keys.insert(node_keys.end(), seq_rows, seq_rows + before);
@@ -497,26 +544,37 @@ torch::Tensor decode_paged_attention(torch::Tensor query, torch::Tensor k_cache,
   const int64_t group = H / Hkv;
   const float fscale = static_cast<float>(scale);
   if (D % 16 == 0 && attention_avx512(avx512)) {
-    // work item: a run of up to 8 consecutive causal rows of one sequence, or one tree node, with
-    // its KV heads (HeadParts)
+    // work item: a run of up to 8 consecutive rows of one sequence, with its KV heads (HeadParts),
+    // and how many keys its rows share: all (causal rows), or the slots before the sequence's tree
+    // (a run with a listed node)
     constexpr int64_t RUN = 8;
-    std::vector<std::pair<int64_t, int64_t>> runs;  // (first token row, rows)
-    for (int64_t b = 0, t0 = 0; b < B; t0 += ql[b], ++b) {
-      const int64_t causal = ql[b] - nodes[b];
-      for (int64_t i = 0; i < causal; i += RUN) runs.emplace_back(t0 + i, std::min(RUN, causal - i));
-      for (int64_t i = causal; i < ql[b]; ++i) runs.emplace_back(t0 + i, 1);
-    }
+    struct Run {
+      int64_t tok, rows, common;  // common < 0: causal rows
+    };
+    std::vector<Run> runs;
+    for (int64_t b = 0, t0 = 0; b < B; t0 += ql[b], ++b)
+      for (int64_t i = 0; i < ql[b]; i += RUN) {
+        const int64_t R = std::min(RUN, ql[b] - i);
+        bool listed = false;
+        for (int64_t r = t0 + i; r < t0 + i + R; ++r) listed = listed || node_start[r] >= 0;
+        runs.push_back({t0 + i, R, listed ? kl[b] - nodes[b] : -1});
+      }
     const int64_t num_runs = static_cast<int64_t>(runs.size());
     const HeadParts heads(Hkv);
     at::parallel_for(0, num_runs * heads.parts, 1, [&](int64_t w0, int64_t w1) {
       std::vector<float> scores;
       for (int64_t w = w0; w < w1; ++w) {
-        const auto [tok, R] = runs[w / heads.parts];
+        const Run& run = runs[w / heads.parts];
         const auto [g0, g1] = heads.of(w);
-        const int64_t n0 = num_keys[tok];
-        scores.resize(R * (g1 - g0) * group * ((n0 + R - 1 + 7) / 8 * 8));
-        attend_rows512(qp + tok * H * D, H * D, kp, vp, keys_of[tok], n0, R, D, group, g0, g1, fscale, scores.data(),
-                       op + tok * H * D);
+        const int64_t nmax = *std::max_element(num_keys.begin() + run.tok, num_keys.begin() + run.tok + run.rows);
+        scores.resize(run.rows * (g1 - g0) * group * ((nmax + 7) / 8 * 8));
+        if (run.common >= 0)
+          attend_rows512<true>(qp + run.tok * H * D, H * D, kp, vp, keys_of.data() + run.tok, num_keys.data() + run.tok,
+                               run.common, run.rows, D, group, g0, g1, fscale, scores.data(), op + run.tok * H * D);
+        else
+          attend_rows512<false>(qp + run.tok * H * D, H * D, kp, vp, keys_of.data() + run.tok,
+                                num_keys.data() + run.tok, 0, run.rows, D, group, g0, g1, fscale, scores.data(),
+                                op + run.tok * H * D);
       }
     });
     return out;
