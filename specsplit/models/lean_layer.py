@@ -13,9 +13,10 @@ the module path's bit for bit (tests/unit/models/test_lean_layer.py). Where kern
 builds, the model runs the same steps of all its layers in one compiled call instead
 (`LlamaForCausalLM.lean_stack`, from these layers' `weights` and norms; the same bits again): the
 ~30 Python calls of a step cost ~0.6 ms of SmolLM2-135M's ~10 ms on the AMX Xeon. Which layers may run it, and
-for which row counts, is LlamaForCausalLM.select_kernels' decision (the kernels it chose); a batch
-with more rows than the quantized kernel serves, or a draft tree of more than KERNEL_TREE_NODES
-nodes (models/attention.py), runs the modules.
+for which row counts, is LlamaForCausalLM.select_kernels' decision (the kernels it chose): with
+weights in AMX tiles every row count, prefill included; in the rows layout up to the count where a
+linear's table leaves the quantized kernel (16 by the static table). A batch past that, or with a
+draft tree of more than KERNEL_TREE_NODES nodes (models/attention.py), runs the modules.
 """
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ from specsplit.kernels import decode_ops, layer_stack
 from specsplit.models import cpu_linear
 from specsplit.models.deterministic import make_deterministic
 from specsplit.models.lean_layer import LeanLayer
+from specsplit.models.llama import LEAN_ANY_ROWS
 from specsplit.models.loader import load_model
 from specsplit.models.runner import ForwardItem, ModelRunner
 from tests.helpers.gguf import NEEDS_GGUF, NEEDS_QUANT_KERNEL
@@ -91,12 +92,37 @@ def _assert_equal(lean: list[torch.Tensor], plain: list[torch.Tensor]) -> None:
         assert torch.equal(a, b)
 
 
+def _tiles(model) -> bool:
+    return model.layers[0].qkv_proj.quant.layout == "tiles"
+
+
 def test_native_target_gets_a_lean_step_for_the_quantized_rows(native):
     lean = native.lean_layers
     assert lean is not None and len(lean) == len(native.layers)
     assert all(isinstance(layer, LeanLayer) for layer in lean)
-    # the static table runs the quantized kernel at 1-16 rows, so does the lean step
-    assert lean[0].rows == cpu_linear.QUANT_ROWS
+    # the static table runs the quantized kernel at 1-16 rows (weights in AMX tiles: at any row
+    # count), so does the lean step
+    assert lean[0].rows == (LEAN_ANY_ROWS if _tiles(native) else cpu_linear.QUANT_ROWS)
+
+
+def test_lean_rows_follow_the_kernel_tables(native):
+    """The lean step serves the row counts at which every linear of every layer runs the quantized
+    kernel: all of them where the tables say quant throughout, else up to the first other kernel."""
+    linears = [m for layer in native.layers for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
+    kept = [m.kernels for m in linears]
+    Q, D = cpu_linear.QUANT, cpu_linear.DEQUANT
+    try:
+        for tables, rows in [
+            ([cpu_linear.RowKernels.single(Q)] * len(linears), LEAN_ANY_ROWS),
+            ([cpu_linear.RowKernels((16,), (Q,), D)] * len(linears), 16),
+            ([cpu_linear.RowKernels((16,), (Q,), D)] * (len(linears) - 1) + [cpu_linear.RowKernels((8,), (Q,), D)], 8),
+        ]:
+            for m, table in zip(linears, tables):
+                m.kernels = table
+            assert native._lean_layers()[0].rows == rows
+    finally:
+        for m, table in zip(linears, kept):
+            m.kernels = table
 
 
 def test_native_target_gets_the_compiled_stack_where_it_builds(native):
@@ -146,7 +172,8 @@ def test_a_batch_of_sequences_with_mixed_rows_equals_the_modules(native):
     """Three sequences in one forward, as a batched verify step: one decode row, a 4-row verify
     and a 2-row verify (7 rows); then a verify of a draft tree beside a decode row, which runs the
     lean step too (the C++ attention reads the tree's ancestor bits): the modules' logits bit for
-    bit, and each tree node's the logits of its path verified as a chain."""
+    bit, and each tree node's the logits of its path verified as a chain (bit for bit with the
+    weights in AMX tiles; within fp32 rounding in the rows layout)."""
     prompts = {"a": [1, 504, 3458, 282], "b": [1, 9690, 198, 2683, 359, 253], "c": [1, 28, 906]}
     tree = (-1, 0, 0, 1, -1)  # b's drafts 7, 8, 9, 10, 11: 8 and 9 children of 7, 10 of 8, 11 of the root
 
@@ -174,17 +201,23 @@ def test_a_batch_of_sequences_with_mixed_rows_equals_the_modules(native):
     _assert_equal(lean, plain)
     tree_logits, paths = lean[4], lean[5:]  # out: the verify's a, b, c; the tree step's a, b; the chains
     assert tree_logits.shape[0] == 6 and len(paths) == len(tree)
-    for node, chain in enumerate(paths):
-        assert torch.equal(tree_logits[1 + node], chain[0]), node  # row 0: the root; row 1 + i: node i
+    for node, chain in enumerate(paths):  # row 0: the root; row 1 + i: node i
+        if _tiles(native):  # the AMX loop gives a row the same bits at any row count
+            assert torch.equal(tree_logits[1 + node], chain[0]), node
+        else:  # the rows layout's loops sum a 7-row call's rows in another order than a 2-4-row one's
+            torch.testing.assert_close(tree_logits[1 + node], chain[0], rtol=1e-5, atol=1e-4)
 
 
 def test_more_rows_than_the_quantized_kernel_serves_run_the_modules(native):
-    prompt = list(range(100, 140))  # 40 rows, past the lean step's 16: the modules (dequantized GEMM, or AMX tiles)
+    """A 40-row prefill: past the static table's 16 quantized rows the modules run (a dequantized
+    GEMM); with the weights in AMX tiles the quantized kernel serves every row count, and so does
+    the lean step. Either way the modules' logits, bit for bit."""
+    prompt = list(range(100, 140))
     with _lean(native, True) as seen:
         lean = _steps(native, prompt, [7], [8, 9])
     with _lean(native, False):
         plain = _steps(native, prompt, [7], [8, 9])
-    assert set(seen) == {1, 2}  # not the 40-row prefill
+    assert set(seen) == ({40, 1, 2} if _tiles(native) else {1, 2})
     _assert_equal(lean, plain)
 
 
