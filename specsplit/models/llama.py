@@ -340,8 +340,8 @@ class LlamaForCausalLM(nn.Module):
         """Each layer's step as direct kernel calls (models/lean_layer.py), for the row counts at
         which all its linears run the quantized kernel (every count where each table says quant
         throughout, as with AMX tiles: prefill chunks and large batches too, one stack call
-        instead of the modules; a 500-token prefill 617 -> 549 ms and the verifier's start-up
-        calibration 7.7-7.9 -> 6.4-6.6 s on the AMX Xeon); None unless every layer qualifies: fp32 on
+        instead of the modules: a 500-token prefill 617 -> 549 ms on the AMX Xeon); None unless
+        every layer qualifies: fp32 on
         the CPU with the C++ glue, plain Linears (not tensor-parallel or row-wise ones) on GGUF
         blocks, the paged attention (not --deterministic's)."""
         if self.device.type != "cpu" or self.dtype != torch.float32 or decode_ops.load() is None \
