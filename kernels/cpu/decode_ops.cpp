@@ -257,6 +257,11 @@ void attend_group(const float* q, const float* kc, const float* vc, const int64_
 // 12.12, 15.58 -> 14.78, 19.31 -> 17.50 ms.
 #define SPECSPLIT_ATTN512 __attribute__((target("avx512f,avx512dq,avx2,fma")))
 
+// The most consecutive rows of one sequence that attend_rows512 takes at once (a run: they share
+// the passes over the keys), and the most nodes of a draft tree (its ancestor bits in an int64;
+// models/attention.py's KERNEL_TREE_NODES)
+constexpr int64_t ATTN_RUN_ROWS = 8, TREE_MAX_NODES = 63;
+
 // o_r = inv_r * sum_{j < n_r} p_rj v_(keys_r[j]) for RB rows (row r's probabilities sc[r], its keys
 // keys[r], n[r] of them) over W * 16 output lanes from i0, held in registers (RB x W accumulators;
 // W a template argument, so the compiler keeps them there: with W read at run time it spilled them
@@ -347,9 +352,8 @@ SPECSPLIT_ATTN512 void attend_rows512(const float* q, int64_t ld, const float* k
                                       float* o) {
   // each row's count and keys, copied: the compiler keeps them in registers (read through n and
   // keys in the loops, a verify's attention took 6-20% longer)
-  constexpr int64_t MAX_ROWS = 8;  // a run's rows at most (decode_paged_attention's RUN)
-  int64_t nn[MAX_ROWS];
-  const int64_t* kk[MAX_ROWS];
+  int64_t nn[ATTN_RUN_ROWS];  // R <= ATTN_RUN_ROWS
+  const int64_t* kk[ATTN_RUN_ROWS];
   for (int64_t r = 0; r < R; ++r) {
     nn[r] = Tree ? n[r] : n[0] + r;
     kk[r] = keys[Tree ? r : 0];
@@ -450,8 +454,9 @@ struct HeadParts {
 //   tree_mask [T] int64, optional (specsplit.draft_tree): a row's bits, 0 for a causal row. A
 //   sequence's rows with bits are its last n, the n nodes of a draft tree in its last n slots
 //   (kv_lens[b] - n ..); node i's bit j says it sees node j (its ancestors and itself: bit i set,
-//   none above; at most 63 nodes), and it sees every slot before the tree. Its keys are those slots in order, so it
-//   is computed exactly as the row of its path verified as a chain (the same sums in the same order).
+//   none above; at most TREE_MAX_NODES), and it sees every slot before the tree. Its keys are those
+//   slots in order, so it is computed exactly as the row of its path verified as a chain (the same
+//   sums in the same order).
 // -> [T, H, D]
 torch::Tensor decode_paged_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor q_lens, torch::Tensor kv_lens,
@@ -517,8 +522,9 @@ torch::Tensor decode_paged_attention(torch::Tensor query, torch::Tensor k_cache,
     for (int64_t r = 0; r < T; ++r) {
       if (!bits[r]) continue;
       const int64_t b = seq_of[r], n = nodes[b], before = kl[b] - n, i = pos_of[r] - before;  // node i of n
-      TORCH_CHECK(n <= 63 && (bits[r] >> i & 1) && bits[r] >> (i + 1) == 0, "paged_attention: row ", r, " is node ", i,
-                  " of a ", n, "-node tree: its tree_mask must have bit ", i, " set and none above (at most 63 nodes)");
+      TORCH_CHECK(n <= TREE_MAX_NODES && (bits[r] >> i & 1) && bits[r] >> (i + 1) == 0, "paged_attention: row ", r,
+                  " is node ", i, " of a ", n, "-node tree: its tree_mask must have bit ", i,
+                  " set and none above (at most ", TREE_MAX_NODES, " nodes)");
       if (static_cast<uint64_t>(bits[r]) == (uint64_t{2} << i) - 1) continue;  // nodes 0..i: a leading chain's node
       node_start[r] = static_cast<int64_t>(node_keys.size());
       const int64_t* seq_rows = rows.data() + row_start[b];
@@ -544,17 +550,16 @@ torch::Tensor decode_paged_attention(torch::Tensor query, torch::Tensor k_cache,
   const int64_t group = H / Hkv;
   const float fscale = static_cast<float>(scale);
   if (D % 16 == 0 && attention_avx512(avx512)) {
-    // work item: a run of up to 8 consecutive rows of one sequence, with its KV heads (HeadParts),
+    // work item: a run of up to ATTN_RUN_ROWS consecutive rows of one sequence, with its KV heads (HeadParts),
     // and how many keys its rows share: all (causal rows), or the slots before the sequence's tree
     // (a run with a listed node)
-    constexpr int64_t RUN = 8;
     struct Run {
       int64_t tok, rows, common;  // common < 0: causal rows
     };
     std::vector<Run> runs;
     for (int64_t b = 0, t0 = 0; b < B; t0 += ql[b], ++b)
-      for (int64_t i = 0; i < ql[b]; i += RUN) {
-        const int64_t R = std::min(RUN, ql[b] - i);
+      for (int64_t i = 0; i < ql[b]; i += ATTN_RUN_ROWS) {
+        const int64_t R = std::min(ATTN_RUN_ROWS, ql[b] - i);
         bool listed = false;
         for (int64_t r = t0 + i; r < t0 + i + R; ++r) listed = listed || node_start[r] >= 0;
         runs.push_back({t0 + i, R, listed ? kl[b] - nodes[b] : -1});

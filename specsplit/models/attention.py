@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from specsplit.kernels import decode_ops, dispatch, quant_linear
 from specsplit.draft_tree import ancestor_bits, ancestor_mask, tree_depths
 
-KERNEL_TREE_NODES = 63  # the most nodes of a tree the C++ attention takes (bits of an int64)
+KERNEL_TREE_NODES = 63  # the most nodes of a tree the C++ attention takes (bits of an int64; its TREE_MAX_NODES)
 
 
 @dataclass
@@ -59,6 +59,11 @@ class BatchMetadata:
     # gathers) was ~0.2 ms of SmolLM2-135M's ~10 ms one-token step on the AMX Xeon
     _group_inputs: tuple | None = field(default=None, repr=False)
     _groups: list[AttentionGroup] | None = field(default=None, repr=False)
+
+    @property
+    def kernel_attends(self) -> bool:
+        """Whether the C++ attention takes this batch: no tree, or every tree's bits in tree_mask."""
+        return not self.has_tree or self.tree_mask is not None
 
     @property
     def groups(self) -> list[AttentionGroup]:
@@ -175,8 +180,8 @@ def paged_attention(
     meta: BatchMetadata,
     scale: float,
 ) -> torch.Tensor:  # [T, H, D]
-    if (meta.block_tables is not None and (not meta.has_tree or meta.tree_mask is not None) and decode_ops.usable(query)
-            and k_cache.dtype == torch.float32 and query.shape[2] % 8 == 0):
+    if (meta.block_tables is not None and meta.kernel_attends and decode_ops.usable(query) and k_cache.dtype == torch.float32
+            and query.shape[2] % 8 == 0):
         # fp32 on the CPU: the whole batch in one call, reading the blocks in place
         return decode_ops.load().paged_attention(query.contiguous(), k_cache, v_cache, meta.block_tables,
                                                  meta.q_lens_t, meta.kv_lens_t, scale, quant_linear.avx512_allowed(),

@@ -518,8 +518,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)  # [T, hidden]
         rope_tables = self.rope.tables(meta.positions)
         lean = self.lean_layers
-        if lean is not None and (x.shape[0] > lean[0].rows or meta.block_tables is None
-                                 or (meta.has_tree and meta.tree_mask is None)):
+        if lean is not None and (x.shape[0] > lean[0].rows or meta.block_tables is None or not meta.kernel_attends):
             lean = None  # prefill-sized, or a tree too big for the C++ attention (the torch one): the modules
         if lean is not None and self.lean_stack is not None and isinstance(kv, PagedKVCache):
             x = self._stack_step(x, rope_tables, meta, kv, capture)
