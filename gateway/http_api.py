@@ -61,7 +61,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specsplit.gateway.scheduler_thread import status_of
 from specsplit import __version__
+from specsplit.detokenizer import TextStream
 from specsplit.gateway.service import MAX_CHOICES, GatewayServicer
+from specsplit.gateway.token_bytes import token_name
 from specsplit.gateway.tool_stream import ToolCallStream
 from specsplit.gateway.tools import (ToolError, ToolPlan, finish_reason, message_calls, parse_calls,
                                      plan_tools)
@@ -457,44 +459,64 @@ def _generate_request(body: _Body, request_id: str, max_tokens: int, score_only:
 
 # ---- responses ------------------------------------------------------------------------------
 class _Tokens:
-    """Token id -> its text, cached (logprobs name every token and its alternatives)."""
+    """Token id -> its name and its bytes (gateway/token_bytes.py: a piece of a character split over
+    several tokens is named `bytes:\\xNN..` and keeps its own bytes), cached (logprobs name every
+    token and its alternatives; at most the vocabulary). tokenizer: decode(ids) and token_bytes(id)."""
 
-    def __init__(self, decode: Callable[[list[int]], str]):
-        self.decode = decode
-        self.cache: dict[int, str] = {}
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.cache: dict[int, tuple[str, bytes]] = {}
+
+    def _entry(self, token_id: int) -> tuple[str, bytes]:
+        e = self.cache.get(token_id)
+        if e is None:
+            raw = self.tokenizer.token_bytes(token_id)
+            e = self.cache[token_id] = (token_name(self.tokenizer.decode([token_id]), raw), raw)
+        return e
 
     def __call__(self, token_id: int) -> str:
-        s = self.cache.get(token_id)
-        if s is None:
-            s = self.cache[token_id] = self.decode([token_id])
-        return s
+        return self._entry(token_id)[0]
+
+    def bytes(self, token_id: int) -> bytes:
+        return self._entry(token_id)[1]
 
 
-def _completion_logprobs(lps: list[TokenLogprob], tok: _Tokens, offset: int) -> dict:
-    """text_offset: where each token starts in the completion's text; exact at the first token of
-    each event (`offset`, the text streamed before it), then advanced by the tokens' own text."""
+class _TextCursor:
+    """Where each of a text's tokens starts in it, in characters (text_offset), as the server's own
+    incremental decode finds it (detokenizer.TextStream.next_offset): a token that continues a
+    character split over several tokens starts where that character does. at: the text before."""
+
+    def __init__(self, decode: Callable[[list[int]], str], at: int = 0):
+        self.at = at
+        self._text = TextStream(decode)
+
+    def place(self, token_id: int) -> int:
+        offset = self.at + self._text.next_offset()
+        self._text.add(token_id)
+        return offset
+
+
+def _completion_logprobs(lps: list[TokenLogprob], tok: _Tokens, cursor: _TextCursor) -> dict:
+    """text_offset: where each token starts in the choice's text (cursor: the choice's, across its
+    events)."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for lp in lps:
-        s = tok(lp.token_id)
-        out["tokens"].append(s)
+        out["tokens"].append(tok(lp.token_id))
         out["token_logprobs"].append(lp.logprob)
         out["top_logprobs"].append({tok(t): v for t, v in lp.top})
-        out["text_offset"].append(offset)
-        offset += len(s)
+        out["text_offset"].append(cursor.place(lp.token_id))
     return out
 
 
 def _echo_logprobs(prompt_ids: Sequence[int], lps: Sequence[TokenLogprob], n: int, tok: _Tokens) -> dict:
     """The prompt's part of an echoed completion's logprobs (OpenAI's legacy format, as vLLM
     gives it): every prompt token, the first with no logprob (null: nothing comes before it), its
-    n most likely alternatives, text_offset from 0 by the tokens' own text."""
+    n most likely alternatives, text_offset from 0 in the prompt's decoded text."""
     out = {"tokens": [], "token_logprobs": [None], "top_logprobs": [None], "text_offset": []}
-    offset = 0
+    cursor = _TextCursor(tok.tokenizer.decode)
     for t in prompt_ids:
-        s = tok(t)
-        out["tokens"].append(s)
-        out["text_offset"].append(offset)
-        offset += len(s)
+        out["tokens"].append(tok(t))
+        out["text_offset"].append(cursor.place(t))
     for lp in lps:
         out["token_logprobs"].append(lp.logprob)
         out["top_logprobs"].append({tok(t): v for t, v in lp.top[:n]})
@@ -539,8 +561,7 @@ def _vllm_prompt_logprobs(lps: Sequence[TokenLogprob], n: int, tok: _Tokens) -> 
 
 def _chat_logprobs(lps: list[TokenLogprob], tok: _Tokens) -> dict:
     def entry(token_id: int, logprob: float) -> dict:
-        s = tok(token_id)
-        return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+        return {"token": tok(token_id), "logprob": logprob, "bytes": list(tok.bytes(token_id))}
 
     return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
                         for lp in lps], "refusal": None}
@@ -765,7 +786,7 @@ class HttpBackend:
 def create_app(backend: HttpBackend) -> FastAPI:
     servicer = backend.servicer
     scheduler, limits = servicer.scheduler, servicer.limits
-    tok = _Tokens(servicer.tokenizer.decode)
+    tok = _Tokens(servicer.tokenizer)
     created = int(time.time())
 
     app = FastAPI(title="specsplit", docs_url=None, redoc_url=None, openapi_url=None)
@@ -1048,14 +1069,14 @@ def create_app(backend: HttpBackend) -> FastAPI:
         # echo: the prompt's text first (as sent, or its ids decoded), then the completion's
         echoed = [(p if isinstance(p, str) else servicer.tokenizer.decode(ids)) if echo else ""
                   for p, ids in zip(prompts, prompt_ids)]
-        states = [{"offset": len(echoed[i // n]), "echo": echo} for i in range(len(lives))]
+        states = [{"echo": echo, "cursor": _TextCursor(servicer.tokenizer.decode, len(echoed[i // n]))}
+                  for i in range(len(lives))]
 
         def choice(i: int, ev: Event) -> dict:
             state = states[i]
             lp = None
             if body.logprobs is not None and ev.logprobs is not None:
-                lp = _completion_logprobs(ev.logprobs, tok, state["offset"])
-            state["offset"] += len(ev.text)
+                lp = _completion_logprobs(ev.logprobs, tok, state["cursor"])
             text = ev.text
             if state["echo"]:  # the first chunk (or the whole answer) starts with the prompt
                 state["echo"] = False

@@ -26,6 +26,7 @@ from jinja2 import TemplateError
 from specsplit.gateway.chat_prompt import ChatPrompt, loads_list
 from specsplit.gateway.scheduler_thread import Event, SchedulerThread, status_of
 from specsplit.gateway.tools import ToolError
+from specsplit.gateway.token_bytes import TokenBytes
 from specsplit.v1 import gateway_pb2, gateway_pb2_grpc
 from specsplit.rpc.wire import ServiceError, grammar_from_pb, logprobs_to_pb
 from specsplit.request import (MAX_CHOICES, MAX_REQUEST_ID_BYTES, GenerationRequest, Limits, RequestError, choice_seed,
@@ -66,6 +67,7 @@ class Tokenizer:
         self._encode_lock = threading.Lock()
         if self._decode_lock is None:
             self._decode_lock = self._encode_lock
+        self._token_bytes = TokenBytes(tokenizer, tokenizer.decode)
 
     def encode(self, text: str) -> list[int]:
         with self._encode_lock:
@@ -112,6 +114,12 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         with self._decode_lock:
             return self.tokenizer.decode(ids)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's own bytes: a piece of a character split over several tokens included
+        (gateway/token_bytes.py); what the HTTP API's logprobs name and count tokens by."""
+        with self._decode_lock:
+            return self._token_bytes(token_id)
 
 
 def chat_options(msg: gateway_pb2.GenerateRequest) -> dict:

@@ -61,6 +61,14 @@ class TextStream:
             self.text = self.text[: max(e for i, e in hits if i == first) if self.include_stop else first]
             self.stopped = True
 
+    def next_offset(self) -> int:
+        """Where the next token's first byte will fall in the text (characters): past the text so
+        far and the characters the tokens still held (they end inside a character) complete, so
+        a token that continues a character starts where that character does. A window of
+        decodes, as `add`'s, in the text's own terms (a tokenizer's space clean-ups included)."""
+        held = self._decode(self.ids[self._prefix:]).rstrip("\ufffd")
+        return len(self.text) + len(held) - len(self._decode(self.ids[self._prefix:self._read]))
+
     def take(self, final: bool = False) -> str:
         """The text that may be streamed now (everything, once the request is finished)."""
         if final and not self.stopped:

@@ -127,6 +127,17 @@ def test_incomplete_character_waits_for_its_next_byte():
     assert pieces == ["w1", "", "é", ""]
 
 
+def test_next_offset_is_where_each_token_starts():
+    """w1 at 0, " w2" at 2, the first half of é at 5 (after " w2"), its second half where é starts
+    too (5), the next token after é."""
+    s = TextStream(_Words().decode)
+    offsets = []
+    for t in [1, 2, 900, 901, 3]:
+        offsets.append(s.next_offset())
+        s.add(t)
+    assert offsets == [0, 2, 5, 5, 6]
+
+
 def test_stop_string_is_never_streamed():
     ids = [1, 2, 3, 4, 5, 6]
     s, pieces = _stream(ids, stop=[" w4 "])

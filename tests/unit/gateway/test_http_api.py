@@ -27,6 +27,9 @@ class _Tok:
     def decode(self, ids):
         return " ".join(f"w{i}" for i in ids)
 
+    def token_bytes(self, token_id):
+        return self.decode([token_id]).encode()
+
 
 class _Scheduler:
     """Emits each request's script: OUTPUT tokens in events of two, logprobs when asked; the
@@ -177,7 +180,8 @@ def test_completion_logprobs_shape(server):
     assert lp.tokens == ["w5", "w6", "w7"]
     assert lp.token_logprobs == [-0.25, -0.3, -0.35]
     assert lp.top_logprobs == [{"w5": -0.25, "w6": -0.3}, {"w6": -0.3, "w7": -0.35}, {"w7": -0.35, "w8": -0.4}]
-    assert lp.text_offset == [0, 2, 6]  # exact at each event's first token ("w5 w6 ", "w7")
+    # the server's incremental decode of "w5 w6 w7": a token's text starts with the space before it
+    assert lp.text_offset == [0, 2, 5]
     streamed = list(_client(http).completions.create(model=MODEL, prompt="w1", max_tokens=3, logprobs=2, stream=True))
     assert [t for c in streamed for t in c.choices[0].logprobs.tokens] == lp.tokens
     assert [o for c in streamed for o in c.choices[0].logprobs.text_offset] == lp.text_offset
@@ -185,7 +189,7 @@ def test_completion_logprobs_shape(server):
 
 def test_echo_with_logprobs_has_the_prompt_first(server):
     """echo: the prompt's text then the completion's; its tokens first in logprobs, the first with
-    null logprob and top_logprobs, text_offset from 0 by the tokens' text; max_tokens 0 scores only
+    null logprob and top_logprobs, text_offset from 0 in the prompt's text; max_tokens 0 scores only
     (what lm-eval's loglikelihood requests send); streamed, the first chunk holds the prompt."""
     servicer, http = server
     res = _client(http).completions.create(model=MODEL, prompt="w1 w2 w3", max_tokens=1, logprobs=1, echo=True)
@@ -196,7 +200,7 @@ def test_echo_with_logprobs_has_the_prompt_first(server):
     assert lp.tokens == ["w1", "w2", "w3", "w5"]
     assert lp.token_logprobs == [None, -0.02, -0.03, -0.25]
     assert lp.top_logprobs == [None, {"w2": -0.02}, {"w3": -0.03}, {"w5": -0.25}]
-    assert lp.text_offset == [0, 2, 4, 8]  # the prompt by its tokens' text; the completion after the prompt's text
+    assert lp.text_offset == [0, 2, 5, 8]  # the prompt's decoded text ("w1", " w2", " w3"); the completion after it
     res = _client(http).completions.create(model=MODEL, prompt=[4, 5], max_tokens=0, logprobs=0, echo=True)
     c = res.choices[0]
     assert c.text == "w4 w5" and c.finish_reason == "length" and res.usage.completion_tokens == 0
