@@ -112,7 +112,7 @@ def _char_starts(tok: Tokenizer, ids) -> list[int]:
 
 def test_chat_logprobs_bytes_join_to_the_answer(http):
     servicer, server = http
-    tok, n = servicer.tokenizer, len(servicer.scheduler.ids)
+    n = len(servicer.scheduler.ids)
     res = _client(server).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPT}],
                                                    max_tokens=n, logprobs=True, top_logprobs=2)
     content = res.choices[0].logprobs.content
