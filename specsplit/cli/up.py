@@ -2,7 +2,11 @@
 
 Starts `python -m specsplit.cli verifier|drafter|gateway ...`, waits until each reports SERVING
 over gRPC health, then waits. Ctrl-C / SIGTERM stops the gateway first (it drains its live
-streams), then the drafter and the verifier; a child that exits on its own stops the rest.
+streams), then the drafter and the verifier. A verifier or gateway that exits on its own stops the
+rest. A drafter that exits on its own is started again on its port after a pause (1 s, doubling
+to 30 s while it keeps dying; back to 1 s once one has lived a minute): the gateway decodes
+target-only meanwhile and its drafter probe finds the new one, so streams go on and speculation
+comes back (a drafter is never needed for the tokens, only for their speed).
 
 Exposure: only the gateway binds --host. The engines bind --engine-host (default 127.0.0.1) and
 require an internal token of their own, never the public one: --internal-auth-token-file / -env,
@@ -28,6 +32,28 @@ from specsplit.cli.common import (add_deterministic_flag, add_engine_flags, add_
 
 DEFAULT_ENGINE_HOST = "127.0.0.1"
 INTERNAL_TOKEN_ENV = "SPECSPLIT_INTERNAL_TOKEN"  # the engines' token, in the children's environment
+RESTART_FIRST_S, RESTART_MAX_S, RESTART_STEADY_S = 1.0, 30.0, 60.0  # a dead drafter's restarts (RestartPause)
+
+
+class RestartPause:
+    """How long to wait before starting a process that died again: RESTART_FIRST_S, doubling with
+    each death up to RESTART_MAX_S, and RESTART_FIRST_S again once a start has lived
+    RESTART_STEADY_S (a crash loop does not spin; a rare crash is mended at once)."""
+
+    def __init__(self, clock=time.monotonic):
+        self.clock = clock
+        self.pause = RESTART_FIRST_S
+        self.started = clock()
+
+    def died(self) -> float:
+        """The pause before the next start."""
+        if self.clock() - self.started >= RESTART_STEADY_S:
+            self.pause = RESTART_FIRST_S
+        pause, self.pause = self.pause, min(RESTART_MAX_S, 2 * self.pause)
+        return pause
+
+    def restarted(self) -> None:
+        self.started = self.clock()
 
 
 def add_arguments(p, name: str) -> None:
@@ -273,16 +299,20 @@ def run(args) -> int:
         # cost per token 36 ms instead of 4 when it calibrated beside the verifier's start-up).
         # The gateway comes last, told the engines' ports.
         deadline = time.monotonic() + args.startup_timeout
-        for name in ("verifier", "drafter", "gateway"):
-            if stop_requested:
-                break
+
+        def start(name: str, again: bool = False) -> None:
             cmd = commands(args, ports["drafter"], ports["verifier"], port_files)[name]
             # Children ignore the terminal's Ctrl-C (own process group): this process forwards it.
             cpus = cpu_list(getattr(args, f"{name}_cpus", None))
             procs[name] = subprocess.Popen(pinned(cmd, cpus), start_new_session=True, env=env)
             where = f"port {ports[name]}" if ports[name] else "a free port"
-            print(f"specsplit up: started {name} (pid {procs[name].pid}) on {where}"
-                  + ("" if cpus is None else f", CPUs {sorted(cpus)}"), file=sys.stderr)
+            print(f"specsplit up: {'restarted' if again else 'started'} {name} (pid {procs[name].pid}) on {where}"
+                  + ("" if cpus is None else f", CPUs {sorted(cpus)}"), file=sys.stderr, flush=True)
+
+        for name in ("verifier", "drafter", "gateway"):
+            if stop_requested:
+                break
+            start(name)
             if not ports[name]:
                 written = wait_written(name, procs[name], port_files[name], max(1.0, deadline - time.monotonic()),
                                        stop_requested=lambda: bool(stop_requested), describe=lambda: "; see its log above")
@@ -301,13 +331,25 @@ def run(args) -> int:
             if args.addresses_file:
                 write_addresses_file(args.addresses_file, addresses)
             print(f"specsplit up: ready; Generate on {addresses['gateway']} (Ctrl-C stops all three)", file=sys.stderr, flush=True)
+        pause = RestartPause()
+        drafter_back_at: float | None = None  # when a drafter that died is started again
         while not stop_requested:
             dead = [n for n, p in procs.items() if p.poll() is not None]
-            if dead:
-                print(f"specsplit up: {dead[0]} exited with code {procs[dead[0]].returncode}; stopping the others",
+            needed = [n for n in dead if n != "drafter"]
+            if needed:
+                print(f"specsplit up: {needed[0]} exited with code {procs[needed[0]].returncode}; stopping the others",
                       file=sys.stderr)
                 rc = 1
                 break
+            if dead and drafter_back_at is None:
+                wait = pause.died()
+                drafter_back_at = time.monotonic() + wait
+                print(f"specsplit up: drafter exited with code {procs['drafter'].returncode}; the gateway decodes "
+                      f"target-only until it is back; starting it again in {wait:.0f} s", file=sys.stderr, flush=True)
+            if drafter_back_at is not None and time.monotonic() >= drafter_back_at:
+                start("drafter", again=True)  # on the port it had: the gateway's address for it
+                pause.restarted()
+                drafter_back_at = None
             time.sleep(0.2)
     except RuntimeError as e:
         print(f"specsplit up: {e}", file=sys.stderr)

@@ -3,7 +3,10 @@ SERVING, `specsplit generate --server` streams the same JSON as the local mode, 
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
+import time
 
 import pytest
 
@@ -103,6 +106,40 @@ def test_health_cli(up):
 
     assert main(["health", addresses["gateway"]]) == 0
     assert main(["health", f"127.0.0.1:{free_port()}", "--timeout", "0.5"]) == 1
+
+
+def _log_pids(log: str, name: str) -> list[int]:
+    """The pids `up` printed for `name` ("started drafter (pid N)", "restarted drafter (pid N)")."""
+    return [int(m) for m in re.findall(rf"started {name} \(pid (\d+)\)", open(log).read())]
+
+
+def test_a_drafter_that_dies_is_started_again(up, capsys, tiny_llama):
+    """SIGKILL the drafter: the gateway decodes on (the same tokens, target-only), `up` starts a
+    new drafter on the same port within seconds, the gateway finds it and drafts again; the
+    verifier and the gateway stay up. (Until the twenty-fifth session a dead drafter stopped all
+    three.)"""
+    proc, addresses, log = up
+    old = _log_pids(log, "drafter")[-1]
+    common = ["--prompt-token-ids", PROMPT_IDS, "--max-tokens", "24", "--ignore-eos", "--json"]
+    local = _cli_json(capsys, ["generate", "--target", str(tiny_llama), "--draft", "ngram", *common, *FIXED_K])
+    os.kill(old, signal.SIGKILL)
+    down = _cli_json(capsys, ["generate", "--server", addresses["gateway"], *common])
+    assert down["token_ids"] == local["token_ids"]
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (len(_log_pids(log, "drafter")) > 1
+                                               and health(addresses["drafter"], timeout=0.5) == "SERVING"):
+        assert proc.poll() is None, open(log).read()[-3000:]
+        time.sleep(0.5)
+    assert _log_pids(log, "drafter")[-1] != old and "drafter exited with code -9" in open(log).read()
+    assert health(addresses["drafter"], timeout=2) == "SERVING"  # on the port it had: the gateway's address
+    proposed = 0
+    while time.monotonic() < deadline and not proposed:  # the gateway's probe finds it (every second)
+        back = _cli_json(capsys, ["generate", "--server", addresses["gateway"], *common])
+        assert back["token_ids"] == local["token_ids"]
+        proposed = back["usage"]["proposed_draft_tokens"]
+        time.sleep(0.5)
+    assert proposed > 0, open(log).read()[-3000:]
+    assert proc.poll() is None and health(addresses["verifier"]) == "SERVING"
 
 
 def test_sigterm_stops_all_three(up):
