@@ -28,14 +28,14 @@ from specsplit.engine import DraftEngine, NgramDrafter, TargetEngine
 from specsplit.engine_build import (DRAFTER, NGRAM, VERIFIER, ModelService, allocate_engine, check_model_len, kv_shape,
                                     load_for, profile_steps)
 from specsplit.feature_drafter import FeatureDrafter, calibrate_feature_drafter, load_feature_drafter
-from specsplit.hybrid_drafter import FEATURE_NGRAM_MIN, LOOKUPS, HybridDrafter, split_draft_name
+from specsplit.hybrid_drafter import FEATURE_NGRAM_MIN, HybridDrafter
 from specsplit.suffix_drafter import SuffixDrafter
 from specsplit.kv.meters import rss_bytes, tensor_storage_bytes
 from specsplit.kv.profiler import MemoryPlan, MemoryProfiler, ServicePlan, fmt_bytes
 from specsplit.models.gguf_native import QuantEmbedding
 from specsplit.models.loader import LoadedModel, load_tokenizer
 from specsplit.sampling.grammar import GrammarCompiler
-from specsplit.models.registry import is_eagle3
+from specsplit.models.registry import LOOKUPS, is_eagle3, split_draft_name
 from specsplit.spec import SpecDecoder
 
 log = logging.getLogger(__name__)

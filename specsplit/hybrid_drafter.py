@@ -42,7 +42,6 @@ from specsplit.sampling.params import SamplingParams
 from specsplit.sampling.rejection import matched_prefix
 from specsplit.suffix_drafter import SuffixDrafter
 
-LOOKUPS = ("ngram", "suffix")  # the drafters that need no model (alone, or after MODEL+)
 # Before an EAGLE-3 head (a feature drafter), prompt lookup (or the suffix drafter, MODEL+suffix)
 # goes first only on a match of this many tokens or more. Measured (fifth session, SmolLM2-135M +
 # the shipped head, K=3, greedy, 64 tokens, held-out ShareGPT prompts 17-40 with the chat
@@ -53,15 +52,6 @@ LOOKUPS = ("ngram", "suffix")  # the drafters that need no model (alone, or afte
 # model, weaker than a 1-token match, keeps SpecConfig.ngram_min (1).
 FEATURE_NGRAM_MIN = 3
 SUFFIX_FIRES = 1.0  # MODEL+suffix: the suffix draft wins when its expected accepted count reaches this
-
-
-def split_draft_name(name: str) -> tuple[str, str | None]:
-    """'MODEL+ngram' -> (MODEL, 'ngram'), 'MODEL+suffix' -> (MODEL, 'suffix'); else (name, None)."""
-    for lookup in LOOKUPS:
-        tail = "+" + lookup
-        if name.endswith(tail) and len(name) > len(tail):
-            return name[: -len(tail)], lookup
-    return name, None
 
 
 class HybridDrafter(DrafterTraits):

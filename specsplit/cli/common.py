@@ -242,7 +242,28 @@ def check_address(flag: str, address: str | None) -> None:
         raise ValueError(f"{flag} must be HOST:PORT (e.g. 127.0.0.1:50051), got {address!r}")
 
 
+def check_models(args) -> None:
+    """The command's model arguments name models (registry.check_model_argument), checked before
+    anything loads: a drafter's or verifier's --model, a target's --target and --draft. A
+    misspelt --draft was found only once the target had loaded. --check checks aliases and leaves
+    paths (they may name files on the machine that runs the command: compose's /models)."""
+    from specsplit.models.registry import check_model_argument
+
+    paths = not getattr(args, "check", False)
+
+    command = getattr(args, "command", None)
+    named = ([("--model", args.model, command == "drafter")] if command in ("drafter", "verifier") else
+             [("--target", getattr(args, "target", None), False), ("--draft", getattr(args, "draft", None), True)])
+    for flag, name, draft in named:
+        if name:
+            try:
+                check_model_argument(name, draft, paths)
+            except ValueError as e:
+                raise ValueError(f"{flag}: {e}") from None
+
+
 def validate_engine(args) -> None:
+    check_models(args)
     if not 0.0 < args.memory_utilization <= 1.0:
         raise ValueError(f"--memory-utilization must be in (0, 1], got {args.memory_utilization}")
     check_device("--device", getattr(args, "device", "cpu"))

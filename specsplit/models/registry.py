@@ -66,6 +66,33 @@ def resolve_model_path(name: str) -> Path:
     )
 
 
+LOOKUPS = ("ngram", "suffix")  # the drafters that need no model (alone, or after MODEL+)
+
+
+def split_draft_name(name: str) -> tuple[str, str | None]:
+    """'MODEL+ngram' -> (MODEL, 'ngram'), 'MODEL+suffix' -> (MODEL, 'suffix'); else (name, None)."""
+    for lookup in LOOKUPS:
+        tail = "+" + lookup
+        if name.endswith(tail) and len(name) > len(tail):
+            return name[: -len(tail)], lookup
+    return name, None
+
+
+def check_model_argument(name: str, draft: bool = False, paths: bool = True) -> None:
+    """ModelNotFound where `name` names no model, found without loading anything: a target (an
+    alias, a Hugging Face directory, a .gguf file) or, with draft, also a lookup ('ngram',
+    'suffix') or MODEL+lookup. What a command checks before it loads its first model. paths
+    False: a name written as a path (a '/', or a .gguf) passes unchecked: it may name a file on
+    another machine (`--check` of a compose service's command, whose models are in its volume)."""
+    if draft:
+        name, _ = split_draft_name(name)
+        if name in LOOKUPS:
+            return
+    if not paths and ("/" in name or name.endswith(".gguf")):
+        return
+    resolve_model_path(name)
+
+
 def is_eagle3(name: str) -> bool:
     """Whether a draft argument names an EAGLE-3 head (the alias, or a directory in that format)."""
     if name == EAGLE3_ALIAS:

@@ -8,7 +8,8 @@ from specsplit.config import EngineConfig, SpecConfig
 from specsplit.factory import build_colocated, build_draft_engine
 from specsplit.request import GenerationRequest
 from specsplit.scheduler import Scheduler
-from specsplit.hybrid_drafter import HybridDrafter, split_draft_name
+from specsplit.hybrid_drafter import HybridDrafter
+from specsplit.models.registry import split_draft_name
 from specsplit.sampling.params import SamplingParams
 from tests.unit.test_spec_greedy_equality import MAX_LEN, _requests
 from tests.helpers.greedy import assert_outputs_equal_or_tie
