@@ -592,7 +592,6 @@ class _Live:
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.request = None
-        self.ignore_eos = False
         self.finished = False
         self._getter: asyncio.Future | None = None
         self._gone: asyncio.Future | None = None
@@ -916,7 +915,7 @@ def create_app(backend: HttpBackend) -> FastAPI:
         except ServiceError as e:
             raise api_error(e) from None
         for live, req in zip(lives, requests):
-            live.request, live.ignore_eos = req, msg.ignore_eos
+            live.request = req
         return lives
 
     async def first_events(lives: list[_Live]) -> list[Event]:
@@ -935,24 +934,13 @@ def create_app(backend: HttpBackend) -> FastAPI:
             raise
         return out
 
-    eos_ids = frozenset(scheduler.scheduler.eos_token_ids)
-
-    def without_eos(ev: Event, ignore_eos: bool) -> Event:
-        """OpenAI's text never holds the end-of-sequence token's own text (`<|im_end|>`, `</s>`)."""
-        if ev.finish_reason == "stop" and ev.token_ids and ev.token_ids[-1] in eos_ids and not ignore_eos:
-            eos = tok(ev.token_ids[-1])
-            if eos and ev.text.endswith(eos):
-                ev = dataclasses.replace(ev, text=ev.text[:-len(eos)])
-        return ev
-
     async def events(live: _Live, first: Event):
         """The request's events, from the first one on; raises ApiError on a stream error."""
         ev = first
-        ignore_eos = live.ignore_eos
         while True:
             if ev.error is not None:
                 raise api_error(status_of(ev.error))
-            yield without_eos(ev, ignore_eos)
+            yield ev
             if ev.finish_reason is not None:
                 return
             ev = await live.next(watch_disconnect=False)  # streamed: Starlette listens, and cancels us
@@ -1022,7 +1010,6 @@ def create_app(backend: HttpBackend) -> FastAPI:
                 live.stop_watching()
                 if ev.error is not None:
                     raise api_error(status_of(ev.error))
-                evs[-1] = without_eos(ev, live.ignore_eos)
                 out.append(evs)
             return out
 

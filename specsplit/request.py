@@ -84,8 +84,10 @@ class GenerationRequest:
     num_speculative_tokens: int = 0  # 0 = the server's default
     disable_speculation: bool = False
     stop: tuple[str, ...] = ()
-    include_stop_str_in_output: bool = False  # vLLM's: the text keeps the stop string it ends at
-    # token ids that end the output when generated, as EOS does (kept; ignore_eos does not lift them)
+    # vLLM's: the text keeps the stop string it ends at, or the text of the stop_token_ids token
+    include_stop_str_in_output: bool = False
+    # token ids that end the output when generated, as EOS does (kept in token_ids; their text only
+    # with include_stop_str_in_output; ignore_eos does not lift them)
     stop_token_ids: tuple[int, ...] = ()
     # None: no log-probabilities. n in 0..MAX_LOGPROBS: each emitted token carries its
     # log-probability under the target and the n most likely alternatives (TokenLogprob).
@@ -283,9 +285,12 @@ class Request:
              logprobs: Sequence[TokenLogprob] | None = None) -> list[int]:
         """Append a step's tokens up to max_tokens, EOS, a stop token or a stop string (those from
         the (min_tokens + 1)-th token on); returns those kept. logprobs: one per token when the
-        request asked for them; cut where the tokens are."""
+        request asked for them; cut where the tokens are. The token that ends the output stays in
+        the tokens but not in the text (vLLM's rule): EOS's never, a stop_token_ids token's unless
+        include_stop_str_in_output."""
         eos = stop_ids(self.request, eos_ids)
         min_tokens = self.request.params.min_tokens
+        silent = eos if not self.request.include_stop_str_in_output else eos - set(self.request.stop_token_ids)
         kept: list[int] = []
         for j, t in enumerate(tokens):
             if self.budget <= 0 or self.finished:
@@ -294,12 +299,13 @@ class Request:
             self.output.append(t)
             if self.logprobs is not None and logprobs is not None:
                 self.logprobs.append(logprobs[j])
-            if self.text is not None:
+            ends = t in eos and len(self.output) > min_tokens
+            if self.text is not None and not (ends and t in silent):
                 self.text.add(t, stops=len(self.output) > min_tokens)
                 if self.text.stopped:
                     self.finish_reason = "stop"
                     break
-            if t in eos and len(self.output) > min_tokens:
+            if ends:
                 self.finish_reason = "stop"
                 break
         if self.finish_reason is None and self.budget <= 0:

@@ -64,6 +64,25 @@ def test_stop_token_ids_end_the_output_as_eos_does_even_with_ignore_eos():
     assert ignore.take([9, 7, 4], eos_ids=[9]) == [9, 7] and ignore.finish_reason == "stop"
 
 
+def test_the_token_that_ends_the_output_is_not_in_the_text():
+    """vLLM's rule, on every API: EOS's text never; a stop_token_ids token's only with
+    include_stop_str_in_output; an EOS that does not end the output (ignore_eos, before min_tokens)
+    is text like any token. The tokens keep them all."""
+    def run(tokens, **kw):
+        events = []
+        req = Request(GenerationRequest("t", (1,), 10, **kw), "r", 1, _words, events.append)
+        kept = req.take(tokens, eos_ids=[9])
+        req.finish("length")
+        return kept, "".join(e.text for e in events)
+
+    assert run([3, 9]) == ([3, 9], "w3")
+    assert run([3, 9], include_stop_str_in_output=True) == ([3, 9], "w3")
+    assert run([3, 7], stop_token_ids=(7,)) == ([3, 7], "w3")
+    assert run([3, 7], stop_token_ids=(7,), include_stop_str_in_output=True) == ([3, 7], "w3 w7")
+    assert run([3, 9, 4], ignore_eos=True) == ([3, 9, 4], "w3 w9 w4")
+    assert run([9, 3, 9], params=SamplingParams(min_tokens=2)) == ([9, 3, 9], "w9 w3")
+
+
 def test_min_tokens_holds_back_eos_stop_ids_and_stop_strings():
     """Before the (min_tokens + 1)-th token nothing stops the output (the engines never sample EOS or
     a stop id there; a stop string the text completes there does not count); from it on, they do."""

