@@ -3,7 +3,6 @@ Event.logprobs to OpenAI's completions and chat shapes, what a request becomes (
 fields, OpenAI's defaults), and errors raised mid-stream. The real server: tests/services/test_services_http.py."""
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
 import time
@@ -12,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from specsplit.gateway.http_api import HttpBackend, HttpServer, create_app
+from tests.helpers.http_app import serving
 from specsplit.gateway.service import GatewayServicer
 from specsplit.request import Event, Limits, RequestError, TokenLogprob
 
@@ -103,23 +102,8 @@ class _Servicer(GatewayServicer):
 @pytest.fixture(scope="module")
 def server():
     servicer = _Servicer()
-    http = HttpServer(create_app(HttpBackend(servicer, MODEL)), "127.0.0.1", 0)
-    loop = asyncio.new_event_loop()
-    started = threading.Event()
-
-    def run():
-        asyncio.set_event_loop(loop)
-        loop.run_until_complete(http.start())
-        started.set()
-        loop.run_forever()
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    assert started.wait(10)
-    yield servicer, http
-    asyncio.run_coroutine_threadsafe(http.stop(), loop).result(15)
-    loop.call_soon_threadsafe(loop.stop)
-    t.join(5)
+    with serving(servicer, MODEL) as http:
+        yield servicer, http
 
 
 def _client(http):

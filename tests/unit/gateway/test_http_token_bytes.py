@@ -6,14 +6,13 @@ completions' text_offset points at the character each token starts (or continues
 not. The emoji answer of issue-style reports (ollama #13497): every piece read [239, 191, 189]."""
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 
 import pytest
 
 from specsplit.detokenizer import TextStream
-from specsplit.gateway.http_api import HttpBackend, HttpServer, create_app
+from tests.helpers.http_app import serving
 from specsplit.gateway.service import GatewayServicer, Tokenizer
 from specsplit.request import Event, Limits, TokenLogprob
 
@@ -77,23 +76,8 @@ def http():
     from specsplit.models.loader import hf_dir_for, load_tokenizer
 
     servicer = _Servicer(Tokenizer(load_tokenizer(hf_dir_for("smollm2-135m", show_progress=False))))
-    server = HttpServer(create_app(HttpBackend(servicer, MODEL)), "127.0.0.1", 0)
-    loop = asyncio.new_event_loop()
-    started = threading.Event()
-
-    def run():
-        asyncio.set_event_loop(loop)
-        loop.run_until_complete(server.start())
-        started.set()
-        loop.run_forever()
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    assert started.wait(10)
-    yield servicer, server
-    asyncio.run_coroutine_threadsafe(server.stop(), loop).result(15)
-    loop.call_soon_threadsafe(loop.stop)
-    t.join(5)
+    with serving(servicer, MODEL) as server:
+        yield servicer, server
 
 
 def _client(server):
