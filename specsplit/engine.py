@@ -278,6 +278,12 @@ def draft_grammar(grammars: GrammarCompiler | None, seq_id: str, params: Samplin
     return DraftGrammar(grammars, seq_id, params)
 
 
+def chain_tail(tokens: list[int], drafted: list[int], start: int) -> list[int]:
+    """(tokens + drafted)[start:], a drafter's context past `start`, without copying what comes
+    before it (the concatenation copied the whole context for every drafted token)."""
+    return drafted[start - len(tokens):] if start >= len(tokens) else tokens[start:] + drafted
+
+
 def draft_mask(grammar: DraftGrammar | None, generated: Sequence[int]) -> torch.Tensor | None:
     """DraftGrammar.mask (None: no grammar; drafted unmasked this time)."""
     return None if grammar is None else grammar.mask(generated)
@@ -853,9 +859,8 @@ class DraftEngine(_EngineBase, DrafterTraits):
             items = []
             for i in live:
                 s = seqs[i]
-                context = s.tokens + s.drafted
-                items.append(ForwardItem(reqs[i].seq_id, s.num_computed, context[s.num_computed :], 1))
-                s.num_computed = len(context)
+                items.append(ForwardItem(reqs[i].seq_id, s.num_computed, chain_tail(s.tokens, s.drafted, s.num_computed), 1))
+                s.num_computed = len(s.tokens) + len(s.drafted)
             logits = self._forward(items)  # per seq [1, V]
             logits = [self._process(seqs[i], x) if seqs[i].grammar is not None
                       or seqs[i].params.penalized_at(seqs[i].num_generated) else x for i, x in zip(live, logits)]
@@ -878,10 +883,9 @@ class DraftEngine(_EngineBase, DrafterTraits):
         one forward, never its last token (the propose that drafts feeds that one)."""
         items, done = [], []
         for r, s in pieces:
-            context = s.tokens + s.drafted
-            n = min(r.prefill_tokens, len(context) - 1 - s.num_computed)
+            n = min(r.prefill_tokens, len(s.tokens) + len(s.drafted) - 1 - s.num_computed)
             if n > 0:
-                items.append(ForwardItem(r.seq_id, s.num_computed, context[s.num_computed : s.num_computed + n], 1))
+                items.append(ForwardItem(r.seq_id, s.num_computed, chain_tail(s.tokens, s.drafted, s.num_computed)[:n], 1))
                 done.append((r.seq_id, s, n))
         if not items:
             return

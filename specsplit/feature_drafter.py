@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from specsplit.draft_tree import runner_up, tree_eligible
-from specsplit.engine import (DraftGrammar, EngineError, chain_proposal, check_propose, check_seq_adds, draft_grammar,
+from specsplit.engine import (DraftGrammar, EngineError, chain_proposal, chain_tail, check_propose, check_seq_adds, draft_grammar,
                               draft_mask, fetch_q_rows, ingest_chain, sample_drafts)
 from specsplit.kv.meters import tensor_storage_bytes
 from specsplit.models.eagle3 import DraftCache, Eagle3Head
@@ -197,7 +197,7 @@ class FeatureDrafter(DrafterTraits):
             return Proposal(r.seq_id, (), None)
         dtype = self.head.fc.weight.dtype
         # Tokens known past the last committed entry's prediction: fed as chain entries.
-        forced = (s.tokens + s.drafted)[s.next_pos + 1:]
+        forced = chain_tail(s.tokens, s.drafted, s.next_pos + 1)
         h, pos = s.last_h, s.next_pos
         for y in forced:
             h = self.head.extend(s.cache, h, self._embed(torch.tensor([y])).to(dtype), pos)
@@ -245,7 +245,7 @@ class FeatureDrafter(DrafterTraits):
     def _mask(s: _FSeq) -> torch.Tensor | None:
         """The bitmask [1, W] of the tokens the sequence's grammar allows after its output and chain;
         None: no grammar, or a chain the matcher refuses (unmasked: the verifier cuts)."""
-        return draft_mask(s.grammar, s.tokens[s.prompt_len:] + s.drafted)
+        return None if s.grammar is None else draft_mask(s.grammar, s.tokens[s.prompt_len:] + s.drafted)
 
     def _allowed(self, mask: torch.Tensor) -> torch.Tensor:
         """mask [1, W] int32, the grammar's bitmask (token i in bit i % 32 of word i // 32, as
