@@ -136,6 +136,13 @@ def test_next_offset_is_where_each_token_starts():
         offsets.append(s.next_offset())
         s.add(t)
     assert offsets == [0, 2, 5, 5, 6]
+    # text completed while a character is still held (" w2" after the first half of é) counts too
+    s = TextStream(_Words().decode)
+    offsets = []
+    for t in [1, 900, 2, 901]:
+        offsets.append(s.next_offset())
+        s.add(t)
+    assert offsets == [0, 2, 2, 5]
 
 
 def test_stop_string_is_never_streamed():
