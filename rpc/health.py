@@ -52,6 +52,45 @@ def free_ports(n: int, host: str = "127.0.0.1", avoid: Iterable[int] = ()) -> li
             s.close()
 
 
+def ephemeral_low() -> int:
+    """The lowest port the kernel hands out by itself (bind to port 0, and the source port of every
+    outgoing connection); 32768 where the range cannot be read."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port_run(n: int, host: str = "127.0.0.1", low: int = 20000) -> int:
+    """The first of n consecutive ports, all bindable now, below the kernel's ephemeral range: what
+    to hand `up --metrics-port` (the gateway takes it, the engines the next ones). A port drawn
+    from that range (free_ports) can be the very one the kernel then gives an engine that binds
+    port 0 (CI once saw a gateway's metrics port taken by its own drafter's gRPC port); these
+    never are. Starts at a random place, so two tools at once rarely try the same ports."""
+    import random
+
+    top = min(ephemeral_low(), 65536) - n
+    if top <= low:
+        raise RuntimeError(f"no room for {n} ports below the ephemeral range (it starts at {ephemeral_low()})")
+    start = random.randrange(low, top)
+    for i in range(top - low):
+        first = low + (start - low + i) % (top - low)
+        if all(bindable(host, first + j) for j in range(n)):
+            return first
+    raise RuntimeError(f"no {n} consecutive free ports in [{low}, {top + n})")
+
+
+def bindable(host: str, port: int) -> bool:
+    """Whether `port` on `host` can be bound now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def wait_written(name: str, proc: subprocess.Popen, path: str, timeout: float,
                  stop_requested: Callable[[], bool] = lambda: False, describe: Callable[[], str] = lambda: "") -> str | None:
     """What `proc` writes to `path` once it serves: the port of a service started with --port 0

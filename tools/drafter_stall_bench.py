@@ -33,7 +33,7 @@ import psutil
 
 from specsplit.defaults import resolve_draft
 from specsplit.gateway.launch import specsplit_up
-from specsplit.rpc.health import free_ports
+from specsplit.rpc.health import free_port_run
 from specsplit.rpc.metrics import read_metrics
 from specsplit.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     draft = resolve_draft(a.target, a.draft)
     Path(a.log).parent.mkdir(parents=True, exist_ok=True)
-    mport = free_ports(1, "127.0.0.1")[0]
+    mport = free_port_run(3)  # the gateway's; the engines take the next two
     with specsplit_up(a.target, draft, log=a.log, log_level="INFO",
                       extra=[*a.extra.split(), "--metrics-port", str(mport)]) as up:
         _stream(up.address, _request(a.prompt, 16, disable=False), [], [])  # warm up

@@ -56,12 +56,12 @@ def main() -> int:
     from specsplit.gateway.bench_client import gateway_stub
     from specsplit.gateway.launch import specsplit_up
     from specsplit.models.loader import hf_dir_for, load_tokenizer
-    from specsplit.rpc.health import free_ports
+    from specsplit.rpc.health import free_port_run
     from specsplit.rpc.metrics import read_metrics
 
     tokenizer = load_tokenizer(hf_dir_for(a.target, show_progress=False))
     prompts = heldout_prompts(tokenizer, a.streams * a.batches, 512, chat=True)
-    metrics_port = free_ports(1, "127.0.0.1")[0]  # the gateway's; the engines take the next two
+    metrics_port = free_port_run(3)  # the gateway's; the engines take the next two
     arms = {False: "speculative", True: "target-only"}
     by_arm: dict[bool, dict[str, float]] = {d: {} for d in arms}
 

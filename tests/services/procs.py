@@ -19,6 +19,7 @@ from pathlib import Path
 import grpc
 
 from specsplit.v1 import common_pb2, drafter_pb2_grpc, gateway_pb2, gateway_pb2_grpc, verifier_pb2_grpc
+from specsplit.rpc.health import bindable, ephemeral_low
 
 REPO = Path(__file__).resolve().parents[2]
 HOST = "127.0.0.1"
@@ -33,15 +34,6 @@ SPECULATE_ALWAYS = ["--disable-by-batch-size", "0", "--k-policy", "fixed"]  # ti
 # to start; past --drafter-connect-timeout the gateway would begin target-only and its first
 # steps would not speculate).
 DRAFTER_JOINS = ["--drafter-connect-timeout", "240"]
-
-
-def _ephemeral_low() -> int:
-    """The lowest port the kernel hands out by itself (bind to port 0, and the source port of every
-    outgoing connection); 32768 where the range cannot be read."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
 
 
 def _port_block(worker: str, count: int, ephemeral_low: int) -> range:
@@ -74,7 +66,7 @@ class _PortPicker:
         for _ in range(len(self.block)):
             port = self.block[self.next % len(self.block)]
             self.next += 1
-            if port not in self.handed_out and _bindable(port):
+            if port not in self.handed_out and bindable(HOST, port):
                 self.handed_out.add(port)
                 return port
         while True:
@@ -86,19 +78,10 @@ class _PortPicker:
                 return port
 
 
-def _bindable(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((HOST, port))
-        except OSError:
-            return False
-    return True
-
-
 # This test process's picker. Two test runs at once on one machine (each with a worker gw0) start at
 # different places in the block, and every port is checked by binding it.
 _PORTS = _PortPicker(_port_block(os.environ.get("PYTEST_XDIST_WORKER", "gw0"),
-                                 int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), _ephemeral_low()),
+                                 int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), ephemeral_low()),
                      start=os.getpid() * 7919)
 
 

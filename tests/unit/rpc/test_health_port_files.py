@@ -52,3 +52,22 @@ def test_a_child_that_exits_first_or_stays_silent_is_an_error_naming_it(tmp_path
     finally:
         silent.kill()
         silent.wait()
+
+
+def test_free_port_runs_are_below_the_kernel_s_range_and_bindable():
+    """What a tool hands `up --metrics-port`: n consecutive ports free now, none the kernel can give
+    an engine that binds port 0 (CI once saw a gateway's metrics port taken by its drafter)."""
+    import socket
+
+    from specsplit.rpc.health import bindable, ephemeral_low, free_port_run
+
+    for _ in range(5):
+        first = free_port_run(3)
+        assert 20000 <= first and first + 2 < ephemeral_low()
+        assert all(bindable("127.0.0.1", first + j) for j in range(3))
+    held = socket.socket()
+    held.bind(("127.0.0.1", free_port_run(1)))
+    try:
+        assert not bindable("127.0.0.1", held.getsockname()[1])
+    finally:
+        held.close()
