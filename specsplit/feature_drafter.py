@@ -45,8 +45,8 @@ import torch
 import torch.nn.functional as F
 
 from specsplit.draft_tree import runner_up, tree_eligible
-from specsplit.engine import (DraftGrammar, EngineError, chain_proposal, chain_tail, check_propose, check_seq_adds, draft_grammar,
-                              draft_mask, fetch_q_rows, ingest_chain, sample_drafts)
+from specsplit.engine import (DraftGrammar, EngineError, chain_proposal, chain_tail, check_propose, check_seq_adds,
+                              draft_grammar, fetch_q_rows, ingest_chain, sample_drafts)
 from specsplit.kv.meters import tensor_storage_bytes
 from specsplit.models.eagle3 import DraftCache, Eagle3Head
 from specsplit.models import int8_linear
@@ -245,7 +245,7 @@ class FeatureDrafter(DrafterTraits):
     def _mask(s: _FSeq) -> torch.Tensor | None:
         """The bitmask [1, W] of the tokens the sequence's grammar allows after its output and chain;
         None: no grammar, or a chain the matcher refuses (unmasked: the verifier cuts)."""
-        return None if s.grammar is None else draft_mask(s.grammar, s.tokens[s.prompt_len:] + s.drafted)
+        return None if s.grammar is None else s.grammar.mask(s.tokens[s.prompt_len:] + s.drafted)
 
     def _allowed(self, mask: torch.Tensor) -> torch.Tensor:
         """mask [1, W] int32, the grammar's bitmask (token i in bit i % 32 of word i // 32, as
