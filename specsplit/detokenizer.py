@@ -65,7 +65,10 @@ class TextStream:
         """Where the next token's first byte will fall in the text (characters): past the text so
         far and the characters the tokens still held (they end inside a character) complete, so
         a token that continues a character starts where that character does. A window of
-        decodes, as `add`'s, in the text's own terms (a tokenizer's space clean-ups included)."""
+        decodes, as `add`'s, in the text's own terms (a tokenizer's space clean-ups included); none
+        where no token is held (the text so far ends where the next token starts)."""
+        if self._read == len(self.ids):
+            return len(self.text)
         held = self._decode(self.ids[self._prefix:]).rstrip("\ufffd")
         return len(self.text) + len(held) - len(self._decode(self.ids[self._prefix:self._read]))
 
