@@ -27,7 +27,8 @@ from specsplit.config import EngineConfig, SpecConfig
 from specsplit.engine import DraftEngine, NgramDrafter, TargetEngine
 from specsplit.engine_build import (DRAFTER, NGRAM, VERIFIER, ModelService, allocate_engine, check_model_len, kv_shape,
                                     load_for, profile_steps)
-from specsplit.feature_drafter import FeatureDrafter, calibrate_feature_drafter, load_feature_drafter
+from specsplit.feature_drafter import (FeatureDrafter, calibrate_feature_drafter, embedding_bytes, linear_kind,
+                                      load_feature_drafter)
 from specsplit.hybrid_drafter import FEATURE_NGRAM_MIN, HybridDrafter
 from specsplit.suffix_drafter import SuffixDrafter
 from specsplit.kv.meters import rss_bytes, tensor_storage_bytes
@@ -97,20 +98,27 @@ def _ngram_plan(cfg: EngineConfig | None) -> MemoryPlan:
     return MemoryPlan(joint=False, budget_bytes=0, services={DRAFTER: ServicePlan.zeros(DRAFTER, model, device)})
 
 
-def _service_head(cfg: EngineConfig, spec: SpecConfig, plan: MemoryPlan) -> FeatureDrafter:
+def _service_head(cfg: EngineConfig, spec: SpecConfig, plan: MemoryPlan, calibrate: bool = True) -> FeatureDrafter:
     """A drafter service's EAGLE-3 head: loaded with its own grammar compiler (in the target's
-    vocabulary), its weights, KV bound and compiler recorded in `plan`'s drafter row."""
+    vocabulary), its weights (the head's and the target's embedding it reads, its own here), KV
+    bound and compiler recorded in `plan`'s drafter row. calibrate=False: for the plan alone
+    (`specsplit profile`), no K-policy costs."""
     drafter = load_feature_drafter(cfg.model, cfg.max_model_len, cfg.device, cfg.dtype)
     compiler_bytes = 0
     drafter.grammars = feature_grammars(cfg.model)
     if drafter.grammars is not None:
         compiler_bytes = _warm_grammars(drafter.grammars, f"feature drafter {cfg.model}")
     row = plan.services[DRAFTER]
-    row.weights_bytes = tensor_storage_bytes(drafter.head)
+    head_bytes, emb_bytes = tensor_storage_bytes(drafter.head), embedding_bytes(drafter.embedding)
+    row.weights_bytes = head_bytes + emb_bytes
+    emb = drafter.embedding
+    emb_kind = emb.quant.qtype if isinstance(emb, QuantEmbedding) else str(emb.dtype).replace("torch.", "")
+    row.weights = (f"head {fmt_bytes(head_bytes)} ({linear_kind(drafter.head.midlayer.qkv_proj)}), "
+                   f"the target's embedding {fmt_bytes(emb_bytes)} ({emb_kind})")
     row.activation_peak_bytes = drafter.cache_bound_bytes(cfg.max_num_seqs)
     row.non_torch_bytes += compiler_bytes
     row.dtype = str(cfg.dtype).replace("torch.", "")
-    return _ready_head(drafter, cfg, spec)
+    return _ready_head(drafter, cfg, spec) if calibrate else drafter
 
 
 def _ready_head(drafter: FeatureDrafter, cfg: EngineConfig, spec: SpecConfig) -> FeatureDrafter:
@@ -348,8 +356,8 @@ def draft_engine_and_plan(cfg: EngineConfig, spec: SpecConfig, show_progress: bo
         return drafter, plan
     if is_eagle3(cfg.model):
         plan = _ngram_plan(cfg)
-        drafter = with_lookup(_service_head(cfg, spec, plan), hybrid, spec) if allocate else None
-        return drafter, plan
+        head = _service_head(cfg, spec, plan, calibrate=allocate)  # loaded for the plan's numbers either way
+        return (with_lookup(head, hybrid, spec) if allocate else None), plan
     d = ModelService(DRAFTER, cfg, spec.num_speculative_tokens)
     if vocab_size is not None:
         d.after_load = _vocab_check(vocab_size)

@@ -293,7 +293,6 @@ def load_feature_drafter(name: str, max_model_len: int, device: str | torch.devi
     """An EAGLE-3 head by alias or directory. embedding: the target's token embedding [V, H]
     (colocated: the loaded target's; None: read from the head's `specsplit_base_model`)."""
     from specsplit.models.eagle3 import load_eagle3
-    from specsplit.models.loader import TensorSource, hf_dir_for
     from specsplit.models.registry import resolve_model_path
 
     path = resolve_model_path(name)
@@ -302,11 +301,7 @@ def load_feature_drafter(name: str, max_model_len: int, device: str | torch.devi
         if not base:
             raise ValueError(f"{name}: an EAGLE-3 head needs its target's token embedding; run it colocated with the "
                              "target, or add \"specsplit_base_model\" (the target's model argument) to its config.json")
-        src = TensorSource(hf_dir_for(base, show_progress=False))
-        try:
-            embedding = src.get("model.embed_tokens.weight")
-        finally:
-            src.close()
+        embedding = base_embedding(base, device, dtype)
     lookup = None  # a GGUF target's quantized embedding module: looked up as is, dense only while loading
     if isinstance(embedding, torch.nn.Module):
         lookup, embedding = embedding, embedding.weight
@@ -322,6 +317,35 @@ def load_feature_drafter(name: str, max_model_len: int, device: str | torch.devi
     log.info("feature drafter %s: EAGLE-3 head over target layers %s, draft vocabulary %d, %.1f MB of weights (%s)",
              name, drafter.feature_layers, head.draft_ids.numel(), tensor_storage_bytes(head) / 1e6, dtype)
     return drafter
+
+
+def base_embedding(base: str, device: str | torch.device, dtype: torch.dtype) -> torch.Tensor | torch.nn.Module:
+    """The target's token embedding for a head without its target in the process (a drafter
+    service): a GGUF target's quantized rows as the file holds them where they run (a CPU, fp32;
+    the colocated head shares the very same module with its target, so both look up the same
+    numbers), else the dense [V, H] rows of its Hugging Face directory (a GGUF's dequantized one).
+    The head only looks rows up in it; its draft-vocabulary head is built from it once."""
+    from specsplit.models import gguf_native
+    from specsplit.models.loader import TensorSource, hf_dir_for
+    from specsplit.models.registry import resolve_model_path
+
+    path = resolve_model_path(base)
+    if path.suffix == ".gguf" and torch.device(device).type == "cpu" and dtype == torch.float32:
+        rows = gguf_native.token_embedding(path)
+        if rows is not None:
+            return rows
+    src = TensorSource(hf_dir_for(base, show_progress=False))
+    try:
+        return src.get("model.embed_tokens.weight")
+    finally:
+        src.close()
+
+
+def embedding_bytes(embedding: torch.Tensor | torch.nn.Module) -> int:
+    """Bytes behind a drafter's embedding (dense rows, or a quantized module's blocks)."""
+    if isinstance(embedding, torch.nn.Module):
+        return tensor_storage_bytes(embedding)
+    return embedding.untyped_storage().nbytes()
 
 
 def use_cpu_kernels(head: Eagle3Head) -> None:

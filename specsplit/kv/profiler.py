@@ -188,6 +188,8 @@ class MemoryPlan:
         for s in self.services.values():
             if s.kv_limited_by == "none":  # the n-gram / suffix drafters, or an EAGLE-3 head on a drafter service
                 held = f"weights {fmt_bytes(s.weights_bytes)}" if s.weights_bytes else "no weights"
+                if s.weights_bytes and s.weights:
+                    held += f" [{s.weights}]"
                 extra = ""
                 if s.non_torch_bytes:  # a suffix cache's bound, or the head's grammar compiler (its tokenizer)
                     extra = (f"; host memory {fmt_bytes(s.non_torch_bytes)} (its grammar compiler)" if s.weights_bytes
