@@ -1,4 +1,5 @@
-"""`specsplit up`: drafter, verifier and gateway as three local processes.
+"""`specsplit up`: drafter, verifier and gateway as three local processes (`--draft none`: the
+verifier and the gateway, a split target-only stack).
 
 Starts `python -m specsplit.cli verifier|drafter|gateway ...`, waits until each reports SERVING
 over gRPC health, then waits. Ctrl-C / SIGTERM stops the gateway first (it drains its live
@@ -66,7 +67,7 @@ def add_arguments(p, name: str) -> None:
     p.add_argument("--verifier-port", type=port, default=0,
                    help="verifier port (0 = a free one: the verifier binds it and tells `up`)")
     p.add_argument("--addresses-file", default=None, metavar="PATH",
-                   help='once all three serve, write {"gateway": HOST:PORT, "drafter": ..., "verifier": ...} '
+                   help='once all serve, write {"gateway": HOST:PORT, "drafter": ..., "verifier": ...} (no drafter with --draft none) '
                         "(JSON) to PATH: where a supervisor finds the engines started on free ports")
     p.add_argument("--engine-host", default=DEFAULT_ENGINE_HOST,
                    help="address the drafter and the verifier bind (default %(default)s: only this host reaches "
@@ -95,12 +96,13 @@ def add_arguments(p, name: str) -> None:
 
 
 def validate(args) -> None:
-    from specsplit.defaults import resolve_draft
+    from specsplit.defaults import NO_DRAFT, resolve_draft
 
+    asked = args.draft
     args.draft = resolve_draft(args.target, args.draft, getattr(args, "tensor_parallel_size", 1))
-    if args.draft is None:
-        raise ValueError(f"specsplit up starts a drafter, and {args.target!r} has no default draft: give --draft "
-                         "(target-only: specsplit serve --draft none, or specsplit verifier + gateway)")
+    if args.draft is None and (asked or "").strip().lower() != NO_DRAFT:
+        raise ValueError(f"{args.target!r} has no default draft: give --draft MODEL (or ngram), or --draft none "
+                         "for a target-only stack (the verifier and the gateway)")
     validate_security(args)
     validate_http(args)
     validate_engine(args)
@@ -189,9 +191,15 @@ def engine_address(args, port_: int) -> str:
     return f"[{host}]:{port_}" if ":" in host else f"{host}:{port_}"
 
 
+def services(args) -> tuple[str, ...]:
+    """The children `up` starts, in start order: no drafter for --draft none."""
+    return ("verifier", "drafter", "gateway") if args.draft else ("verifier", "gateway")
+
+
 def commands(args, drafter_port: int, verifier_port: int, port_files: dict[str, str] | None = None) -> dict[str, list[str]]:
-    """Each child's command line. A port of 0 lets that child bind a free one; `port_files` (name
-    -> path) tells the children with port 0 where to write it (`up` reads it there)."""
+    """Each child's command line (services(args) of them). A port of 0 lets that child bind a free
+    one; `port_files` (name -> path) tells the children with port 0 where to write it (`up` reads
+    it there)."""
     port_files = port_files or {}
 
     def port_file(name: str, port_: int) -> list[str]:
@@ -222,7 +230,8 @@ def commands(args, drafter_port: int, verifier_port: int, port_files: dict[str, 
     def metrics(offset: int) -> list[str]:
         return [] if args.metrics_port is None else ["--metrics-port", str(args.metrics_port + offset)]
 
-    return {
+    drafter = ["--drafter", engine_address(args, drafter_port)] if args.draft else []
+    out = {
         "verifier": base + ["verifier", "--model", args.target, "--port", str(verifier_port),
                             *port_file("verifier", verifier_port), *engine,
                             *_engine_flags(args, args.device), *_spec_flags(args), *metrics(1),
@@ -232,12 +241,12 @@ def commands(args, drafter_port: int, verifier_port: int, port_files: dict[str, 
         "drafter": base + ["drafter", "--model", args.draft, "--port", str(drafter_port),
                            *port_file("drafter", drafter_port), *engine,
                            *_engine_flags(args, args.draft_device or args.device), *_spec_flags(args), *metrics(2)],
-        "gateway": base + ["gateway", "--verifier", engine_address(args, verifier_port),
-                           "--drafter", engine_address(args, drafter_port),
+        "gateway": base + ["gateway", "--verifier", engine_address(args, verifier_port), *drafter,
                            "--port", str(args.port), *port_file("gateway", args.port),
                            "--max-num-seqs", str(args.max_num_seqs),
                            "--max-queue", str(args.max_queue), *public, *gateway_only, *_spec_flags(args), *metrics(0)],
     }
+    return {name: out[name] for name in services(args)}
 
 
 # The child pins itself, then execs the service (same pid; the affinity survives exec). A
@@ -309,7 +318,7 @@ def run(args) -> int:
             print(f"specsplit up: {'restarted' if again else 'started'} {name} (pid {procs[name].pid}) on {where}"
                   + ("" if cpus is None else f", CPUs {sorted(cpus)}"), file=sys.stderr, flush=True)
 
-        for name in ("verifier", "drafter", "gateway"):
+        for name in services(args):
             if stop_requested:
                 break
             start(name)
@@ -330,7 +339,8 @@ def run(args) -> int:
                 write_port_file(args.port_file, ports["gateway"])
             if args.addresses_file:
                 write_addresses_file(args.addresses_file, addresses)
-            print(f"specsplit up: ready; Generate on {addresses['gateway']} (Ctrl-C stops all three)", file=sys.stderr, flush=True)
+            print(f"specsplit up: ready; Generate on {addresses['gateway']} (Ctrl-C stops all {len(procs)})",
+                  file=sys.stderr, flush=True)
         pause = RestartPause()
         drafter_back_at: float | None = None  # when a drafter that died is started again
         while not stop_requested:

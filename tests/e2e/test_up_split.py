@@ -149,3 +149,26 @@ def test_sigterm_stops_all_three(up):
     assert proc.wait(60) == 0, open(log).read()[-3000:]
     for a in addresses.values():
         assert health(a, timeout=0.5).startswith("UNREACHABLE")
+
+
+def test_up_draft_none_runs_verifier_and_gateway(tmp_path, capsys, tiny_llama):
+    """`up --draft none`: two processes, a split target-only stack (K 0, no drafts), the tokens of a
+    local target-only run; SIGTERM stops both."""
+    from specsplit.gateway.launch import specsplit_up
+
+    log = tmp_path / "up.log"
+    env = dict(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    with specsplit_up(str(tiny_llama), "none", max_num_seqs=4, extra=TINY_ENGINE, log=log, env=env, cwd=REPO,
+                      log_level="INFO", startup_timeout=240) as stack:
+        assert stack.drafter is None and set(stack.addresses) == {"gateway", "verifier"}
+        info = server_info(stack.address)
+        assert info.mode == "split" and info.num_speculative_tokens == 0
+        common = ["--prompt-token-ids", PROMPT_IDS, "--max-tokens", "16", "--ignore-eos", "--json"]
+        remote = _cli_json(capsys, ["generate", "--server", stack.address, *common])
+        local = _cli_json(capsys, ["generate", "--target", str(tiny_llama), "--draft", "none", *common, *TINY_ENGINE])
+        assert remote["token_ids"] == local["token_ids"] and remote["usage"]["proposed_draft_tokens"] == 0
+        assert len(_log_pids(str(log), "verifier")) == 1 and not _log_pids(str(log), "drafter")
+        proc = stack.proc
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, stack.log_tail()
+    assert "started drafter" not in log.read_text()
