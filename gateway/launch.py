@@ -22,14 +22,15 @@ from typing import Iterator, Sequence
 @dataclass
 class RunningUp:
     address: str  # the gateway, HOST:PORT
-    drafter: str
+    drafter: str | None  # None: `up --draft none` (no drafter)
     verifier: str
     proc: subprocess.Popen
     log_path: Path | None = None
 
     @property
     def addresses(self) -> dict[str, str]:
-        return {"gateway": self.address, "drafter": self.drafter, "verifier": self.verifier}
+        out = {"gateway": self.address, "drafter": self.drafter, "verifier": self.verifier}
+        return {name: a for name, a in out.items() if a is not None}
 
     def log_tail(self, chars: int = 3000) -> str:
         return _log_tail(self.log_path, chars)
@@ -112,7 +113,7 @@ def specsplit_up(target: str, draft: str, *, dtype: str | None = None, max_model
             except RuntimeError as e:
                 raise RuntimeError(f"specsplit up: {e}") from None
             a = json.loads(written)
-            yield RunningUp(a["gateway"], a["drafter"], a["verifier"], proc, log_path)
+            yield RunningUp(a["gateway"], a.get("drafter"), a["verifier"], proc, log_path)
         finally:
             stop(proc, stop_timeout)
             if log_file is not None:
