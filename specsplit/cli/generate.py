@@ -155,13 +155,13 @@ def run_local(args) -> int:
     ids = tuple(_prompt_ids(args, colo.tokenizer))
     requests = [_request(args, ids, i) for i in range(n)]
     # The same Scheduler as the gateway's: it validates the requests (vocabulary, max_model_len,
-    # the KV cache, stop rules) and runs them; with stop strings it cuts the text as the gateway does.
-    gen = Scheduler(colo.decoder, colo.eos_token_ids, max_num_seqs=n,
-                    decode=colo.tokenizer.decode if args.stop else None)
+    # the KV cache, stop rules) and runs them, and its text is the gateway's (stop strings cut, the
+    # token that ends the output left out: request.Request.take).
+    gen = Scheduler(colo.decoder, colo.eos_token_ids, max_num_seqs=n, decode=colo.tokenizer.decode)
 
     def stream(state, kept):
         if not args.json and n == 1:
-            sys.stdout.write(state.text.take() if state.text is not None else colo.tokenizer.decode(kept))
+            sys.stdout.write(state.text.take())
             sys.stdout.flush()
 
     t1 = time.perf_counter()
@@ -171,7 +171,7 @@ def run_local(args) -> int:
     for state in states:
         result = {
             "token_ids": state.output,
-            "text": state.text.text if state.text is not None else colo.tokenizer.decode(state.output),
+            "text": state.text.text,
             "finish_reason": state.finish_reason,
             "usage": state.usage(),  # the same dict the gateway streams as Usage
         }
@@ -188,8 +188,7 @@ def run_local(args) -> int:
         print(f"[{n} choices, {tokens} tokens in {gen_s:.2f}s = {rate:.1f} tok/s; load {load_s:.1f}s]", file=sys.stderr)
     else:
         (state,) = states
-        if state.text is not None:
-            sys.stdout.write(state.text.take(final=True))  # what stop strings held back
+        sys.stdout.write(state.text.take(final=True))  # what stop strings held back
         rate = len(state.output) / gen_s if gen_s > 0 else float("inf")
         acc = f", acceptance {state.accepted / state.proposed:.2f}" if state.proposed else ""
         print(f"\n[{len(state.output)} tokens in {gen_s:.2f}s = {rate:.1f} tok/s{acc}; load {load_s:.1f}s; finish={state.finish_reason}]",

@@ -38,3 +38,30 @@ def test_bad_stop_flags_are_refused_naming_the_flag(flags, message, capsys):
 
 def test_good_stop_flags_pass_the_check(capsys):
     assert main(["generate", "--prompt-token-ids", "5,6", "--draft", "none", "--check", *FLAGS]) == 0
+
+
+def test_local_text_leaves_out_the_token_that_ends_it(tiny_llama, capsys):
+    """Locally, as the gateway: a stop token ends the output and is in its tokens, its text only
+    with --include-stop-str-in-output (the local mode printed every token's text, EOS's
+    <|im_end|> included, where --server did not)."""
+    import json
+
+    from specsplit.models.loader import load_tokenizer
+
+    base = ["generate", "--target", str(tiny_llama), "--draft", "none", "--prompt-token-ids", "5,9,13",
+            "--max-tokens", "8", "--max-model-len", "256", "--threads", "1"]
+
+    def run(*flags, as_json=True):
+        capsys.readouterr()
+        assert main([*base, *flags, *(["--json"] if as_json else [])]) == 0
+        out = capsys.readouterr().out
+        return json.loads(out.strip().splitlines()[-1]) if as_json else out
+
+    ids = run("--ignore-eos")["token_ids"]
+    j = next(i for i in range(1, len(ids)) if ids[i] not in ids[:i])  # a token that first comes at j
+    decode = load_tokenizer(tiny_llama).decode
+    cut = run("--stop-token-ids", str(ids[j]))
+    assert cut["token_ids"] == ids[:j + 1] and cut["finish_reason"] == "stop"
+    assert cut["text"] == decode(ids[:j]) != decode(ids[:j + 1])
+    assert run("--stop-token-ids", str(ids[j]), "--include-stop-str-in-output")["text"] == decode(ids[:j + 1])
+    assert run("--stop-token-ids", str(ids[j]), as_json=False) == decode(ids[:j])  # streamed text
