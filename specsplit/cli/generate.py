@@ -36,7 +36,8 @@ def add_arguments(p, name: str) -> None:
     p.add_argument("--include-stop-str-in-output", action="store_true",
                    help="the text keeps the stop string it ends at (by default it ends just before it)")
     p.add_argument("--stop-token-ids", default=None, metavar="IDS",
-                   help="comma-separated token ids that end the output, as EOS does (kept in it)")
+                   help="comma-separated token ids that end the output, as EOS does (in its tokens; in its text "
+                        "only with --include-stop-str-in-output)")
     p.add_argument("--min-tokens", type=nonneg_int, default=0, metavar="N",
                    help="no EOS, stop token or stop string ends the output before N tokens (0 = off)")
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to the prompt")
