@@ -80,6 +80,8 @@ def validate(args) -> None:
 
     if not 1 <= args.n <= MAX_CHOICES:
         raise ValueError(f"--n must be in [1, {MAX_CHOICES}], got {args.n}")
+    if args.logprobs is not None and not args.json:
+        raise ValueError("--logprobs are printed in the JSON output: add --json")
     if args.prompt_token_ids is not None:
         ids = parse_ids(args.prompt_token_ids)
         if not ids:

@@ -37,3 +37,13 @@ def test_collect_prints_the_local_shape():
     assert out["logprobs"][0] == {"token_id": 5, "logprob": -0.5,
                                   "top": [{"token_id": 5, "logprob": -0.5}, {"token_id": 6, "logprob": -1.5}]}
     assert "logprobs" not in collect([gateway_pb2.GenerateResponse(token_ids=[5], finish_reason="length")])
+
+
+def test_logprobs_without_json_are_refused_before_any_model_loads(capsys):
+    """Text mode prints no log-probabilities: --logprobs alone would be asked for and dropped."""
+    from specsplit.cli import main
+
+    argv = ["generate", "--prompt-token-ids", "5,6", "--draft", "none", "--check", "--logprobs", "2"]
+    assert main(argv) == 2
+    assert "--logprobs are printed in the JSON output: add --json" in capsys.readouterr().err
+    assert main([*argv, "--json"]) == 0
