@@ -54,6 +54,22 @@ def add_arguments(p, name: str) -> None:
 
 
 def validate(args) -> None:
+    from specsplit.defaults import NO_DRAFT
+    from specsplit.models.registry import check_model_argument
+
+    # the models, before anything loads (a misspelt draft was found only after the target arms ran)
+    named = [("--target", args.target, False), ("--draft", args.draft, True)]
+    named += [("--also-draft", d, True) for d in args.also_draft]
+    for flag, name, draft in named:
+        if name is None:
+            continue
+        if draft and name.strip().lower() == NO_DRAFT:
+            raise ValueError(f"{flag} none: the spec arms need a draft (every suite runs target-only beside them; "
+                             "`specsplit bench target` runs only that)")
+        try:
+            check_model_argument(name, draft, paths=not args.check)
+        except ValueError as e:
+            raise ValueError(f"{flag}: {e}") from None
     modes = args.weights.split(",")
     if not modes or any(m not in ("native", "fp32", "bf16") for m in modes):
         raise ValueError(f"--weights must be comma-separated native, fp32 or bf16, got {args.weights!r}")

@@ -1,8 +1,11 @@
 """`specsplit bench --quick` on a tiny random pair: every field present, acceptance consistent; the
-split arm (`specsplit up` on loopback, stopped by the bench itself) gives the colocated arm's tokens."""
+split arm (`specsplit up` on loopback, stopped by the bench itself) gives the colocated arm's tokens;
+its model arguments are checked before anything loads."""
 from __future__ import annotations
 
 import json
+
+import pytest
 
 from specsplit.cli import main
 
@@ -79,3 +82,16 @@ def test_bench_quick_json(tmp_path, tiny_llama, tiny_draft_close):
     assert split["per_position_acceptance"] and split["mean_accepted_length"] is not None
     # One response per decode step, each step's tokens = its accepted drafts + 1.
     assert split["generated_tokens"] == split["accepted_draft_tokens"] + split["decode_steps"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--draft", "none"], "--draft none: the spec arms need a draft"),
+    (["--draft", "nope"], "--draft: unknown model 'nope'"),
+    (["--also-draft", "nope+ngram"], "--also-draft: unknown model 'nope'"),
+    (["--target", "nope"], "--target: unknown model 'nope'"),
+])
+def test_model_arguments_are_checked_before_anything_loads(flags, message, capsys):
+    """`--check` passed these and a run failed on them (--draft none once the target arms had run)."""
+    assert main(["bench", "spec", *flags, "--check"]) == 2
+    assert message in capsys.readouterr().err
+    assert main(["bench", "spec", "--draft", "smollm2-135m-eagle3+ngram", "--also-draft", "ngram", "--check"]) == 0
