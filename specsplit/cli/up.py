@@ -67,8 +67,8 @@ def add_arguments(p, name: str) -> None:
     p.add_argument("--verifier-port", type=port, default=0,
                    help="verifier port (0 = a free one: the verifier binds it and tells `up`)")
     p.add_argument("--addresses-file", default=None, metavar="PATH",
-                   help='once all serve, write {"gateway": HOST:PORT, "drafter": ..., "verifier": ...} (no drafter with --draft none) '
-                        "(JSON) to PATH: where a supervisor finds the engines started on free ports")
+                   help='once all serve, write {"gateway": HOST:PORT, "drafter": ..., "verifier": ...} (JSON; no '
+                        '"drafter" with --draft none) to PATH: where a supervisor finds the engines started on free ports')
     p.add_argument("--engine-host", default=DEFAULT_ENGINE_HOST,
                    help="address the drafter and the verifier bind (default %(default)s: only this host reaches "
                         "them, whatever --host the gateway binds; they trust whoever holds the internal token)")
