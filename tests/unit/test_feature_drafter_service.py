@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 
-import pytest
 import torch
 
 from specsplit.config import EngineConfig, SpecConfig
