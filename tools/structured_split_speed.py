@@ -8,7 +8,6 @@ The processes come from tests/services/procs.py of the checkout on PYTHONPATH (t
 that checkout), so `PYTHONPATH=/path/to/other/checkout python tools/structured_split_speed.py` runs
 another version's services with the same requests."""
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -67,4 +66,10 @@ def main(rounds: int = 3, draft: str = DRAFT) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 3, sys.argv[2] if len(sys.argv) > 2 else DRAFT)
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("rounds", nargs="?", type=int, default=3, help="timed rounds after the first (default 3)")
+    ap.add_argument("draft", nargs="?", default=DRAFT, help=f"the drafter service's --model (default {DRAFT})")
+    args = ap.parse_args()
+    main(args.rounds, args.draft)
