@@ -15,6 +15,7 @@ from typing import Awaitable, Callable
 from specsplit.rpc import metrics
 from specsplit.gateway.peer_clients import GrpcDrafter, GrpcVerifier
 from specsplit.rpc.build import plan_to_dict, static_plan
+from specsplit.rpc.health import error_text
 from specsplit.gateway.scheduler_thread import SchedulerThread
 from specsplit.gateway.service import SERVICE_NAME, GatewayServicer, Limits, Tokenizer
 from specsplit.rpc.security import MAX_REQUEST_BYTES, ClientSecurity, ServerSecurity, keepalive_options
@@ -207,8 +208,7 @@ def _wait_for_verifier(verifier: GrpcVerifier, timeout: float):
         except Exception as e:  # not up yet: keep waiting until the deadline
             last = e
             time.sleep(0.2)
-    detail = last.details() if hasattr(last, "details") else last
-    raise RuntimeError(f"the verifier at {verifier.address} did not answer within {timeout:.0f}s: {detail}")
+    raise RuntimeError(f"the verifier at {verifier.address} did not answer within {timeout:.0f}s: {error_text(last)}")
 
 
 def build_split(args) -> Gateway:

@@ -18,6 +18,7 @@ from typing import Iterator, Sequence
 import grpc
 
 from specsplit.v1 import gateway_pb2, gateway_pb2_grpc
+from specsplit.rpc.health import error_text
 from specsplit.rpc.wire import grammar_to_pb
 
 
@@ -181,7 +182,7 @@ def generate_over_grpc(args) -> int:
             sys.stdout.flush()
             last = r
     except grpc.RpcError as e:
-        print(f"\nspecsplit generate: {args.server}: {e.code().name}: {e.details()}", file=sys.stderr)
+        print(f"\nspecsplit generate: {args.server}: {error_text(e)}", file=sys.stderr)
         return 1
     dt = time.perf_counter() - t0
     if last is not None and last.finish_reason:

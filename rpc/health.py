@@ -11,6 +11,20 @@ import time
 from typing import Callable, Iterable, Mapping
 
 
+# What grpc's C core says when the address answers but not in HTTP/2 (an HTTP/1.x server: ours is
+# the OpenAI API's --http-port)
+HTTP1_SIGN = "Failed parsing HTTP/2"
+HTTP1_HINT = ("that address answers, but not in gRPC's HTTP/2: it looks like an HTTP/1.x port (the "
+              "OpenAI-compatible API's --http-port?); gRPC clients take the gateway's --port")
+
+
+def error_text(e) -> str:
+    """'CODE: details' of a failed gRPC call (or str(e) of anything else), with what to change where
+    the address answers in HTTP/1.x."""
+    text = f"{e.code().name}: {e.details()}" if hasattr(e, "code") and hasattr(e, "details") else str(e)
+    return f"{text}; {HTTP1_HINT}" if HTTP1_SIGN in text else text
+
+
 def check(address: str, service: str = "", timeout: float = 3.0, security=None) -> str:
     """The serving status name (SERVING, NOT_SERVING, ...) or 'UNREACHABLE: <why>'.
     `security`: a specsplit.rpc.security.ClientSecurity for a TLS / mTLS server."""
@@ -23,7 +37,7 @@ def check(address: str, service: str = "", timeout: float = 3.0, security=None) 
         try:
             resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
         except grpc.RpcError as e:
-            return f"UNREACHABLE: {e.code().name}: {e.details()}"
+            return f"UNREACHABLE: {error_text(e)}"
     return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
 
