@@ -50,13 +50,18 @@ DEFAULT_DRAFTS = {"smollm2-135m": "smollm2-135m-eagle3+ngram"}
 DEFAULT_DRAFTS_TP = {"smollm2-135m": "smollm2-135m-draft+ngram"}
 
 
+def is_no_draft(draft: str | None) -> bool:
+    """Whether a --draft argument asks for no draft (`--draft none`, any case)."""
+    return draft is not None and draft.strip().lower() == NO_DRAFT
+
+
 def resolve_draft(target: str | None, draft: str | None, tensor_parallel_size: int | None = 1) -> str | None:
     """The draft a command runs: --draft as given, 'none' for target-only, and when --draft is
     omitted the target's best shipped draft (DEFAULT_DRAFTS), else none."""
     if draft is None:
         table = DEFAULT_DRAFTS_TP if (tensor_parallel_size or 1) > 1 else DEFAULT_DRAFTS
         return table.get(target or "")
-    return None if draft.strip().lower() == NO_DRAFT else draft
+    return None if is_no_draft(draft) else draft
 
 
 def bench_draft(target: str | None) -> str:

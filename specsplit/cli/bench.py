@@ -54,7 +54,7 @@ def add_arguments(p, name: str) -> None:
 
 
 def validate(args) -> None:
-    from specsplit.defaults import NO_DRAFT
+    from specsplit.defaults import is_no_draft
     from specsplit.models.registry import check_model_argument
 
     # the models, before anything loads (a misspelt draft was found only after the target arms ran)
@@ -63,7 +63,7 @@ def validate(args) -> None:
     for flag, name, draft in named:
         if name is None:
             continue
-        if draft and name.strip().lower() == NO_DRAFT:
+        if draft and is_no_draft(name):
             raise ValueError(f"{flag} none: the spec arms need a draft (every suite runs target-only beside them; "
                              "`specsplit bench target` runs only that)")
         try:

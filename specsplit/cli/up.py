@@ -96,11 +96,11 @@ def add_arguments(p, name: str) -> None:
 
 
 def validate(args) -> None:
-    from specsplit.defaults import NO_DRAFT, resolve_draft
+    from specsplit.defaults import is_no_draft, resolve_draft
 
     asked = args.draft
     args.draft = resolve_draft(args.target, args.draft, getattr(args, "tensor_parallel_size", 1))
-    if args.draft is None and (asked or "").strip().lower() != NO_DRAFT:
+    if args.draft is None and not is_no_draft(asked):
         raise ValueError(f"{args.target!r} has no default draft: give --draft MODEL (or ngram), or --draft none "
                          "for a target-only stack (the verifier and the gateway)")
     validate_security(args)
