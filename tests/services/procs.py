@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 import grpc
 
 from specsplit.v1 import common_pb2, drafter_pb2_grpc, gateway_pb2, gateway_pb2_grpc, verifier_pb2_grpc
-from specsplit.rpc.health import bindable, ephemeral_low
+from specsplit.rpc.health import bindable, ephemeral_low, free_ports
 
 REPO = Path(__file__).resolve().parents[2]
 HOST = "127.0.0.1"
@@ -69,13 +68,9 @@ class _PortPicker:
             if port not in self.handed_out and bindable(HOST, port):
                 self.handed_out.add(port)
                 return port
-        while True:
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                s.bind((HOST, 0))
-                port = s.getsockname()[1]
-            if port not in self.handed_out:
-                self.handed_out.add(port)
-                return port
+        port = free_ports(1, HOST, avoid=self.handed_out)[0]
+        self.handed_out.add(port)
+        return port
 
 
 # This test process's picker. Two test runs at once on one machine (each with a worker gw0) start at
