@@ -93,9 +93,12 @@ _HTTP = {
     grpc.StatusCode.UNAVAILABLE: (503, "server_error", "service_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error", "timeout"),
 }
-# Request fields a validation message may start with: the error's `param`.
+# Request fields a validation message may start with, as a whole word: the error's `param`.
 _PARAMS = ("max_tokens", "min_tokens", "min_p", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop", "logprobs", "prompt",
-           "messages", "request_id", "continue_final_message", "add_generation_prompt", "truncate_prompt_tokens")
+           "messages", "request_id", "continue_final_message", "add_generation_prompt", "truncate_prompt_tokens",
+           "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "ignore_eos", "prompt_logprobs", "n")
+# a grammar the engines refuse ("the json_schema grammar does not compile: ...") came from this field
+_GRAMMAR_PARAM = "response_format"
 
 
 class ApiError(Exception):
@@ -113,7 +116,9 @@ class ApiError(Exception):
 
 def api_error(e: ServiceError) -> ApiError:
     status, type_, code = _HTTP.get(e.code, (500, "server_error", None))
-    param = next((p for p in _PARAMS if e.message.startswith(p)), None)
+    param = next((p for p in _PARAMS if e.message.startswith(p) and not e.message[len(p):len(p) + 1].isidentifier()), None)
+    if param is None and e.message.startswith("the ") and " grammar " in e.message:
+        param = _GRAMMAR_PARAM
     if param == "prompt" and "max_model_len" in e.message:
         param = None
     if status >= 500 and code is None:

@@ -114,3 +114,4 @@ def test_http_response_format_gives_schema_valid_json(http_server):
                                        "response_format": {"type": "json_schema", "json_schema": {
                                            "name": "bad", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}})
     assert status == 400 and "does not compile" in body["error"]["message"], body
+    assert body["error"]["param"] == "response_format", body  # the field to fix

@@ -372,27 +372,32 @@ def test_bad_or_doubled_structured_output_fields_are_400(server, fields, needle,
     assert len(servicer.scheduler.requests) == before
 
 
-@pytest.mark.parametrize("fields, needle", [
-    ({"presence_penalty": 2.5}, "presence_penalty must be in [-2, 2]"),
-    ({"frequency_penalty": -3}, "frequency_penalty must be in [-2, 2]"),
-    ({"repetition_penalty": 0}, "repetition_penalty must be in [0.01, 10]"),
-    ({"logit_bias": {"5": 101}}, "logit_bias of token 5 must be in [-100, 100]"),
-    ({"logit_bias": {"999": 1}}, "outside the vocabulary"),
-    ({"logit_bias": {"w5": 1}}, "logit_bias keys must be token ids"),
-    ({"logit_bias": {str(i): 1 for i in range(301)}}, "at most 300 token ids"),
-    ({"response_format": {"type": "xml"}}, "response_format.type must be one of"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "the schema as a JSON object"),
+@pytest.mark.parametrize("fields, needle, param", [
+    ({"presence_penalty": 2.5}, "presence_penalty must be in [-2, 2]", "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty must be in [-2, 2]", "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty must be in [0.01, 10]", "repetition_penalty"),
+    ({"logit_bias": {"5": 101}}, "logit_bias of token 5 must be in [-100, 100]", "logit_bias"),
+    ({"logit_bias": {"999": 1}}, "outside the vocabulary", "logit_bias"),
+    ({"logit_bias": {"w5": 1}}, "logit_bias keys must be token ids", "logit_bias"),
+    ({"logit_bias": {str(i): 1 for i in range(301)}}, "at most 300 token ids", "logit_bias"),
+    ({"response_format": {"type": "xml"}}, "response_format.type must be one of", "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "the schema as a JSON object",
+     "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"d": "x" * 70000}}}},
-     "at most 65536 are allowed"),
-    ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos cannot be combined with a grammar"),
+     "at most 65536 are allowed", "response_format"),
+    ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos cannot be combined with a grammar",
+     "ignore_eos"),
 ])
-def test_bad_penalties_and_formats_are_400_with_the_rule(server, fields, needle):
+def test_bad_penalties_and_formats_are_400_with_the_rule(server, fields, needle, param):
+    """Each refusal names its rule, and in `param` the field to fix (the openai client's
+    BadRequestError.param; a range the engines check reached the client with param null)."""
     servicer, http = server
     before = len(servicer.scheduler.requests)
     with pytest.raises(openai.BadRequestError) as err:
         _client(http).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w4"}],
                                               extra_body=fields)
-    assert err.value.status_code == 400 and needle in err.value.body["message"], err.value.body
+    body = err.value.body
+    assert err.value.status_code == 400 and needle in body["message"] and body["param"] == param, body
     assert len(servicer.scheduler.requests) == before  # refused before the scheduler
 
 
