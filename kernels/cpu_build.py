@@ -25,6 +25,15 @@ def cpu_has(*flags: str) -> bool:
     return set(flags) <= set(line.split())
 
 
+def cpu_vendor() -> str:
+    """The CPU's vendor_id ("AuthenticAMD", "GenuineIntel"; "" where /proc/cpuinfo has none)."""
+    try:
+        line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("vendor_id"))
+    except (OSError, StopIteration):
+        return ""
+    return line.split(":", 1)[1].strip()
+
+
 def build(name: str, source: Path, cflags: list[str], what: str, fallback: str, includes: tuple[Path, ...] = ()):
     """The compiled module `name` from `source`, or None (logged: '<what>: <why>; <fallback>').
     includes: the files `source` #includes from this tree (their text is part of the cache key)."""

@@ -1192,15 +1192,19 @@ void check_greedy_copy(const torch::Tensor& groups, const torch::Tensor& cmax, i
 // fp32 (M <= 3), Q8_0 split rows [N, K/32 * 34], their copy quant_greedy_pack(blocks) and its
 // cmax [N]. Returns int64 [M], or an empty tensor where this path cannot answer (another type,
 // more rows, see greedy_rows): the caller then computes y. allow_avx512 = false runs the AVX2
-// loops on any CPU (tests compare both).
+// loops on any CPU (tests compare both). bound_vnni = false runs the bound pass on the AVX2 int8
+// loop where VNNI exists too (the same integers, so the same ids; the exact rows stay on the loop
+// quant_linear runs): faster on an AMD Zen 4 when the copy comes from memory
+// (kernels/quant_linear.py's bound_loop).
 torch::Tensor quant_greedy(const torch::Tensor& x_in, const torch::Tensor& blocks, int64_t qtype,
-                           const torch::Tensor& groups, const torch::Tensor& cmax, bool allow_avx512) {
+                           const torch::Tensor& groups, const torch::Tensor& cmax, bool allow_avx512,
+                           bool bound_vnni) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "quant_greedy: x must be fp32 [M, K]");
   const int64_t M = x_in.size(0), K = x_in.size(1), N = blocks.size(0);
   check_blocks(blocks, qtype, K);
   check_greedy_copy(groups, cmax, N, K, "quant_greedy");
   if (qtype != Q8_0 || M < 1 || M > GREEDY_MAX_ROWS || N < 1) return torch::empty({0}, torch::kLong);
-  const bool vnni = allow_avx512 && use_vnni(), exact_avx512 = allow_avx512 && use_avx512();
+  const bool vnni = allow_avx512 && bound_vnni && use_vnni(), exact_avx512 = allow_avx512 && use_avx512();
   const torch::Tensor x = x_in.contiguous();
   const float* xp = x.data_ptr<float>();
   const uint8_t* bp = blocks.data_ptr<uint8_t>();

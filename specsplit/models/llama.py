@@ -303,7 +303,9 @@ class LlamaForCausalLM(nn.Module):
             if copy is not None:
                 log.info("greedy steps: the head's argmax from an int8 bound over its %.0f MB copy (%s loop), "
                          "then the candidate rows exactly", copy.nbytes / 2**20,
-                         "AVX-512 VNNI" if quant_linear.uses_vnni() else "AVX2")
+                         "AVX-512 VNNI" if quant_linear.uses_vnni() and quant_linear.bound_loop() == "vnni" else
+                         "AVX2 int8" + (f" (where VNNI runs: {quant_linear.ENV_GREEDY_BOUND}=vnni)"
+                                        if quant_linear.uses_vnni() else ""))
             self.kernel_tables[f"head {head.rows}x{self.cfg.hidden_size} {head.quant.qtype}"] = head.kernels
         elif kinds:
             if cpu_linear.PACKED in kinds:
