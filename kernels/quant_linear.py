@@ -269,8 +269,8 @@ def bound_loop() -> str:
     SPECSPLIT_QUANT_GREEDY_BOUND picks one; "auto" (the default) takes the AVX2 loop on AMD CPUs and
     VNNI elsewhere. Measured on an AMD EPYC Zen 4 (one thread, SmolLM2's 29 MB copy read once a
     step, docs/kernels.md): the VNNI loop 1.35 ms a call against 1.10 ms for the AVX2 one when the
-    layers have just streamed through the caches (0.88 / 0.85 ms hot), and served steps 4-7% faster
-    with the AVX2 loop. Intel's CPUs keep the VNNI loop, which is what they were measured with."""
+    layers have just streamed through the caches (0.88 / 0.85 ms hot), and served batch-1 decode 2-8%
+    faster with the AVX2 loop. Intel's CPUs keep the VNNI loop, which is what they were measured with."""
     chosen = os.environ.get(ENV_GREEDY_BOUND, "auto").strip().lower() or "auto"
     if chosen not in GREEDY_BOUND_LOOPS:
         raise ValueError(f"{ENV_GREEDY_BOUND}={chosen!r}: use one of {', '.join(GREEDY_BOUND_LOOPS)}")

@@ -301,11 +301,14 @@ class LlamaForCausalLM(nn.Module):
             head.greedy_copy = copy
             self._keep_greedy_copy(copy)
             if copy is not None:
-                log.info("greedy steps: the head's argmax from an int8 bound over its %.0f MB copy (%s loop), "
-                         "then the candidate rows exactly", copy.nbytes / 2**20,
-                         "AVX-512 VNNI" if quant_linear.uses_vnni() and quant_linear.bound_loop() == "vnni" else
-                         "AVX2 int8" + (f" (where VNNI runs: {quant_linear.ENV_GREEDY_BOUND}=vnni)"
-                                        if quant_linear.uses_vnni() else ""))
+                if not quant_linear.uses_vnni():
+                    loop = "AVX2 loop"
+                elif quant_linear.bound_loop() == "vnni":
+                    loop = "AVX-512 VNNI loop"
+                else:  # an AMD CPU (quant_linear.bound_loop)
+                    loop = f"AVX2 int8 loop, faster than VNNI's on AMD; {quant_linear.ENV_GREEDY_BOUND}=vnni for VNNI"
+                log.info("greedy steps: the head's argmax from an int8 bound over its %.0f MB copy (%s), "
+                         "then the candidate rows exactly", copy.nbytes / 2**20, loop)
             self.kernel_tables[f"head {head.rows}x{self.cfg.hidden_size} {head.quant.qtype}"] = head.kernels
         elif kinds:
             if cpu_linear.PACKED in kinds:
