@@ -16,22 +16,24 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
+def _cpuinfo(key: str) -> str | None:
+    """The value of the first `key : value` line of /proc/cpuinfo (x86 Linux), or None."""
+    try:
+        line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith(key))
+    except (OSError, StopIteration):
+        return None
+    return line.split(":", 1)[1].strip() if ":" in line else ""
+
+
 def cpu_has(*flags: str) -> bool:
     """Whether this CPU has every one of the flags (x86 Linux: /proc/cpuinfo; elsewhere False)."""
-    try:
-        line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return False
-    return set(flags) <= set(line.split())
+    line = _cpuinfo("flags")
+    return line is not None and set(flags) <= set(line.split())
 
 
 def cpu_vendor() -> str:
     """The CPU's vendor_id ("AuthenticAMD", "GenuineIntel"; "" where /proc/cpuinfo has none)."""
-    try:
-        line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("vendor_id"))
-    except (OSError, StopIteration):
-        return ""
-    return line.split(":", 1)[1].strip()
+    return _cpuinfo("vendor_id") or ""
 
 
 def build(name: str, source: Path, cflags: list[str], what: str, fallback: str, includes: tuple[Path, ...] = ()):
