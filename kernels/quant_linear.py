@@ -263,6 +263,12 @@ def uses_vnni() -> bool:
     return m is not None and _avx512 and bool(m.quant_uses_vnni())
 
 
+def bound_uses_vnni() -> bool:
+    """Whether greedy()'s bound pass runs the VNNI loop here: VNNI runs, and load() took bound_loop()
+    as "vnni" (else the AVX2 int8 loop)."""
+    return uses_vnni() and _bound_vnni
+
+
 def bound_loop() -> str:
     """The loop of greedy()'s bound pass where AVX-512 VNNI runs: "vnni", or "avx2" (the AVX2 int8
     loop: the same integer dot products, so the same bound, the same candidates and the same ids).

@@ -301,12 +301,12 @@ class LlamaForCausalLM(nn.Module):
             head.greedy_copy = copy
             self._keep_greedy_copy(copy)
             if copy is not None:
-                if not quant_linear.uses_vnni():
-                    loop = "AVX2 loop"
-                elif quant_linear.bound_loop() == "vnni":
+                if quant_linear.bound_uses_vnni():
                     loop = "AVX-512 VNNI loop"
-                else:  # an AMD CPU (quant_linear.bound_loop)
-                    loop = f"AVX2 int8 loop, faster than VNNI's on AMD; {quant_linear.ENV_GREEDY_BOUND}=vnni for VNNI"
+                elif quant_linear.uses_vnni():  # quant_linear.bound_loop(): by default on AMD CPUs
+                    loop = f"AVX2 int8 loop; {quant_linear.ENV_GREEDY_BOUND}=vnni runs VNNI"
+                else:
+                    loop = "AVX2 loop"
                 log.info("greedy steps: the head's argmax from an int8 bound over its %.0f MB copy (%s), "
                          "then the candidate rows exactly", copy.nbytes / 2**20, loop)
             self.kernel_tables[f"head {head.rows}x{self.cfg.hidden_size} {head.quant.qtype}"] = head.kernels
