@@ -75,6 +75,18 @@ def bench_draft(target: str | None) -> str:
     return served.removesuffix("+ngram")
 
 
+def bench_hybrid(draft: str | None) -> str | None:
+    """The draft of `specsplit bench`'s MODEL+ngram arms for its --draft: MODEL+ngram for a model
+    draft, the draft itself where it names its lookup already (MODEL+ngram, MODEL+suffix: a
+    served --draft, not to be given a second '+ngram'), None where there is no model (a lookup
+    alone, or no draft)."""
+    from specsplit.models.registry import LOOKUPS, split_draft_name
+
+    if draft is None or draft in LOOKUPS:
+        return None
+    return draft if split_draft_name(draft)[1] else f"{draft}+ngram"
+
+
 def default_k_for(draft: str | None) -> int:
     """The K a server uses for this draft when --num-speculative-tokens is not given."""
     if draft is None:

@@ -26,7 +26,7 @@ import torch
 
 from specsplit.bench.arms import Arm, ArmResult, Timing, colocated_arm, run_interleaved
 from specsplit.config import EngineConfig, SpecConfig, parse_dtype
-from specsplit.defaults import DEFAULT_DRAFT_MODEL_TOKENS, DEFAULT_DRAFT_STOP, default_k_for
+from specsplit.defaults import DEFAULT_DRAFT_MODEL_TOKENS, DEFAULT_DRAFT_STOP, bench_hybrid, default_k_for
 from specsplit.factory import build_colocated
 
 
@@ -93,7 +93,7 @@ def run(args, prompts_of: Callable, progress: Callable[[], None] | None = None) 
     from specsplit.gateway.bench_client import branch_counts, gateway_stub
     from specsplit.gateway.launch import specsplit_up
 
-    draft = args.draft if args.no_hybrid or args.draft == "ngram" else f"{args.draft}+ngram"
+    draft = args.draft if args.no_hybrid else bench_hybrid(args.draft) or args.draft
     dtype = getattr(args, "dtype", "fp32")
     new_tokens, repeats = args.new_tokens or 64, args.repeats or 3
     max_prefill = min(512, args.max_model_len // 2)

@@ -23,7 +23,7 @@ from tqdm import tqdm
 from specsplit.bench.arms import ArmResult, colocated_arm, hf_arm, run_interleaved
 from specsplit.bench.costs import measure_costs, predicted_speedup
 from specsplit.config import EngineConfig, SpecConfig, parse_dtype
-from specsplit.defaults import DEFAULT_DRAFT_STOP
+from specsplit.defaults import DEFAULT_DRAFT_STOP, bench_hybrid
 from specsplit.factory import build_colocated
 from specsplit.models.registry import ASSETS_DIR, DRAFT_ALIAS, is_eagle3, sharegpt_json_path
 
@@ -112,9 +112,10 @@ class Bench:
         self.concurrency = [int(c) for c in (args.concurrency or ("1,4" if self.quick else "1,4,16,32")).split(",")]
         self.split_ks = [] if getattr(args, "no_split", False) else self._split_ks(args)
         draft = getattr(args, "draft", None)
-        # MODEL+ngram arms beside the model draft's (unless --no-hybrid or the draft is n-gram)
-        self.hybrid_draft = (None if getattr(args, "no_hybrid", False) or draft in (None, "ngram")
-                             or draft.endswith("+ngram") else f"{draft}+ngram")
+        # MODEL+ngram arms beside the model draft's (unless --no-hybrid, the draft is a lookup alone
+        # or it names its lookup already)
+        hybrid = None if getattr(args, "no_hybrid", False) else bench_hybrid(draft)
+        self.hybrid_draft = hybrid if hybrid != draft else None
         # the draft a server would run: the split arm and the concurrency sweep use it
         self.served_draft = self.hybrid_draft or draft or "ngram"
         self.bar = None

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from specsplit.cli import main
-from specsplit.defaults import DEFAULT_DRAFTS, bench_draft, default_k_for, resolve_draft
+from specsplit.defaults import DEFAULT_DRAFTS, bench_draft, bench_hybrid, default_k_for, resolve_draft
+from specsplit.models.registry import check_model_argument
 
 
 def test_resolve_draft():
@@ -35,3 +36,18 @@ def test_bench_measures_the_served_default_draft():
     assert bench_draft("smollm2-135m") == "smollm2-135m-eagle3"
     assert f"{bench_draft('smollm2-135m')}+ngram" == resolve_draft("smollm2-135m", None)
     assert bench_draft("/some/hf/dir") == "ngram"  # no shipped draft: prompt lookup
+
+
+@pytest.mark.parametrize("draft, hybrid", [
+    ("smollm2-135m-eagle3", "smollm2-135m-eagle3+ngram"),
+    ("smollm2-135m-draft", "smollm2-135m-draft+ngram"),
+    # a served --draft that names its lookup already: measured as it is (was MODEL+ngram+ngram,
+    # which `bench async` handed to `specsplit up` after loading its colocated engines)
+    ("smollm2-135m-eagle3+ngram", "smollm2-135m-eagle3+ngram"),
+    ("smollm2-135m-eagle3+suffix", "smollm2-135m-eagle3+suffix"),
+    ("ngram", None), ("suffix", None), (None, None),
+])
+def test_bench_hybrid_arm_is_a_draft_the_servers_take(draft, hybrid):
+    assert bench_hybrid(draft) == hybrid
+    if hybrid is not None:
+        check_model_argument(hybrid, draft=True)  # raises for a name `specsplit up --draft` refuses
