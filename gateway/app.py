@@ -100,7 +100,8 @@ def _costs_fields(decoder) -> dict:
 
 
 def _kv_pb(kv) -> gateway_pb2.KvBlocks:
-    return gateway_pb2.KvBlocks(paged=kv.paged, num_blocks=kv.num_blocks, free_blocks=kv.free_blocks, block_size=kv.block_size)
+    return gateway_pb2.KvBlocks(paged=kv.paged, num_blocks=kv.num_blocks, free_blocks=kv.free_blocks, block_size=kv.block_size,
+                                prefix_caching=kv.prefix_caching)
 
 
 async def run(gw: Gateway, args) -> int:
@@ -397,7 +398,7 @@ def build_colocated_gateway(args) -> Gateway:
             kv = gateway_pb2.KvBlocks(paged=bm is not None)
             if bm is not None:
                 kv = gateway_pb2.KvBlocks(paged=True, num_blocks=bm.num_blocks, free_blocks=bm.num_free_blocks,
-                                          block_size=bm.block_size)
+                                          block_size=bm.block_size, prefix_caching=bool(getattr(bm, "prefix_caching", False)))
             out.append(gateway_pb2.ServiceStatus(
                 name=name, reachable=True, model=model, device=str(c.device), dtype=str(c.dtype).replace("torch.", ""),
                 max_model_len=c.max_model_len, num_running=engine.num_running, kv=kv,

@@ -59,6 +59,12 @@ def branch_counts(stub) -> tuple[int, int]:
     return info.branch_hits, info.branch_misses
 
 
+def prefix_caching(stub) -> bool:
+    """Whether an engine behind the gateway keeps a prefix cache (its GetServerInfo)."""
+    info = stub.GetServerInfo(gateway_pb2.GetServerInfoRequest(), timeout=30)
+    return any(s.kv.prefix_caching for s in info.services)
+
+
 def stream_generate(stub, prompt: list[int], new_tokens: int, k: int, timeout: float,
                     t0: float | None = None, disable: bool = False) -> Streamed:
     """One streamed generation. `t0`: the clock start (a batch's common start at concurrency > 1);

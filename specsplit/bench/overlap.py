@@ -45,9 +45,10 @@ def _threads_arm(name: str, arm: Arm, threads: int) -> Arm:
 
 def _split_arm(name: str, stub, new_tokens: int, disable: bool = False, timeout: float = 900.0) -> Arm:
     from specsplit.bench.split_arm import timed_generate
+    from specsplit.gateway.bench_client import prefix_caching
 
     return Arm(name, lambda p, tag: timed_generate(stub, p, new_tokens, 0, timeout, disable=disable)[0], 0,
-               {"mode": "split", "speculation": not disable})
+               {"mode": "split", "speculation": not disable, "prefix_caching": prefix_caching(stub)})
 
 
 def _pinning() -> tuple[str, str]:
@@ -91,6 +92,7 @@ def concurrency_sweep(stub, prompts: list[list[int]], new_tokens: int, levels: l
 def run(args, prompts_of: Callable, progress: Callable[[], None] | None = None) -> dict:
     """The async suite; `prompts_of(colo)` gives the prompts (held-out ShareGPT, chat template)."""
     from specsplit.gateway.bench_client import branch_counts, gateway_stub
+    from specsplit.bench.split_arm import UP_FLAGS
     from specsplit.gateway.launch import specsplit_up
 
     draft = args.draft if args.no_hybrid else bench_hybrid(args.draft) or args.draft
@@ -116,7 +118,7 @@ def run(args, prompts_of: Callable, progress: Callable[[], None] | None = None) 
     vcpu, dcpu = _pinning()
     common = dict(dtype=dtype, max_model_len=args.max_model_len, max_num_seqs=max(top, 1), threads=1)
     pins = ["--verifier-cpus", vcpu, "--drafter-cpus", dcpu, "--gateway-cpus", dcpu,
-            "--max-prefill-tokens", str(max_prefill)]
+            "--max-prefill-tokens", str(max_prefill), *UP_FLAGS]
     report: dict = {"draft": draft, "k_max": k, "new_tokens": new_tokens, "repeats": repeats,
                     "num_prompts": len(prompts), "pinning": {"verifier": vcpu, "drafter": dcpu, "gateway": dcpu}}
     try:

@@ -294,7 +294,7 @@ class Bench:
         """specsplit split over gRPC: `specsplit up` (three local processes) with the colocated
         arms' target, draft, dtype, threads and engine sizes, one stream at a time, interleaved
         run by run with a colocated engine of the same configuration (ratio_vs_colocated)."""
-        from specsplit.bench.split_arm import run_split_paired
+        from specsplit.bench.split_arm import UP_FLAGS, run_split_paired
         from specsplit.gateway.launch import specsplit_up
 
         a = self.args
@@ -305,7 +305,7 @@ class Bench:
             with specsplit_up(a.target, draft, dtype=dtype, max_model_len=cfg.max_model_len,
                               max_num_seqs=cfg.max_num_seqs, num_speculative_tokens=max(self.split_ks),
                               threads=a.threads, extra=["--max-prefill-tokens", str(cfg.max_prefill_tokens),
-                                                          "--k-policy", "fixed"]) as up:
+                                                          "--k-policy", "fixed", *UP_FLAGS]) as up:
                 for k in self.split_ks:
                     split, paired = run_split_paired(
                         f"specsplit split grpc {draft} K={k}", f"specsplit colocated {draft} K={k} (paired with split)",

@@ -114,3 +114,14 @@ def test_shared_prefix_hits_show_in_the_engines_metrics(stacks, expect_greedy):
         assert after[role][0] - before[role][0] == 160, (role, before, after)
         assert after[role][1] - before[role][1] == len(second)
     expect_greedy(second, out["token_ids"], 8, ignore_eos=True)
+
+
+@pytest.mark.parametrize("mode", ["split", "colocated"])
+def test_server_info_says_which_engines_keep_a_prefix_cache(stacks, mode):
+    """GetServerInfo reports each engine's prefix caching (on by default; `specsplit bench` reads
+    it to show its split stacks run without, as its colocated arms do: tests/unit/bench)."""
+    from tests.services.procs import server_info
+
+    info = server_info(stacks[mode].gateway)
+    paged = {s.name: s.kv.prefix_caching for s in info.services if s.kv.paged}
+    assert paged == {"verifier": True, "drafter": True}, info.services

@@ -157,16 +157,18 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class KvBlocks(_message.Message):
-    __slots__ = ("paged", "num_blocks", "free_blocks", "block_size")
+    __slots__ = ("paged", "num_blocks", "free_blocks", "block_size", "prefix_caching")
     PAGED_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     paged: bool
     num_blocks: int
     free_blocks: int
     block_size: int
-    def __init__(self, paged: _Optional[bool] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+    prefix_caching: bool
+    def __init__(self, paged: _Optional[bool] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., prefix_caching: _Optional[bool] = ...) -> None: ...
 
 class ServiceStatus(_message.Message):
     __slots__ = ("name", "address", "reachable", "error", "model", "device", "dtype", "max_model_len", "num_running", "kv", "memory_plan_json")

@@ -70,6 +70,9 @@ def test_bench_quick_json(tmp_path, tiny_llama, tiny_draft_close):
     assert split["arm"] == f"specsplit split grpc {tiny_draft_close}+ngram K=2" and split["k"] == 2
     assert split["draft"] == f"{tiny_draft_close}+ngram" and report["settings"]["split_ks"] == [2]
     assert split["same_tokens_as_colocated"] is True
+    # its stack computes every repeat's prompt, as the colocated arms do (no prefix cache): with
+    # one, the repeats' prompts came from it and the split arm's TTFT and tok/s beat colocated's
+    assert split["prefix_caching"] is False
     assert split["generated_tokens"] == colo["generated_tokens"] == 2 * 12
     assert split["ratio_vs_colocated"] == split["tokens_per_s"] / colo["tokens_per_s"]
     assert split["speedup_vs_target_only"] > 0
