@@ -91,8 +91,8 @@ def concurrency_sweep(stub, prompts: list[list[int]], new_tokens: int, levels: l
 
 def run(args, prompts_of: Callable, progress: Callable[[], None] | None = None) -> dict:
     """The async suite; `prompts_of(colo)` gives the prompts (held-out ShareGPT, chat template)."""
-    from specsplit.gateway.bench_client import branch_counts, gateway_stub
     from specsplit.bench.split_arm import UP_FLAGS
+    from specsplit.gateway.bench_client import branch_counts, gateway_stub
     from specsplit.gateway.launch import specsplit_up
 
     draft = args.draft if args.no_hybrid else bench_hybrid(args.draft) or args.draft
