@@ -20,6 +20,7 @@ from specsplit.gateway.scheduler_thread import SchedulerThread
 from specsplit.gateway.service import SERVICE_NAME, GatewayServicer, Limits, Tokenizer
 from specsplit.rpc.security import MAX_REQUEST_BYTES, ClientSecurity, ServerSecurity, keepalive_options
 from specsplit.rpc.serving import Server, wait_until
+from specsplit.rpc.sessions import kv_stats
 from grpc_health.v1 import health_pb2
 from specsplit.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from specsplit.request import RequestError
@@ -394,14 +395,9 @@ def build_colocated_gateway(args) -> Gateway:
     async def services():
         out = []
         for name, engine, c, model in engines:
-            bm = getattr(engine, "block_manager", None)
-            kv = gateway_pb2.KvBlocks(paged=bm is not None)
-            if bm is not None:
-                kv = gateway_pb2.KvBlocks(paged=True, num_blocks=bm.num_blocks, free_blocks=bm.num_free_blocks,
-                                          block_size=bm.block_size, prefix_caching=bool(getattr(bm, "prefix_caching", False)))
             out.append(gateway_pb2.ServiceStatus(
                 name=name, reachable=True, model=model, device=str(c.device), dtype=str(c.dtype).replace("torch.", ""),
-                max_model_len=c.max_model_len, num_running=engine.num_running, kv=kv,
+                max_model_len=c.max_model_len, num_running=engine.num_running, kv=kv_stats(engine, gateway_pb2.KvBlocks),
                 memory_plan_json=json.dumps(plans[name], sort_keys=True),
             ))
         return out
