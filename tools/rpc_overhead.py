@@ -51,16 +51,16 @@ def main() -> int:
     torch.set_num_threads(1)
     port = free_port()
     model = TARGET if args.role == "verifier" else HEAD
-    argv = [args.role, "--model", model, "--port", str(port), "--threads", "1", "--max-model-len", "1024"]
+    engine_argv = [args.role, "--model", model, "--threads", "1", "--max-model-len", "1024"]  # both sides
     with tempfile.TemporaryDirectory(prefix="rpc-overhead-") as logs:
-        service = ServiceProcess(args.role, argv, Path(logs), port).serving(600)
+        service = ServiceProcess(args.role, [*engine_argv, "--port", str(port)], Path(logs), port).serving(600)
         try:
             os.system(f"taskset -a -pc {service_cpu} {service.proc.pid} > /dev/null")
             if args.role == "verifier":
                 from rpc.build import build_engine
                 from specsplit.cli import build_parser
 
-                local = build_engine(build_parser().parse_args(argv[:3] + argv[5:]), "verifier").engine
+                local = build_engine(build_parser().parse_args(engine_argv), "verifier").engine
                 remote = GrpcVerifier(service.address)
             else:
                 from specsplit.feature_drafter import load_feature_drafter
