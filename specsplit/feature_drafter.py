@@ -433,36 +433,58 @@ def quantized(w: torch.Tensor) -> torch.nn.Module | None:
     return m
 
 
-def calibrate_feature_drafter(drafter: FeatureDrafter, max_batch: int, context: int = 64, reps: int = 3):
+DRAFT_ROUNDS = 9  # interleaved rounds of the head's calibration (a round of every batch size takes ~40 ms)
+
+
+def calibrate_feature_drafter(drafter: FeatureDrafter, max_batch: int, context: int = 64, rounds: int = DRAFT_ROUNDS):
     """StepCosts.draft[b]: seconds to draft one token for b sequences (each step also commits two
-    feature rows, as a step that accepted one draft does)."""
-    import statistics
+    feature rows, as a step that accepted one draft does).
+
+    As the verifier's calibration (calibration._measure): no single sample is trusted. Every batch
+    size has its own sequences, each is timed once per round over `rounds` interleaved rounds (the
+    order rotated each round, one warm-up round dropped), the estimate is the median, the table is
+    made non-decreasing in the batch and the log gives the spread. A call takes about a millisecond,
+    so a timing of three calls in a row (what this did before) moved with whatever else the machine
+    did in those milliseconds: two start-ups of one stack read 0.59 and 0.76 ms at one sequence.
+    Rounds are fewer where max_model_len leaves no room for them (each call adds two tokens)."""
     import time
 
-    from specsplit.calibration import BATCH_SIZES, StepCosts, isotonic
+    from specsplit.calibration import BATCH_SIZES, StepCosts, Timings, isotonic
 
     costs = StepCosts()
+    rounds = min(rounds, (drafter.max_model_len - context - 2) // 2 - 1)
+    batches = [b for b in BATCH_SIZES if b <= max(1, max_batch)]
+    if rounds < 1 or not batches:
+        return costs
     F_ = drafter.feature_size
+    n_tok = context + 2 * (rounds + 1)
     gen = torch.Generator().manual_seed(0)
+    toks = [(7 * j + 3) % drafter.vocab_size for j in range(n_tok)]
+    feats = torch.randn(n_tok, F_, generator=gen)  # [n_tok, F] random target features
+    ids = {b: [f"__calibrate_{b}_{i}__" for i in range(b)] for b in batches}
+    timings = Timings({(b, 1): [] for b in batches})
     t_all = time.perf_counter()
-    for b in [b for b in BATCH_SIZES if b <= max(1, max_batch)]:
-        ids = [f"__calibrate_{i}__" for i in range(b)]
-        toks = [(7 * j + 3) % drafter.vocab_size for j in range(context + 4 * (reps + 1) + 4)]
-        drafter.add([SeqAdd(s, tuple(toks[:context])) for s in ids])
-        try:
-            feats = torch.randn(context + 4 * (reps + 1) + 4, F_, generator=gen)
-            drafter.propose([ProposeRequest(s, (), 0, features=feats[:context - 1], features_start=0) for s in ids])
-            times, n = [], context
-            for _ in range(reps + 1):
+    added: list[str] = []
+    try:
+        for b in batches:
+            drafter.add([SeqAdd(s, tuple(toks[:context])) for s in ids[b]])
+            added += ids[b]
+            drafter.propose([ProposeRequest(s, (), 0, features=feats[:context - 1], features_start=0) for s in ids[b]])
+        n = context  # every sequence is at the same length after each round
+        for rnd in range(rounds + 1):
+            order = batches[rnd % len(batches):] + batches[:rnd % len(batches)]
+            for b in order:
                 t0 = time.perf_counter()
                 drafter.propose([ProposeRequest(s, tuple(toks[n:n + 2]), 1, features=feats[n - 1:n + 1],
-                                                features_start=n - 1) for s in ids])
-                times.append(time.perf_counter() - t0)
-                n += 2
-            costs.draft[b] = statistics.median(times[1:])
-        finally:
-            drafter.release(ids)
-    bs = sorted(costs.draft)
-    costs.draft = dict(zip(bs, isotonic([costs.draft[b] for b in bs])))  # never cheaper for more sequences
-    log.info("feature drafter calibration (%.1fs): %s", time.perf_counter() - t_all, costs.describe())
+                                                features_start=n - 1) for s in ids[b]])
+                if rnd > 0:
+                    timings.samples[(b, 1)].append(time.perf_counter() - t0)
+            n += 2
+    finally:
+        drafter.release(added)
+    med = timings.medians()
+    costs.draft = dict(zip(batches, isotonic([med[(b, 1)] for b in batches])))  # never cheaper for more sequences
+    costs.spread = timings.spread()
+    log.info("feature drafter calibration (%.1fs, %d interleaved rounds, spread %.0f%%): %s",
+             time.perf_counter() - t_all, rounds, 100 * costs.spread, costs.describe())
     return costs

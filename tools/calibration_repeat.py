@@ -1,10 +1,12 @@
 #!/usr/bin/env python
-"""How far two start-ups of the same verifier calibrate apart (issue #22's goal: within 15% at
-every (batch, rows) the K policy uses). Each run is a fresh process that loads the target, sizes
-its cache and calibrates exactly as `specsplit verifier` does; the table of each and the largest
-relative difference per shape are printed.
+"""How far two start-ups of the same verifier (or drafter) calibrate apart (issue #22's goal: within
+15% at every (batch, rows) the K policy uses). Each run is a fresh process that loads the model and
+calibrates exactly as `specsplit verifier` (`--role drafter`: `specsplit drafter`) does; the table
+of each and the largest relative difference per shape are printed. A drafter's table has one row
+count (one drafted token for the batch).
 
     python tools/calibration_repeat.py --runs 2 --max-num-seqs 32 --k 3 --threads 1
+    python tools/calibration_repeat.py --role drafter --runs 4 --max-num-seqs 32 --threads 1
 """
 from __future__ import annotations
 
@@ -23,19 +25,32 @@ engine, _ = build_target_engine(cfg, SpecConfig(num_speculative_tokens=int(sys.a
 c = engine.step_costs
 print(json.dumps({"verify": [[b, r, s] for (b, r), s in sorted(c.verify.items())], "spread": c.spread}))
 """
+DRAFTER_CHILD = r"""
+import json, sys, torch
+torch.set_num_threads(int(sys.argv[4]))
+from specsplit.config import EngineConfig, SpecConfig
+from specsplit.factory import build_draft_engine
+cfg = EngineConfig(model=sys.argv[1], max_num_seqs=int(sys.argv[2]), max_model_len=512)
+engine, _ = build_draft_engine(cfg, SpecConfig(num_speculative_tokens=int(sys.argv[3]), k_policy="auto"))
+c = engine.step_costs
+print(json.dumps({"verify": [[b, r, s] for b, r, s in c.as_rows("draft")], "spread": c.spread}))
+"""
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--role", choices=("verifier", "drafter"), default="verifier")
+    ap.add_argument("--model", default=None, help="default: smollm2-135m (verifier), smollm2-135m-eagle3 (drafter)")
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args()
+    child = DRAFTER_CHILD if a.role == "drafter" else CHILD
+    model = a.model or ("smollm2-135m-eagle3" if a.role == "drafter" else "smollm2-135m")
     tables = []
     for i in range(a.runs):
-        out = subprocess.run([sys.executable, "-c", CHILD, a.model, str(a.max_num_seqs), str(a.k), str(a.threads)],
+        out = subprocess.run([sys.executable, "-c", child, model, str(a.max_num_seqs), str(a.k), str(a.threads)],
                              capture_output=True, text=True, check=True)
         t = json.loads(out.stdout.strip().splitlines()[-1])
         tables.append({(b, r): s for b, r, s in t["verify"]})

@@ -9,7 +9,7 @@ import torch
 
 from specsplit.config import EngineConfig, SpecConfig
 from specsplit.factory import build_draft_engine, plan_memory
-from specsplit.feature_drafter import FeatureDrafter, base_embedding, load_feature_drafter
+from specsplit.feature_drafter import FeatureDrafter, base_embedding, calibrate_feature_drafter, load_feature_drafter
 from specsplit.kv.meters import tensor_storage_bytes
 from specsplit.models.gguf_native import QuantEmbedding
 from specsplit.models.loader import TensorSource, hf_dir_for
@@ -75,3 +75,20 @@ def test_a_service_head_keeps_a_gguf_targets_embedding_as_its_blocks():
     x = torch.randn(2, served.head.cfg.hidden_size)
     assert torch.equal(served.head.logits(x), over_dense.head.logits(x))
     assert torch.equal(served._embed(ids), over_dense._embed(ids))
+
+
+def test_the_heads_calibration_is_interleaved_monotone_and_leaves_nothing(tiny_head):
+    """calibrate_feature_drafter: every batch size timed in each of its rounds (the spread says how
+    far the rounds were apart), a table that never gets cheaper with more sequences, no calibration
+    sequence left on the drafter; a max_model_len with room for fewer rounds gets fewer, and one
+    with room for none an empty table (the K policy then prices drafting at nothing known)."""
+    head = load_feature_drafter(str(tiny_head), MAX_LEN)
+    costs = calibrate_feature_drafter(head, 4, rounds=5)
+    assert sorted(costs.draft) == [1, 2, 4] and costs.verify == {}
+    ds = [costs.draft[b] for b in sorted(costs.draft)]
+    assert ds == sorted(ds) and all(s > 0 for s in ds) and costs.spread >= 0.0
+    assert head.num_running == 0
+    short = load_feature_drafter(str(tiny_head), 64 + 2 + 2 * 3)  # room for 2 rounds after the warm-up
+    assert sorted(calibrate_feature_drafter(short, 2, rounds=9).draft) == [1, 2] and short.num_running == 0
+    none = load_feature_drafter(str(tiny_head), 64 + 3)
+    assert calibrate_feature_drafter(none, 2).draft == {} and none.num_running == 0
