@@ -25,7 +25,7 @@ from specsplit.bench.costs import measure_costs, predicted_speedup
 from specsplit.config import EngineConfig, SpecConfig, parse_dtype
 from specsplit.defaults import DEFAULT_DRAFT_STOP, bench_hybrid
 from specsplit.factory import build_colocated
-from specsplit.models.registry import ASSETS_DIR, DRAFT_ALIAS, is_eagle3, sharegpt_json_path
+from specsplit.models.registry import ASSETS_DIR, DRAFT_ALIAS, LOOKUPS, is_eagle3, sharegpt_json_path
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,12 @@ def heldout_prompts(tokenizer, n: int, max_prompt_tokens: int, chat: bool = True
         if len(out) == n:
             break
     return out
+
+
+def model_draft_of(draft: str | None) -> str | None:
+    """The spec suite's draft where it is a model (its costs measured, transformers arms beside
+    it); None for none or a prompt lookup (ngram, suffix)."""
+    return draft if draft is not None and draft not in LOOKUPS else None
 
 
 def _hf_models(colo, draft_name: str | None, dtype: torch.dtype):
@@ -228,7 +234,7 @@ class Bench:
                                                        draft_stop=DEFAULT_DRAFT_STOP), show_progress=False)
             return colocated_arm(arm, policies[arm], self.new_tokens, None, draft=name, role="policy")
 
-        model_draft = draft if draft not in (None, "ngram") else None
+        model_draft = model_draft_of(draft)
         if model_draft is not None:
             self.costs = measure_costs(colos[model_draft], prompts[0], self.ks)
         arms = [colocated_arm(f"native target-only {dtype}", base, self.new_tokens, role="baseline")]
@@ -385,8 +391,8 @@ class Bench:
         if self.args.suite in ("target", "all"):
             n += (1 if self.quick else 2) * per_arm * (len(self._weights()) + (0 if self.args.no_hf else 1))
         if self.args.suite in ("spec", "all"):
-            has_model = self.args.draft not in (None, "ngram")
-            n_drafts = 1 + int(has_model) + int(self.hybrid_draft is not None)
+            has_model = model_draft_of(self.args.draft) is not None
+            n_drafts = 1 + int(self.args.draft not in (None, "ngram")) + int(self.hybrid_draft is not None)
             trees = 2 if getattr(self.args, "tree_nodes", 0) else 1  # --tree-nodes: a tree arm per chain arm
             hf_arms = 0 if self.args.no_hf or not has_model else 1 if is_eagle3(self.args.draft) else 3
             n += per_arm * (2 + trees * n_drafts * len(self.ks) + hf_arms)

@@ -98,3 +98,22 @@ def test_model_arguments_are_checked_before_anything_loads(flags, message, capsy
     assert main(["bench", "spec", *flags, "--check"]) == 2
     assert message in capsys.readouterr().err
     assert main(["bench", "spec", "--draft", "smollm2-135m-eagle3+ngram", "--also-draft", "ngram", "--check"]) == 0
+
+
+def _ticks(*flags: str) -> int:
+    from specsplit.bench.suite import Bench
+    from specsplit.cli import build_parser
+
+    return Bench(build_parser().parse_args(["bench", "spec", "--quick", "--no-split", *flags])).total_ticks()
+
+
+def test_a_lookup_draft_has_no_transformers_arms_in_the_progress_count():
+    """`--draft suffix` is a prompt lookup as ngram is: its K arms beside ngram's, and no transformers
+    arms (the spec suite runs none for a draft without a model; the count said 3)."""
+    from specsplit.bench.suite import model_draft_of
+
+    assert [model_draft_of(d) for d in (None, "ngram", "suffix", "smollm2-135m-draft")] == \
+        [None, None, None, "smollm2-135m-draft"]
+    per_k_arm = 2 * 2  # --quick: 2 prompts, K = 2 and 4
+    assert _ticks("--draft", "suffix") == _ticks("--draft", "ngram") + per_k_arm
+    assert _ticks("--draft", "suffix", "--no-hf") == _ticks("--draft", "suffix")
