@@ -218,7 +218,6 @@ class GrpcDrafter(_PeerClient, DrafterTraits):
     must not hold up the step; SpecDecoder falls back to target-only)."""
 
     role = "drafter"
-    remote = True
     request_cls = drafter_pb2.DrafterRequest
     stub_cls = drafter_pb2_grpc.DrafterStub
 

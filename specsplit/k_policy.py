@@ -242,18 +242,14 @@ class KPolicy:
         verify = self._verify_s(batch, rows) + self.costs.network_s
         t = verify
         if k > 0:
-            just_in_time = self.drafted(rows - 1.0) * self.costs.draft_s(batch) + self.costs.network_s
+            drafts = rows - 1.0
+            drafted = (drafts if self.model_tokens is None else min(drafts, self.model_tokens)) * self.model_fraction
+            just_in_time = drafted * self.costs.draft_s(batch) + self.costs.network_s
             if not self.async_draft:
                 return t + just_in_time
             ahead = (1 + k) * self.costs.draft_s(batch) + self.costs.network_s
             t += (1.0 - hit) * just_in_time + max(0.0, ahead - verify)
         return t
-
-    def drafted(self, drafts: float) -> float:
-        """The draft forwards a call that drafts `drafts` tokens a sequence is priced at: a hybrid's
-        model drafts at most model_tokens of them, and only on its share of the steps (a lookup
-        step costs no draft forward). What DraftRecalibration measures the live calls against."""
-        return (drafts if self.model_tokens is None else min(drafts, self.model_tokens)) * self.model_fraction
 
     def _verify_s(self, batch: int, rows: float) -> float:
         """The calibrated verify at a fractional rows per sequence: linear between whole rows."""

@@ -143,10 +143,6 @@ class DrafterTraits:
     model_tokens: int | None = None
     # The share of drafting steps on which its model drafted (what drafting costs); 1.0 = always.
     model_share: float = 1.0
-    # Its calls cross the network (a drafter service's client): what a call costs there (the hop into
-    # the service, its process) was never in the table it calibrated at home, so the K policy's
-    # draft table follows the live calls (recalibration.DraftRecalibration). In-process: False.
-    remote: bool = False
     # Its in-process paged KV cache (the scheduler admits against it); None = none or remote.
     block_manager: "BlockManager | None" = None
     # The suffix lookups it drafts with (`suffix`, MODEL+suffix; metrics read them); None = none.
@@ -186,7 +182,6 @@ class Drafter(Protocol):
     step_costs: "StepCosts | None"
     model_tokens: int | None
     model_share: float
-    remote: bool
     block_manager: "BlockManager | None"
 
     def add(self, seqs: Sequence[SeqAdd]) -> None: ...

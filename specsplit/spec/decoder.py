@@ -45,7 +45,7 @@ from specsplit.protocols import (
     VerifyRequest,
     VerifyResult,
 )
-from specsplit.recalibration import DraftRecalibration, Recalibration
+from specsplit.recalibration import Recalibration
 from specsplit.spec.drafter_health import DrafterHealth, refused, target_only
 from specsplit.spec.peer_checks import (Q_AUDIT_RATE, audit_positions, checked_proposals, claims_problem, claims_q,
                                          rows_problem)
@@ -142,11 +142,8 @@ class SpecDecoder:
             # A hybrid's model drafts at most model_tokens a step (0: all k, as a feature drafter does)
             hybrid = drafter.model_tokens or None if drafter is not None else None
             self.policy = KPolicy(costs, spec.num_speculative_tokens, hybrid, async_draft=self.async_draft)
-        # the policy's verify costs follow the machine's drift, measured on the live verify calls;
-        # a remote drafter's draft costs follow its live calls (DraftRecalibration says why only there)
+        # the policy's verify costs follow the machine's drift, measured on the live verify calls
         self.recalibration = Recalibration(costs) if self.policy is not None else None
-        self.draft_recalibration = (DraftRecalibration(costs) if self.policy is not None and costs.draft
-                                    and drafter is not None and drafter.remote else None)
 
     # ---- lifecycle -----------------------------------------------------------------------
     @property
@@ -347,19 +344,7 @@ class SpecDecoder:
         stats.draft_s = time.perf_counter() - t0
         if self.async_draft and asks:
             stats.draft_wait_s = stats.draft_s  # drafted just in time: the verifier waited
-        self._recalibrate_draft(asks, pieces, proposals, stats.draft_s)
         return proposals
-
-    def _recalibrate_draft(self, asks: list[ProposeRequest], pieces: list[ProposeRequest],
-                           proposals: dict[str, Proposal], seconds: float) -> None:
-        """A just-in-time propose call is a sample of the draft table (DraftRecalibration): the
-        drafts it brought (chains; a tree's leaves cost no forward of their own) priced as the K
-        policy prices them. Not a call that also computed prompt or catch-up pieces, nor one the
-        drafter did not answer in full."""
-        if self.draft_recalibration is None or not asks or pieces or any(a.seq_id not in proposals for a in asks):
-            return
-        drafts = sum(_chain_length(proposals[a.seq_id]) for a in asks) / len(asks)
-        self.draft_recalibration.observe(len(asks), self.policy.drafted(drafts), seconds)
 
     def _tree_nodes(self, t: Track, k: int, batch: int) -> int:
         """Branch nodes this sequence's drafts may add to their chain of k (0: a chain): trees are
@@ -665,9 +650,3 @@ class SpecDecoder:
         self.health.failed(error, self.tracks)
         if self.predraft is not None:
             self.predraft.ready.clear()
-
-
-def _chain_length(p: Proposal) -> int:
-    """The drafts a proposal's drafter computed one after another: its chain (a tree's main chain;
-    the runner-up leaves beside it came with no forward of their own)."""
-    return DraftTree(p.token_ids, p.parents).main_chain if p.parents else len(p.token_ids)
