@@ -443,9 +443,10 @@ def calibrate_feature_drafter(drafter: FeatureDrafter, max_batch: int, context: 
     As the verifier's calibration (calibration._measure): no single sample is trusted. Every batch
     size has its own sequences, each is timed once per round over `rounds` interleaved rounds (the
     order rotated each round, one warm-up round dropped), the estimate is the median, the table is
-    made non-decreasing in the batch and the log gives the spread. A call takes about a millisecond,
-    so a timing of three calls in a row (what this did before) moved with whatever else the machine
-    did in those milliseconds: two start-ups of one stack read 0.59 and 0.76 ms at one sequence.
+    made non-decreasing in the batch and the log gives the spread. A call takes about half a
+    millisecond, and this VM drifts over seconds (the same call 0.50 to 0.94 ms in one process), so
+    start-ups still differ (four read 0.5 to 0.8 ms at one sequence; docs/feature-drafter.md); what
+    interleaving buys is batch sizes timed in the same moments and a median of 9 samples, not 3.
     Rounds are fewer where max_model_len leaves no room for them (each call adds two tokens)."""
     import time
 
