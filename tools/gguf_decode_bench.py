@@ -2,7 +2,7 @@
 llama-bench on the same file, one thread (docs/kernels.md, "GGUF weights at their own width").
 
     python tools/gguf_decode_bench.py [--model smollm2-135m] [--weights native,fp32] [--rounds 5]
-                                      [--llama-bench PATH/TO/llama-bench] [--tokens 64]
+                                      [--llama-bench PATH/TO/llama-bench] [--tokens 64] [--depth N]
 
 --weights takes native, fp32, bf16, and native with suffixes that switch one load-time choice off
 (specsplit/bench/weights_arms.py): native-rows (no AMX tiles layout), native-4k (no huge pages),
@@ -20,6 +20,10 @@ each generating TOKENS greedy tokens for N held-out ShareGPT prompts (chat templ
 their rate is decode tokens per second after the first token (prefill left out, as tg leaves it
 out), over the round's prompts. Their contexts are the prompts' (tens to hundreds of tokens), where
 llama-bench's tg starts from an empty one.
+
+--depth N decodes after N tokens of context on both sides (llama-bench `-d N`; ours: N synthetic
+tokens computed in 512-token pieces before the 8-token prompt): a long conversation's step, where
+the attention over the cached context weighs as much as the weights.
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--llama-bench", default=None, help="a built llama-bench binary (omit: our arms only)")
+    p.add_argument("--depth", type=int, default=0, help="tokens of context before the decode (llama-bench -d)")
     p.add_argument("--spec-prompts", type=int, default=0,
                    help="also target-only and default-flags speculative arms through the SpecDecoder over "
                         "this many held-out prompts per round (0: none)")
@@ -54,10 +59,14 @@ def main() -> None:
     models = {w: load_arm(args.model, w) for w in modes}
 
     def decode(model, n: int) -> tuple[float, list[int]]:
-        runner = ModelRunner(model, num_blocks=64, block_size=16, max_model_len=512)
+        length = args.depth + 8 + n + 16
+        runner = ModelRunner(model, num_blocks=max(64, -(-length // 16) + 4), block_size=16, max_model_len=max(512, length))
+        filler = [(7 * j + 3) % runner.vocab_size for j in range(args.depth)]
+        for at in range(0, args.depth, 512):  # the context, in pieces (a 4k-token prompt's scores at once: GBs)
+            runner.forward([ForwardItem("d", at, filler[at:at + 512], num_logits=1)], greedy=True)
         prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646]
-        tok = int(runner.forward([ForwardItem("d", 0, prompt, num_logits=1)], greedy=True)[0][0])
-        pos, out = len(prompt), [tok]
+        tok = int(runner.forward([ForwardItem("d", args.depth, prompt, num_logits=1)], greedy=True)[0][0])
+        pos, out = args.depth + len(prompt), [tok]
         t0 = time.perf_counter()
         for _ in range(n):  # the greedy step the server takes: ids from forward(greedy=True)
             tok = int(runner.forward([ForwardItem("d", pos, [tok], num_logits=1)], greedy=True)[0][0])
@@ -66,7 +75,8 @@ def main() -> None:
         return n / (time.perf_counter() - t0), out
 
     def llama_cpp() -> float:
-        cmd = [args.llama_bench, "-m", str(gguf), "-t", "1", "-p", "0", "-n", str(args.tokens), "-r", "1", "-o", "json"]
+        cmd = [args.llama_bench, "-m", str(gguf), "-t", "1", "-p", "0", "-n", str(args.tokens), "-d", str(args.depth),
+               "-r", "1", "-o", "json"]
         return float(json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)[0]["avg_ts"])
 
     for w in modes:
@@ -91,7 +101,8 @@ def main() -> None:
               if k in os.environ]
     if limits:  # an AVX-512 machine standing in for an AVX2-only one
         isa += f" (ours limited by {' '.join(limits)})"
-    print(f"{gguf.name}, decode {args.tokens} tokens, 1 thread, CPU {isa}, medians of {args.rounds} alternating rounds")
+    depth = f" after {args.depth} tokens of context" if args.depth else ""
+    print(f"{gguf.name}, decode {args.tokens} tokens{depth}, 1 thread, CPU {isa}, medians of {args.rounds} alternating rounds")
     ref = statistics.median(runs["llama.cpp"]) if args.llama_bench else None
     width = max(len(a) for a in runs)
     for arm, v in runs.items():
