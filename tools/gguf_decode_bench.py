@@ -75,8 +75,8 @@ def main() -> None:
         return n / (time.perf_counter() - t0), out
 
     def llama_cpp() -> float:
-        cmd = [args.llama_bench, "-m", str(gguf), "-t", "1", "-p", "0", "-n", str(args.tokens), "-d", str(args.depth),
-               "-r", "1", "-o", "json"]
+        depth = ["-d", str(args.depth)] if args.depth else []  # (a llama-bench older than -d runs without it)
+        cmd = [args.llama_bench, "-m", str(gguf), "-t", "1", "-p", "0", "-n", str(args.tokens), *depth, "-r", "1", "-o", "json"]
         return float(json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)[0]["avg_ts"])
 
     for w in modes:
