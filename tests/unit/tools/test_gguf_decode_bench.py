@@ -19,3 +19,14 @@ def test_raw_and_served_arms_report_rates():
     assert set(rates) == {"native", "fp32", "served target-only", "served smollm2-135m-eagle3+ngram"}, out.stdout
     assert all(float(v) > 0 for v in rates.values())
     assert "same greedy tokens across weights modes: True" in out.stdout
+
+
+@NEEDS_GGUF
+@NEEDS_QUANT_KERNEL
+def test_decode_at_depth_computes_the_context_in_pieces_and_reports_a_rate():
+    """--depth 600: the context goes in as two pieces (512 + 88) before the prompt, then the decode."""
+    out = run_tool("gguf_decode_bench.py", "--weights", "native", "--rounds", "1", "--tokens", "4", "--depth", "600")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "decode 4 tokens after 600 tokens of context" in out.stdout, out.stdout
+    rates = dict(re.findall(r"^\s+(\S.*?)\s+([\d.]+) tok/s", out.stdout, re.M))
+    assert set(rates) == {"native"} and float(rates["native"]) > 0, out.stdout
