@@ -65,6 +65,20 @@ def prefix_caching(stub) -> bool:
     return any(s.kv.prefix_caching for s in info.services)
 
 
+def policy_costs(stub) -> str | None:
+    """The K policy's step costs behind the gateway as it prices steps now (start-up calibration,
+    rescaled where the verify calls drifted), in the calibration log line's words plus the network
+    round trip; None where K is fixed (no policy)."""
+    from specsplit.calibration import StepCosts
+
+    info = stub.GetServerInfo(gateway_pb2.GetServerInfoRequest(), timeout=30)
+    if not info.verify_costs:
+        return None
+    costs = StepCosts(verify={(c.batch, c.rows): c.seconds for c in info.verify_costs},
+                      draft={c.batch: c.seconds for c in info.draft_costs}, network_s=info.network_s)
+    return f"{costs.describe()}; network {1e3 * costs.network_s:.2f} ms"
+
+
 def stream_generate(stub, prompt: list[int], new_tokens: int, k: int, timeout: float,
                     t0: float | None = None, disable: bool = False) -> Streamed:
     """One streamed generation. `t0`: the clock start (a batch's common start at concurrency > 1);

@@ -45,10 +45,12 @@ def _threads_arm(name: str, arm: Arm, threads: int) -> Arm:
 
 def _split_arm(name: str, stub, new_tokens: int, disable: bool = False, timeout: float = 900.0) -> Arm:
     from specsplit.bench.split_arm import timed_generate
-    from specsplit.gateway.bench_client import prefix_caching
+    from specsplit.gateway.bench_client import policy_costs, prefix_caching
 
+    # the stack's K policy prices from its own start-up calibration: whether it drafts much depends on it
     return Arm(name, lambda p, tag: timed_generate(stub, p, new_tokens, 0, timeout, disable=disable)[0], 0,
-               {"mode": "split", "speculation": not disable, "prefix_caching": prefix_caching(stub)})
+               {"mode": "split", "speculation": not disable, "prefix_caching": prefix_caching(stub),
+                "calibration": policy_costs(stub)})
 
 
 def _pinning() -> tuple[str, str]:

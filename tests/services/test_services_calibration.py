@@ -3,6 +3,7 @@ the K policy reads them, adds the measured round trip and reports all of it in G
 greedy tokens equal the fixed-K gateway's on the same engines."""
 from __future__ import annotations
 
+from specsplit.gateway.bench_client import gateway_stub, policy_costs
 from tests.services.procs import HOST, ServiceProcess, free_port, generate, request, server_info, service_info
 
 
@@ -32,5 +33,11 @@ def test_engines_report_step_costs_and_the_policy_gateway_uses_them(split_stack,
         assert policy_out["token_ids"] == fixed_out["token_ids"]
         # the fixed-K gateway reports no costs: it has no policy
         assert not server_info(split_stack.gateway).verify_costs
+        # what `bench async` records of each split stack (its K policy's table, read as the log says it)
+        with gateway_stub(gw.address) as stub:
+            described = policy_costs(stub)
+        assert described.startswith("B=1: ") and "draft/token B=1: " in described and described.endswith(" ms")
+        with gateway_stub(split_stack.gateway) as stub:
+            assert policy_costs(stub) is None
     finally:
         gw.stop()
