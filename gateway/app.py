@@ -352,9 +352,8 @@ def _split_costs(verifier, drafter, vinfo, dinfo, timeout: float) -> StepCosts |
         t0 = time.perf_counter()
         verifier.info(timeout=timeout)
         trips.append(time.perf_counter() - t0)
-    costs = StepCosts(verify={(c.batch, c.rows): c.seconds for c in vinfo.step_costs},
-                      draft={c.batch: c.seconds for c in (dinfo.step_costs if dinfo is not None else [])},
-                      network_s=statistics.median(trips))
+    costs = StepCosts.from_rows(vinfo.step_costs, dinfo.step_costs if dinfo is not None else (),
+                                statistics.median(trips))
     log.info("gateway: K policy on; step costs %s; network %.2f ms per engine call", costs.describe(),
              1e3 * costs.network_s)
     return costs

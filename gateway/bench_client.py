@@ -74,8 +74,7 @@ def policy_costs(stub) -> str | None:
     info = stub.GetServerInfo(gateway_pb2.GetServerInfoRequest(), timeout=30)
     if not info.verify_costs:
         return None
-    costs = StepCosts(verify={(c.batch, c.rows): c.seconds for c in info.verify_costs},
-                      draft={c.batch: c.seconds for c in info.draft_costs}, network_s=info.network_s)
+    costs = StepCosts.from_rows(info.verify_costs, info.draft_costs, info.network_s)
     return f"{costs.describe()}; network {1e3 * costs.network_s:.2f} ms"
 
 

@@ -74,6 +74,13 @@ class StepCosts:
             return [(b, 1, s) for b, s in sorted(self.draft.items())]
         return [(b, r, s) for (b, r), s in sorted(self.verify.items())]
 
+    @classmethod
+    def from_rows(cls, verify, draft=(), network_s: float = 0.0) -> "StepCosts":
+        """as_rows read back: the wire's StepCost messages (batch, rows, seconds) of the verify and
+        the draft tables."""
+        return cls(verify={(c.batch, c.rows): c.seconds for c in verify}, draft={c.batch: c.seconds for c in draft},
+                   network_s=network_s)
+
 
 def _interp(points: dict[int, float], x: int) -> float:
     """Piecewise-linear in the batch size; linear extrapolation past the largest point (never

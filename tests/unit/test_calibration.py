@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from specsplit.calibration import CONTEXT_TOKENS, calibrate_drafter, calibrate_verifier, isotonic, monotone_fit
+from specsplit.calibration import CONTEXT_TOKENS, StepCosts, calibrate_drafter, calibrate_verifier, isotonic, monotone_fit
 from specsplit.config import EngineConfig
 from specsplit.engine_build import load_for, make_runner
 
@@ -51,3 +51,15 @@ def test_calibrated_tables_are_monotone_and_leave_nothing_allocated(tiny_llama):
             assert s <= v.verify[(2 * b, r)]
     ds = [d.draft[b] for b in sorted(d.draft)]
     assert ds == sorted(ds) and v.spread >= 0.0
+
+
+def test_step_costs_read_back_from_the_wire_rows():
+    """from_rows is as_rows read back (GetInfo's and GetServerInfo's StepCost messages)."""
+    from specsplit.v1 import common_pb2
+
+    costs = StepCosts(verify={(1, 1): 0.008, (1, 2): 0.01, (2, 1): 0.011}, draft={1: 0.0005, 2: 0.001})
+    wire = {kind: [common_pb2.StepCost(batch=b, rows=r, seconds=t) for b, r, t in costs.as_rows(kind)]
+            for kind in ("verify", "draft")}
+    back = StepCosts.from_rows(wire["verify"], wire["draft"], 0.0007)
+    assert back.verify == pytest.approx(costs.verify) and back.draft == pytest.approx(costs.draft)
+    assert back.network_s == 0.0007 and StepCosts.from_rows(wire["verify"]).draft == {}
