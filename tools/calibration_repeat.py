@@ -19,23 +19,14 @@ CHILD = r"""
 import json, sys, torch
 torch.set_num_threads(int(sys.argv[4]))
 from specsplit.config import EngineConfig, SpecConfig
-from specsplit.factory import build_target_engine
+from specsplit import factory
+role = sys.argv[5]
+build = factory.build_draft_engine if role == "drafter" else factory.build_target_engine
 cfg = EngineConfig(model=sys.argv[1], max_num_seqs=int(sys.argv[2]), max_model_len=512)
-engine, _ = build_target_engine(cfg, SpecConfig(num_speculative_tokens=int(sys.argv[3]), k_policy="auto"))
+engine, _ = build(cfg, SpecConfig(num_speculative_tokens=int(sys.argv[3]), k_policy="auto"))
 c = engine.step_costs
-print(json.dumps({"verify": [[b, r, s] for (b, r), s in sorted(c.verify.items())], "spread": c.spread}))
+print(json.dumps({"table": c.as_rows("draft" if role == "drafter" else "verify"), "spread": c.spread}))
 """
-DRAFTER_CHILD = r"""
-import json, sys, torch
-torch.set_num_threads(int(sys.argv[4]))
-from specsplit.config import EngineConfig, SpecConfig
-from specsplit.factory import build_draft_engine
-cfg = EngineConfig(model=sys.argv[1], max_num_seqs=int(sys.argv[2]), max_model_len=512)
-engine, _ = build_draft_engine(cfg, SpecConfig(num_speculative_tokens=int(sys.argv[3]), k_policy="auto"))
-c = engine.step_costs
-print(json.dumps({"verify": [[b, r, s] for b, r, s in c.as_rows("draft")], "spread": c.spread}))
-"""
-
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -46,14 +37,13 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args()
-    child = DRAFTER_CHILD if a.role == "drafter" else CHILD
     model = a.model or ("smollm2-135m-eagle3" if a.role == "drafter" else "smollm2-135m")
     tables = []
     for i in range(a.runs):
-        out = subprocess.run([sys.executable, "-c", child, model, str(a.max_num_seqs), str(a.k), str(a.threads)],
+        out = subprocess.run([sys.executable, "-c", CHILD, model, str(a.max_num_seqs), str(a.k), str(a.threads), a.role],
                              capture_output=True, text=True, check=True)
         t = json.loads(out.stdout.strip().splitlines()[-1])
-        tables.append({(b, r): s for b, r, s in t["verify"]})
+        tables.append({(b, r): s for b, r, s in t["table"]})
         print(f"run {i + 1}: spread {100 * t['spread']:.0f}%  " +
               " ".join(f"B{b}r{r}={1e3 * s:.1f}ms" for (b, r), s in sorted(tables[-1].items())))
     worst = {}
