@@ -207,8 +207,7 @@ class Bench:
         draft = a.draft
         base = build_colocated(self._cfg(a.target, dtype), None, SpecConfig(num_speculative_tokens=0), show_progress=False)
         prompts = self._prompts(base)
-        drafts = list(dict.fromkeys(d for d in (draft, self.hybrid_draft, "ngram", *getattr(a, "also_draft", []))
-                                    if d is not None))
+        drafts = self._spec_drafts()
         colos = {name: build_colocated(self._cfg(a.target, dtype), self._cfg(name, dtype),
                                        SpecConfig(num_speculative_tokens=max(self.ks), k_policy="fixed"),
                                        show_progress=False)
@@ -385,6 +384,13 @@ class Bench:
         """Batches of `concurrency` requests per repeat of the sweep: enough to cover every prompt."""
         return max(1, -(-num_prompts // max(concurrency, 1)))
 
+    def _spec_drafts(self) -> list[str]:
+        """The drafts whose fixed-K arms the spec suite runs: the draft, its hybrid, ngram and each
+        --also-draft, once each."""
+        a = self.args
+        return list(dict.fromkeys(d for d in (a.draft, self.hybrid_draft, "ngram", *getattr(a, "also_draft", []))
+                                  if d is not None))
+
     def total_ticks(self) -> int:
         per_arm = self.num_prompts
         n = 0
@@ -392,7 +398,7 @@ class Bench:
             n += (1 if self.quick else 2) * per_arm * (len(self._weights()) + (0 if self.args.no_hf else 1))
         if self.args.suite in ("spec", "all"):
             has_model = model_draft_of(self.args.draft) is not None
-            n_drafts = 1 + int(self.args.draft not in (None, "ngram")) + int(self.hybrid_draft is not None)
+            n_drafts = len(self._spec_drafts())
             trees = 2 if getattr(self.args, "tree_nodes", 0) else 1  # --tree-nodes: a tree arm per chain arm
             hf_arms = 0 if self.args.no_hf or not has_model else 1 if is_eagle3(self.args.draft) else 3
             n += per_arm * (2 + trees * n_drafts * len(self.ks) + hf_arms)
