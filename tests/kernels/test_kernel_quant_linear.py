@@ -48,6 +48,38 @@ def test_dequantize_equals_gguf_py_bit_for_bit(qtype):
     assert torch.equal(quant_linear.load().quant_dequantize_scalar(w.blocks, TYPES[qtype][0], 128), expected)
 
 
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """fp32 as int32: equal means bit for bit (torch.equal takes -0.0 for 0.0)."""
+    return t.view(torch.int32)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_dequantize_bits_over_every_fp16_scale(qtype):
+    """The AVX2 dequantizer computes Q4_1's (d * q) + m as one FMA and Q4_0's q - 8 in bytes: the
+    same bits as gguf-py's formulas for every finite fp16 d of either sign (subnormals included),
+    each quant 0..15, and m that cancels d * q exactly (zero's sign included)."""
+    finite = torch.arange(0, 0x7C00, dtype=torch.int32)  # every finite positive fp16 bit pattern, 0 too
+    d = torch.cat([finite, finite | 0x8000]).to(torch.int16).view(torch.float16)  # [61440] of either sign
+    n = d.numel()
+    g = torch.Generator().manual_seed(21)
+    size = TYPES[qtype][1]
+    b = torch.randint(0, 256, (n, size), dtype=torch.uint8, generator=g)  # one block per d
+    b[:, :2] = d.view(torch.uint8).reshape(n, 2)
+    if qtype == "Q4_1":
+        q = torch.randint(0, 16, (n,), generator=g).float()
+        m = (-(d.float() * q)).half()  # cancels d * q where the fp16 holds it exactly
+        some = torch.rand(n, generator=g) < 0.5  # the other half: a random fp16 m of either sign
+        m[some] = (torch.randn(int(some.sum()), generator=g) * 10.0 ** torch.randint(-6, 3, (int(some.sum()),),
+                                                                                     generator=g)).half()
+        b[:, 2:4] = m.view(torch.uint8).reshape(n, 2)
+    rows = 64  # 960 rows of 64 blocks
+    w = QuantWeight.from_gguf(b.reshape(n // rows, rows * size).contiguous(), qtype, rows * 32)
+    expected = gguf_py_dequantize(w)
+    assert torch.equal(bits(quant_linear.dequantize(w)), bits(expected))
+    assert torch.equal(bits(quant_linear.load().quant_dequantize_scalar(w.blocks, TYPES[qtype][0], rows * 32)),
+                       bits(expected))
+
+
 @pytest.mark.parametrize("qtype", list(TYPES))
 @pytest.mark.parametrize("avx512", ISAS)
 def test_linear_equals_reference_for_every_row_count(qtype, avx512):
