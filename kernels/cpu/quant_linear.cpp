@@ -165,7 +165,7 @@ void rows_avx2(const float* x, int64_t K, const uint8_t* blocks, int64_t n0, int
 #define SPECSPLIT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
 
 // One block -> 2 x 16 fp32, given its scales. A 4-bit block has 16 distinct values:
-// table[q] = the dequantized value of q (Q4_1: one FMA, the same rounding as the per-weight
+// table[q] = the dequantized value of q (one mul, one add: the same roundings as the per-weight
 // formula), and vpermps picks each weight's entry by its nibble (it reads only the low 4 bits of
 // each 32-bit index, so the low nibble needs no mask).
 template <int64_t T>
@@ -173,8 +173,8 @@ SPECSPLIT_AVX512 inline __m512 dequant_table(float dv, float mv) {  // 4-bit: ta
   const __m512 d = _mm512_set1_ps(dv);
   if constexpr (T == Q4_0)
     return _mm512_mul_ps(d, _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7));
-  return _mm512_fmadd_ps(d, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                         _mm512_set1_ps(mv));  // (d * q) + m: d * q is exact (see dequant8x4)
+  return _mm512_add_ps(_mm512_mul_ps(d, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
+                       _mm512_set1_ps(mv));
 }
 
 template <int64_t T>
