@@ -49,7 +49,8 @@ def test_dequantize_equals_gguf_py_bit_for_bit(qtype):
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
-    """fp32 as int32: equal means bit for bit (torch.equal takes -0.0 for 0.0)."""
+    """fp32 as int32: equal means bit for bit (-0.0 apart from 0.0, which torch.equal takes for
+    each other; NaN's payload)."""
     return t.view(torch.int32)
 
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from specsplit.kernels import quant_linear
 from specsplit.kernels.quant_linear import TILE_TYPES, TYPES, QuantWeight
-from tests.kernels.test_kernel_quant_linear import exact_linear, random_blocks
+from tests.kernels.test_kernel_quant_linear import bits, exact_linear, random_blocks
 
 NEEDS_KERNEL = pytest.mark.skipif(quant_linear.load() is None, reason="the quantized kernel is not built here")
 NEEDS_AMX = pytest.mark.skipif(not quant_linear.uses_amx(), reason="no AMX-BF16 here: the tiles layout is not used")
@@ -82,11 +82,6 @@ def test_rows_dequantized_straight_from_tiles(qtype):
 # (out, in) for the dequantizer: one group, an odd number of groups, several; one pair of blocks (the
 # fewest the tiles hold: in = 32 is refused), the model's 576 and 1536
 DEQUANT_SHAPES = [(16, 64), (16, 1536), (48, 64), (48, 576), (80, 1536), (208, 576)]
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """fp32 as int32: equal means bit for bit (-0.0 apart from 0.0, NaN's payload)."""
-    return t.view(torch.int32)
 
 
 @NEEDS_KERNEL
